@@ -1,0 +1,91 @@
+"""Attention backends over the token-slot KV pool.
+
+A backend is planned once per step (`prepare`, where index tensors and masks are
+built) and then run once per layer (`forward`). This mirrors flashinfer's
+plan/run split so that the GPU backend slots in behind the same interface.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.kvcache import TokenKVPool
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, fb: ForwardBatch) -> None: ...
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+    ) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D].
+
+        Writes k/v into the pool at `fb.out_slots` first.
+        """
+        ...
+
+
+class TorchAttention:
+    """Reference backend: gathers each row's KV by slot index and calls SDPA.
+
+    Decode rows go through one batched SDPA over a padded [B, Lmax] index table;
+    extend rows (prefill chunks) run one SDPA each with a causal mask offset by
+    the row's cached prefix. Works on CPU and CUDA.
+    """
+
+    def __init__(self, pool: TokenKVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.pool = pool
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self._decode_mask: torch.Tensor | None = None
+        self._extend_masks: list[torch.Tensor | None] = []
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        if fb.num_decode:
+            lens = fb.decode_kv_lens
+            lmax = fb.decode_kv_indices.shape[1]
+            ar = torch.arange(lmax, device=lens.device)
+            self._decode_mask = (ar[None, :] < lens[:, None])[:, None, None, :]
+        else:
+            self._decode_mask = None
+        masks = []
+        for _, n, kv_idx in fb.extend_rows:
+            prefix = kv_idx.shape[0] - n
+            if prefix == 0:
+                masks.append(None)  # plain causal
+            else:
+                qpos = torch.arange(n, device=kv_idx.device)[:, None] + prefix
+                kpos = torch.arange(kv_idx.shape[0], device=kv_idx.device)[None, :]
+                masks.append(kpos <= qpos)
+        self._extend_masks = masks
+
+    def forward(self, layer, q, k, v, fb):
+        k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
+        self.pool.write(layer, fb.out_slots, k, v)
+        out = torch.empty_like(q)
+        nd = fb.num_decode
+        if nd:
+            idx = fb.decode_kv_indices
+            kk = k_buf[idx].transpose(1, 2)  # [B, Hkv, L, D]
+            vv = v_buf[idx].transpose(1, 2)
+            qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True
+            )
+            out[:nd] = o.squeeze(2)
+        for (start, n, kv_idx), mask in zip(fb.extend_rows, self._extend_masks):
+            qq = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            kk = k_buf[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vv = v_buf[kv_idx].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qq, kk, vv, attn_mask=mask, is_causal=mask is None and n > 1,
+                scale=self.scale, enable_gqa=True,
+            )
+            out[start : start + n] = o[0].transpose(0, 1)
+        return out

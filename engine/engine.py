@@ -1,0 +1,279 @@
+"""The step loop: schedule -> run the model -> update -> text and outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Sequence as Seq
+
+import torch
+
+from stepserve.engine.defaults import DEFAULT_MODEL
+from stepserve.engine.attention import TorchAttention
+from stepserve.engine.detokenizer import IncrementalDetokenizer
+from stepserve.engine.loader import load_model
+from stepserve.engine.model_runner import ModelRunner
+from stepserve.engine.request import Branch, Request, TokenLogprob
+from stepserve.engine.sampler import derive_seed
+from stepserve.engine.sampling_params import SamplingParams
+from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
+from stepserve.scheduler.kv_manager import KVManager
+from stepserve.scheduler.plan import StepRecord
+from stepserve.scheduler.policy import StepPolicy
+from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from stepserve.scheduler.sequence import Sequence
+
+log = logging.getLogger("stepserve.engine")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # Hugging Face directory; None = the embedded model
+    tokenizer: str | None = None  # defaults to `model`
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_running: int = 256
+    max_batched_tokens: int = 2048
+    kv_slots: int | None = None  # KV pool size in tokens; default from kv_memory_gb
+    kv_memory_gb: float = 1.0
+    admission: str = "fcfs"
+    prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto | torch
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+    check_invariants: bool = False  # run the KV integrity check after every step
+    policies: list[StepPolicy] = field(default_factory=list)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def _generation_eos(model_dir: str) -> list[int]:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        eos = json.load(f).get("eos_token_id")
+    return [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        config = config or EngineConfig(**kwargs)
+        self.config = config
+        model_dir = config.model or DEFAULT_MODEL
+        self.device = config.resolved_device()
+        self.model_config, self.model = load_model(model_dir, config.dtype, self.device)
+        mc = self.model_config
+        self.dtype = next(self.model.parameters()).dtype
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        eos = set(mc.eos_token_ids) | set(_generation_eos(model_dir))
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        kv_slots = config.kv_slots
+        if kv_slots is None:
+            per_tok = mc.kv_bytes_per_token(self.dtype)
+            kv_slots = int(config.kv_memory_gb * (1 << 30) // per_tok)
+            kv_slots = min(kv_slots, config.max_running * self.max_model_len)
+        self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1, self.device)
+        kv = KVManager(SlotAllocator(kv_slots + 1, self.device), self.req_pool, config.prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_running=config.max_running,
+                max_batched_tokens=config.max_batched_tokens,
+                admission=config.admission,
+                max_context=self.max_model_len,
+                prefix_caching=config.prefix_caching,
+            ),
+            kv,
+            config.policies,
+        )
+        backend = TorchAttention(self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        self._next_seq_id = 0
+        self._next_req_id = 0
+        self.step_id = 0
+        self.records: list[StepRecord] = []  # ring buffer of recent steps
+        self.max_records = 4096
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": {}}
+
+    # -- requests -------------------------------------------------------------
+    @property
+    def kv_capacity(self) -> int:
+        return self.scheduler.kv.capacity
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        params.validate(self.model_config.vocab_size)
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
+        if not ids:
+            raise ValueError("prompt is empty")
+        plen = len(ids)
+        if plen >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {plen} tokens; the model's context is {self.max_model_len} "
+                "(the prompt must leave room for at least one generated token)"
+            )
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - plen
+        elif plen + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({plen} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+                f"{self.max_model_len} tokens"
+            )
+        if plen + max_tokens > self.kv_capacity:
+            raise ValueError(
+                f"request needs up to {plen + max_tokens} KV slots but the pool holds {self.kv_capacity}"
+            )
+        if request_id is None:
+            request_id = f"req-{self._next_req_id}"
+            self._next_req_id += 1
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        req = Request(request_id, text, ids, params, now)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seqs = []
+        for b in range(params.n):
+            seq = Sequence(
+                seq_id=self._next_seq_id,
+                token_ids=list(ids),
+                prompt_len=plen,
+                max_tokens=max_tokens,
+                arrival=now,
+                eos_token_ids=self.eos_token_ids,
+                stop_token_ids=frozenset(params.stop_token_ids or ()),
+                ignore_eos=params.ignore_eos,
+                min_tokens=params.min_tokens,
+                branch=b,
+                seed=derive_seed(base_seed, b),
+                group=req,
+            )
+            self._next_seq_id += 1
+            seqs.append(seq)
+            req.branches.append(Branch(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)))
+            if params.logprobs is not None:
+                req.branches[-1].logprobs = []
+        seqs[0].fork_children = seqs[1:]
+        self.requests[request_id] = req
+        self.scheduler.add(seqs[0])
+        self.stats["prompt_tokens"] += plen
+        return req
+
+    def abort_request(self, request_id: str) -> Request | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            self.scheduler.abort(seq)
+        self._mark_finished(req)
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step ---------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Runs one forward pass; returns the requests that changed."""
+        t0 = time.perf_counter()
+        sched = self.scheduler
+        plan = sched.schedule()
+        for seq in plan.admitted:
+            req = seq.group
+            req.num_cached_tokens = max(req.num_cached_tokens, seq.num_cached)
+        if plan.empty:
+            return []
+        t1 = time.perf_counter()
+        out = self.runner.run(plan)
+        t2 = time.perf_counter()
+        got = sched.update(plan, out.token_ids)
+        changed: dict[str, Request] = {}
+        want_lp = out.sampler.logprobs is not None
+        if want_lp:
+            lp_all = out.sampler.logprobs.tolist()
+            top_ids = out.sampler.top_ids.tolist() if out.sampler.top_ids is not None else None
+            top_lps = out.sampler.top_logprobs.tolist() if out.sampler.top_logprobs is not None else None
+        index = {id(s): i for i, s in enumerate(out.seqs)} if want_lp else None
+        self.stats["generation_tokens"] += len(got)
+        for seq in got:
+            req: Request = seq.group
+            branch = req.branches[seq.branch]
+            tok = seq.token_ids[-1]
+            if branch.logprobs is not None:
+                i = index[id(seq)]
+                k = req.params.logprobs or 0
+                top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
+                branch.logprobs.append(TokenLogprob(tok, lp_all[i], top))
+                branch.cumulative_logprob += lp_all[i]
+            stop = req.append_text(branch, tok)
+            if stop is not None and not seq.finished:
+                sched.finish(seq, "stop")
+            changed[req.request_id] = req
+        for req in changed.values():
+            if req.finished:
+                self._mark_finished(req)
+        t3 = time.perf_counter()
+        rec = StepRecord(
+            step=self.step_id,
+            rows=plan.num_rows,
+            decode_rows=sum(1 for r in plan.rows if r.num_new == 1),
+            context_tokens=plan.context_tokens,
+            new_tokens=plan.num_new_tokens,
+            wall_s=t3 - t0,
+            forward_s=t2 - t1,
+            schedule_s=(t1 - t0) + (t3 - t2),
+        )
+        self.step_id += 1
+        self.records.append(rec)
+        if len(self.records) > self.max_records:
+            del self.records[: len(self.records) - self.max_records // 2]
+        for p in sched.policies:
+            p.observe(plan, rec)
+        if self.config.check_invariants:
+            sched.check()
+        return list(changed.values())
+
+    def _mark_finished(self, req: Request) -> None:
+        if req.finished_time is None:
+            req.finished_time = time.monotonic()
+            for seq in req.seqs:
+                r = seq.finish_reason or "abort"
+                self.stats["finished"][r] = self.stats["finished"].get(r, 0) + 1
+        self.requests.pop(req.request_id, None)
+
+    def check(self) -> None:
+        self.scheduler.check()

@@ -1,0 +1,34 @@
+"""The flat ragged batch one forward pass runs over.
+
+Rows are ordered decode-first: the first `num_decode` rows contribute exactly one
+token each (tokens [0, num_decode)), the remaining rows are *extend* rows (prefill
+chunks, or multi-token verify rows) whose tokens follow contiguously. Every row
+reads its whole context -- cached prefix, earlier tokens and the tokens of this
+step -- through KV slot indices; the new tokens' K/V are written to `out_slots`
+before attention runs, so a row attends to itself through the same index list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    out_slots: torch.Tensor  # int64 [T]: KV slot each new token writes
+    # decode part: rows [0, num_decode), one token each
+    num_decode: int
+    decode_kv_indices: torch.Tensor | None  # int64 [B, Lmax], padded with slot 0
+    decode_kv_lens: torch.Tensor | None  # int64 [B] (context length incl. the new token)
+    # extend part, per row: (first token index in the flat batch, number of new
+    # tokens, KV slot indices of the whole context [prefix_len + n])
+    extend_rows: list[tuple[int, int, torch.Tensor]]
+    logits_indices: torch.Tensor  # int64 [R]: flat token index whose logits are sampled
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

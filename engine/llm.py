@@ -1,0 +1,62 @@
+"""Offline Python API: `LLM(model=...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from stepserve.engine.engine import Engine, EngineConfig
+from stepserve.engine.request import RequestOutput
+from stepserve.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Runs every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        # validate everything before queueing anything, so a bad prompt in the
+        # list leaves no half-submitted batch behind
+        reqs = []
+        try:
+            for p, sp in zip(prompts, params):
+                reqs.append(self.engine.add_request(p, sp))
+        except Exception:
+            for r in reqs:
+                self.engine.abort_request(r.request_id)
+            raise
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [r.output(delta=False) for r in reqs]
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c) for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)

@@ -1,0 +1,64 @@
+"""Loads a Hugging Face model directory (config.json + *.safetensors) offline."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from stepserve.engine.config import ModelConfig, parse_dtype
+from stepserve.engine.models.llama import LlamaForCausalLM
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto`: the checkpoint's dtype on GPU; float32 on CPU, where bf16 matmuls are slow."""
+    if dtype in (None, "auto"):
+        if device.type == "cpu":
+            return torch.float32
+        return cfg.checkpoint_dtype or torch.bfloat16
+    return parse_dtype(dtype)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir!r}")
+    return files
+
+
+def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_dir: str,
+    dtype: str | torch.dtype | None = "auto",
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> tuple[ModelConfig, LlamaForCausalLM]:
+    cfg = ModelConfig.from_pretrained(model_dir)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, cfg, device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, max_positions)
+    # Materialise on the target device, then overwrite with checkpoint tensors;
+    # rotary cos/sin buffers are recomputed there in float32.
+    model = model.to_empty(device=device)
+    model.rotary.build(device)
+    model.load_weights(iter_weights(model_dir))
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch_dtype)
+    model.eval()
+    return cfg, model

@@ -1,0 +1,108 @@
+"""Turns a committed `StepPlan` into tensors, runs the model and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from stepserve.engine.attention import AttentionBackend
+from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.engine.models.llama import LlamaForCausalLM
+from stepserve.engine.sampler import RowInput, Sampler, SamplerOutput, SamplingBatch
+from stepserve.kvcache import ReqToTokenPool
+from stepserve.scheduler.plan import StepPlan
+from stepserve.scheduler.sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    seqs: list[Sequence]  # one per sampled token, in `plan.sampling()` order
+    token_ids: list[int]
+    sampler: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        backend: AttentionBackend,
+        req_pool: ReqToTokenPool,
+        device: torch.device,
+        sampler: Sampler | None = None,
+    ):
+        self.model = model
+        self.backend = backend
+        self.req_pool = req_pool
+        self.device = device
+        self.sampler = sampler or Sampler()
+        self.vocab_size = model.config.vocab_size
+
+    def build_batch(self, plan: StepPlan) -> ForwardBatch:
+        dev = self.device
+        rows = plan.rows
+        nd = 0
+        while nd < len(rows) and rows[nd].num_new == 1:
+            nd += 1
+        ids: list[int] = [r.seq.token_ids[r.start] for r in rows[:nd]]
+        pos: list[int] = [r.start for r in rows[:nd]]
+        last_index: list[int] = list(range(nd))
+        extend_meta = []
+        table = self.req_pool.table
+        for r in rows[nd:]:
+            first = len(ids)
+            ids.extend(r.seq.token_ids[r.start : r.start + r.num_new])
+            pos.extend(range(r.start, r.start + r.num_new))
+            last_index.append(len(ids) - 1)
+            extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
+        decode_idx = decode_lens = None
+        if nd:
+            lens = torch.tensor([r.start + 1 for r in rows[:nd]], dtype=torch.long)
+            row_ids = torch.tensor([r.seq.row for r in rows[:nd]], dtype=torch.long)
+            lmax = int(lens.max())
+            decode_idx = table[row_ids.to(table.device), :lmax]
+            # positions past a row's length hold stale slots; point them at the
+            # padding slot so the gather stays in bounds and is masked anyway.
+            pad = torch.arange(lmax)[None, :] >= lens[:, None]
+            decode_idx = decode_idx.masked_fill(pad.to(decode_idx.device), 0).to(dev)
+            decode_lens = lens.to(dev)
+        sampled_rows = [i for i, _ in plan.sampling()]
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            out_slots=plan.slots.to(dev),
+            num_decode=nd,
+            decode_kv_indices=decode_idx,
+            decode_kv_lens=decode_lens,
+            extend_rows=extend_meta,
+            logits_indices=torch.tensor([last_index[i] for i in sampled_rows], dtype=torch.long, device=dev),
+        )
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> StepOutput:
+        sampling = plan.sampling()
+        fb = self.build_batch(plan)
+        if not sampling:  # prefill chunks that sample nothing still write KV
+            self.model(fb, self.backend)
+            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None))
+        logits = self.model(fb, self.backend)
+        seqs = [s for _, s in sampling]
+        batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)
+        out = self.sampler(logits, batch)
+        return StepOutput(seqs, out.token_ids.tolist(), out)
+
+    @staticmethod
+    def _row_input(seq: Sequence) -> RowInput:
+        req = seq.group
+        params = req.params
+        mask = ()
+        if seq.num_output < seq.min_tokens:
+            mask = tuple(seq.stop_token_ids) + (() if seq.ignore_eos else tuple(seq.eos_token_ids))
+        return RowInput(
+            params=params,
+            seed=seq.seed,
+            counter=seq.num_output,
+            prompt_ids=seq.token_ids[: seq.prompt_len] if params.repetition_penalty != 1.0 else (),
+            output_ids=seq.output_ids if params.needs_penalties else (),
+            stop_ids_to_mask=mask,
+        )

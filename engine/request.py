@@ -1,0 +1,148 @@
+"""Engine-side request state and the outputs handed to callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stepserve.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
+from stepserve.engine.sampling_params import SamplingParams
+from stepserve.scheduler.sequence import Sequence
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # most likely alternatives, best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: str | int | None = None  # the stop string or token that ended it
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+
+
+@dataclass(eq=False)
+class Branch:
+    """Per-branch text state: detokenizer, stop strings, what was sent."""
+
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: str | int | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+    done_reported: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    branches: list[Branch] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished_time: float | None = None
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [b.seq for b in self.branches]
+
+    @property
+    def finished(self) -> bool:
+        return all(b.seq.finished for b in self.branches)
+
+    def append_text(self, branch: Branch, token_id: int) -> str | None:
+        """Detokenizes the new token; returns the stop string it completed, if any."""
+        new = branch.detok.add(token_id)
+        if not new:
+            return None
+        branch.text += new
+        stops = self.params.stop
+        if not stops:
+            return None
+        hit = find_stop(branch.text, stops, len(new))
+        if hit is None:
+            return None
+        i, stop = hit
+        branch.text = branch.text[: i + len(stop)] if self.params.include_stop_str_in_output else branch.text[:i]
+        branch.stop_reason = stop
+        return stop
+
+    def output(self, delta: bool) -> RequestOutput:
+        """Whole outputs, or (delta=True) only what was not sent before.
+
+        While a branch is running, text that could be the start of a stop string
+        is held back, so a stop string never leaks into a stream.
+        """
+        outs = []
+        for i, b in enumerate(self.branches):
+            seq = b.seq
+            text = b.text
+            if not seq.finished and self.params.stop:
+                text = text[: len(text) - partial_stop_len(text, self.params.stop)]
+            toks = seq.output_ids
+            lps = b.logprobs
+            reason = seq.finish_reason
+            if delta:
+                if b.done_reported:
+                    continue
+                t0, k0 = b.sent_text, b.sent_tokens
+                b.sent_text, b.sent_tokens = max(len(text), t0), len(toks)
+                b.done_reported = reason is not None
+                text, toks = text[t0:], toks[k0:]
+                lps = None if lps is None else lps[k0:]
+                if not text and not toks and reason is None:
+                    continue
+            outs.append(
+                CompletionOutput(
+                    index=i,
+                    text=text,
+                    token_ids=list(toks),
+                    finish_reason=reason,
+                    stop_reason=b.stop_reason,
+                    logprobs=lps,
+                    cumulative_logprob=b.cumulative_logprob if b.logprobs is not None else None,
+                )
+            )
+        first = [b.seq.first_token_time for b in self.branches if b.seq.first_token_time is not None]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            outputs=outs,
+            finished=self.finished,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=RequestMetrics(self.arrival_time, min(first) if first else None, self.finished_time),
+        )

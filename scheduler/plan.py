@@ -1,0 +1,77 @@
+"""What one step runs (`StepPlan`) and what it cost (`StepRecord`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from stepserve.scheduler.sequence import Sequence
+
+
+@dataclass(eq=False)
+class ScheduledRow:
+    seq: Sequence
+    start: int  # first position computed this step (== seq.num_computed)
+    num_new: int  # tokens computed this step
+    sample: bool  # the chunk reaches the end of the sequence: sample a token
+    slots: torch.Tensor | None = None  # KV slots for the new tokens (set at commit)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens this row attends over after the step."""
+        return self.start + self.num_new
+
+
+@dataclass
+class StepPlan:
+    """Rows of one forward pass, decode-shaped rows (one new token) first."""
+
+    rows: list[ScheduledRow] = field(default_factory=list)
+    retracted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # all new tokens' KV slots, in row order
+
+    @property
+    def empty(self) -> bool:
+        return not self.rows
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(r.num_new for r in self.rows)
+
+    @property
+    def context_tokens(self) -> int:
+        return sum(r.context_len for r in self.rows)
+
+    def sort_decode_first(self) -> None:
+        self.rows.sort(key=lambda r: r.num_new != 1)
+
+    def sampling(self) -> list[tuple[int, Sequence]]:
+        """(row index, sequence) per token to sample; a forking row samples once
+        for itself and once per child, all from the same logits."""
+        out = []
+        for i, r in enumerate(self.rows):
+            if r.sample:
+                out.append((i, r.seq))
+                if r.seq.num_output == 0:
+                    out.extend((i, c) for c in r.seq.fork_children)
+        return out
+
+
+@dataclass
+class StepRecord:
+    """Measured cost of one step; the step-latency model is fitted on these."""
+
+    step: int
+    rows: int  # sequences in the batch
+    decode_rows: int
+    context_tokens: int  # sum of the rows' context lengths
+    new_tokens: int  # tokens computed (prefill chunk tokens + decode tokens)
+    wall_s: float  # whole step
+    forward_s: float  # model forward + sampling
+    schedule_s: float  # CPU time in schedule() + update()

@@ -1,0 +1,39 @@
+"""The step-policy hook: each policy may reshape a plan before it runs and
+observes what the step cost. Policies run in a fixed order (layout -> branch
+admission -> speculation length); the default does nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from stepserve.scheduler.plan import StepPlan, StepRecord
+
+
+@dataclass
+class EngineView:
+    """Read-only facts about the engine a policy may consult."""
+
+    now: float
+    num_running: int
+    num_waiting: int
+    kv_available: int
+    kv_capacity: int
+
+
+class StepPolicy(Protocol):
+    name: str
+
+    def plan(self, plan: StepPlan, view: EngineView) -> StepPlan: ...
+
+    def observe(self, plan: StepPlan, record: StepRecord) -> None: ...
+
+
+class NoopPolicy:
+    name = "noop"
+
+    def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
+        return plan
+
+    def observe(self, plan: StepPlan, record: StepRecord) -> None:
+        return None

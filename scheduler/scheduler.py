@@ -1,0 +1,296 @@
+"""Continuous batching: which rows run each step.
+
+Each step: every decoding sequence gets one row; sequences mid-prefill continue
+their chunk; waiting sequences are admitted (FCFS or longest-prefix-match)
+while the token budget, the running cap, req->token rows and KV slots allow.
+If the KV pool cannot hold one more token per decoding sequence, the cheapest
+sequences are retracted (fewest generated tokens first, then longest prompt):
+their computed KV goes to the radix tree as ordinary evictable cache, and they
+are requeued at the front, to recompute later -- nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from stepserve.scheduler.kv_manager import KVManager
+from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.policy import EngineView, StepPolicy
+from stepserve.scheduler.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int = 256
+    max_batched_tokens: int = 2048  # token budget per step (prefill chunks + decode rows)
+    admission: str = "fcfs"  # "fcfs" | "lpm" (longest prefix match first)
+    max_context: int = 2048
+    prefix_caching: bool = True
+    # Admission reserves KV for the running sequences' future tokens, estimated
+    # as remaining_tokens * new_token_ratio (SGLang's heuristic). The ratio
+    # decays while memory is calm and jumps back up after a retraction.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    lpm_max_queue: int = 128  # above this, LPM sorting costs more than it gains
+
+    def __post_init__(self):
+        if self.admission not in ("fcfs", "lpm"):
+            raise ValueError(f"admission must be 'fcfs' or 'lpm', not {self.admission!r}")
+        if self.max_batched_tokens < 1 or self.max_running < 1:
+            raise ValueError("max_batched_tokens and max_running must be >= 1")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVManager,
+        policies: Iterable[StepPolicy] = (),
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.cfg = cfg
+        self.kv = kv
+        self.policies = list(policies)
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.new_token_ratio = cfg.init_new_token_ratio
+        self.num_retractions = 0
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- queue ---------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        for c in seq.fork_children:
+            c.status = SeqStatus.FORK_PENDING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq.status is SeqStatus.WAITING:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        if seq.status is not SeqStatus.FINISHED:
+            self.finish(seq, "abort")
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends seq now (stop condition found outside the scheduler, or abort)."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        running = seq.status is SeqStatus.RUNNING
+        self._end(seq, reason)
+        if running:
+            self.running.remove(seq)
+
+    def _end(self, seq: Sequence, reason: str) -> None:
+        self.kv.release(seq, cache=True)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- planning ------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        reserved = self._schedule_running(plan)
+        self._admit(plan, reserved)
+        if self.policies:
+            view = EngineView(
+                now=self.clock(),
+                num_running=len(self.running),
+                num_waiting=len(self.waiting),
+                kv_available=self.kv.available(),
+                kv_capacity=self.kv.capacity,
+            )
+            for p in self.policies:
+                plan = p.plan(plan, view)
+        self._commit(plan)
+        self.new_token_ratio = max(
+            self.cfg.min_new_token_ratio, self.new_token_ratio - self.cfg.new_token_ratio_decay
+        )
+        return plan
+
+    def _schedule_running(self, plan: StepPlan) -> int:
+        decode = sum(1 for s in self.running if s.pending == 1)
+        if self.kv.available() < decode:
+            self._retract_for(decode, plan)
+        budget = self.cfg.max_batched_tokens
+        reserved = 0
+        prefilling = []
+        for s in self.running:
+            if s.pending == 1:
+                plan.rows.append(ScheduledRow(s, s.num_computed, 1, True))
+                reserved += 1
+            else:
+                prefilling.append(s)
+        budget -= reserved
+        for s in prefilling:
+            n = min(s.pending, budget, self.kv.available() - reserved)
+            if n <= 0:
+                break
+            plan.rows.append(ScheduledRow(s, s.num_computed, n, n == s.pending))
+            budget -= n
+            reserved += n
+        return reserved
+
+    def _retract_for(self, need: int, plan: StepPlan) -> None:
+        victims = sorted(self.running, key=lambda s: (s.num_output, -s.prompt_len))
+        while self.kv.available() < need and victims:
+            v = victims.pop(0)
+            if v.pending == 1:
+                need -= 1
+            self._retract(v)
+            plan.retracted.append(v)
+        if self.kv.available() < need:
+            raise RuntimeError("KV pool cannot hold one token per running sequence")
+        self.new_token_ratio = self.cfg.init_new_token_ratio
+
+    def _retract(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.release(seq, cache=True)
+        seq.status = SeqStatus.WAITING
+        seq.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(seq)
+
+    def _admission_order(self) -> list[Sequence]:
+        if self.cfg.admission == "lpm" and self.cfg.prefix_caching and len(self.waiting) <= self.cfg.lpm_max_queue:
+            hits = {id(s): int(self.kv.match(s).slots.numel()) for s in self.waiting}
+            return sorted(self.waiting, key=lambda s: -hits[id(s)])  # stable: FCFS among equals
+        return list(self.waiting)
+
+    def _admit(self, plan: StepPlan, reserved: int) -> None:
+        if not self.waiting:
+            return
+        budget = self.cfg.max_batched_tokens - sum(r.num_new for r in plan.rows)
+        ratio = self.new_token_ratio
+        future = ratio * sum(s.remaining_tokens for s in self.running)
+        admitted = []
+        for seq in self._admission_order():
+            if budget <= 0 or len(self.running) >= self.cfg.max_running:
+                break
+            if self.kv.req_pool.available() < 1 + len(seq.fork_children):
+                break
+            match = self.kv.match(seq)
+            self.kv.admit(seq, match)  # locks the matched prefix before we count
+            extend = seq.pending
+            avail = self.kv.available() - reserved
+            n = min(extend, budget, avail)
+            own_future = ratio * seq.remaining_tokens * (1 + len(seq.fork_children))
+            if n <= 0 or (self.running and n + future + own_future > avail):
+                self.kv.release(seq, cache=False)
+                break
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            plan.rows.append(ScheduledRow(seq, seq.num_computed, n, n == extend))
+            budget -= n
+            reserved += n
+            future += own_future
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached
+        if admitted:
+            gone = set(map(id, admitted))
+            self.waiting = deque(s for s in self.waiting if id(s) not in gone)
+            plan.admitted = admitted
+
+    def _commit(self, plan: StepPlan) -> None:
+        """Allocates this step's KV slots and writes them into the req->token table."""
+        plan.sort_decode_first()
+        total = plan.num_new_tokens
+        if total == 0:
+            return
+        slots = self.kv.alloc(total)
+        if slots is None:
+            raise RuntimeError(f"KV accounting error: {total} slots planned, {self.kv.available()} available")
+        plan.slots = slots
+        table = self.kv.req_pool.table
+        nd = 0
+        while nd < len(plan.rows) and plan.rows[nd].num_new == 1:
+            nd += 1
+        if nd:
+            rows = torch.tensor([r.seq.row for r in plan.rows[:nd]], dtype=torch.long, device=table.device)
+            pos = torch.tensor([r.start for r in plan.rows[:nd]], dtype=torch.long, device=table.device)
+            table[rows, pos] = slots[:nd]
+            for i, r in enumerate(plan.rows[:nd]):
+                r.slots = slots[i : i + 1]
+        off = nd
+        for r in plan.rows[nd:]:
+            r.slots = slots[off : off + r.num_new]
+            self.kv.assign(r.seq, r.slots)
+            off += r.num_new
+
+    # -- results -------------------------------------------------------------
+    def update(self, plan: StepPlan, tokens: list[int]) -> list[Sequence]:
+        """Applies sampled tokens (one per `plan.sampling()` entry); returns the
+        sequences that received a token. Token-level stop conditions end them."""
+        sampling = plan.sampling()
+        assert len(tokens) == len(sampling), (len(tokens), len(sampling))
+        for r in plan.rows:
+            seq = r.seq
+            seq.num_computed += r.num_new
+            if not r.sample and self.cfg.prefix_caching:
+                self.kv.cache_prefix(seq)  # publish the chunk for concurrent prompts
+        # Forks first, while every parent still holds its prompt's KV.
+        for i, seq in sampling:
+            if seq.status is SeqStatus.FORK_PENDING:
+                parent = plan.rows[i].seq
+                self.kv.cache_prefix(parent)
+                self.kv.fork(parent, seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+        now = self.clock()
+        got = []
+        finished = False
+        for (i, seq), tok in zip(sampling, tokens):
+            if seq.status is SeqStatus.FINISHED:
+                continue
+            seq.token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
+            got.append(seq)
+            reason = self._stop_reason(seq, tok)
+            if reason is not None:
+                self._end(seq, reason)
+                finished = True
+        for r in plan.rows:
+            if r.sample and r.seq.fork_children and r.seq.num_output >= 1:
+                r.seq.fork_children = []  # forked: the siblings are independent now
+        if finished:
+            self.running = [s for s in self.running if s.status is not SeqStatus.FINISHED]
+        return got
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        if seq.num_output >= seq.min_tokens:
+            if not seq.ignore_eos and tok in seq.eos_token_ids:
+                return "stop"
+            if tok in seq.stop_token_ids:
+                return "stop"
+        if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.cfg.max_context:
+            return "length"
+        return None
+
+    def check(self) -> None:
+        self.kv.check(self.running)
+        for s in self.running:
+            assert s.status is SeqStatus.RUNNING and s.row is not None
+        for s in self.waiting:
+            assert s.status is SeqStatus.WAITING and s.row is None

@@ -1,0 +1,81 @@
+"""The unit of scheduling: one sequence of tokens (one branch of a request).
+
+A request with `n` branches is `n` sequences. Only the first is queued; it
+prefills the shared prompt once and, when its prefill completes, *forks*: its
+siblings take the prompt's KV by reference (the prompt is in the radix tree,
+locked by each branch) and every branch samples its own first token from the
+same logits. After a retraction each branch is an independent sequence again,
+and the radix tree lets them find the shared prompt.
+
+KV ownership of a running sequence (`row` of the req->token table):
+  [0, num_cached)            slots owned by the radix tree, protected by `node`
+  [0.. num_cached, num_computed)  private slots, freed or given to the tree
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or retracted and requeued)
+    RUNNING = "running"  # holds KV; prefilling (chunked) or decoding
+    FORK_PENDING = "fork_pending"  # a sibling waiting for its parent's prefill
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]
+    prompt_len: int
+    max_tokens: int  # generation cap, already clipped to the context
+    arrival: float
+    eos_token_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    branch: int = 0
+    seed: int = 0  # sampling seed of this branch (randomness is keyed on seed and output position)
+    group: Any = None  # the owning request (engine-side object), opaque here
+    # siblings created by fork when this sequence's prefill completes
+    fork_children: list["Sequence"] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    # KV state
+    row: int | None = None
+    num_computed: int = 0
+    num_cached: int = 0
+    node: Any = None
+    # bookkeeping
+    num_retractions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def pending(self) -> int:
+        """Tokens still without KV. A decoding sequence has exactly one: the
+        token it sampled last step. More than one means (chunked) prefill."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def remaining_tokens(self) -> int:
+        return max(self.max_tokens - self.num_output, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

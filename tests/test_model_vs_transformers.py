@@ -1,0 +1,128 @@
+"""Our greedy tokens equal transformers' on the same random weights, through
+every path the scheduler can take: batching, chunked prefill, radix hits,
+retraction. The reference is `transformers` generate (greedy, no EOS)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from stepserve import LLM, SamplingParams
+
+ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def reference(path, prompts, max_new, dtype=torch.float32):
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    outs = []
+    for p in prompts:
+        ids = hf.generate(torch.tensor([p]), max_new_tokens=max_new, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)
+        outs.append(ids[0, len(p):].tolist())
+    return outs
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 380, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(llm, prompts, max_new):
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_new, **GREEDY))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_single_prompt(ckpt_factory, arch):
+    path = ckpt_factory(arch)
+    prompts = prompts_of([11])
+    llm = LLM(path, check_invariants=True)
+    assert run(llm, prompts, 16) == reference(path, prompts, 16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_tied_embeddings(ckpt_factory, arch):
+    path = ckpt_factory(arch, tie=True)
+    prompts = prompts_of([9, 30])
+    assert run(LLM(path), prompts, 10) == reference(path, prompts, 10)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_of_very_different_lengths(ckpt_factory, arch):
+    path = ckpt_factory(arch)
+    prompts = prompts_of([1, 7, 64, 3, 150, 23])
+    llm = LLM(path, check_invariants=True)
+    assert run(llm, prompts, 12) == reference(path, prompts, 12)
+
+
+def test_chunked_prefill_tiny_chunks(ckpt_factory):
+    path = ckpt_factory("qwen2")
+    prompts = prompts_of([45, 3, 90])
+    llm = LLM(path, max_batched_tokens=5, check_invariants=True)
+    assert run(llm, prompts, 10) == reference(path, prompts, 10)
+    # a 90-token prompt with a 5-token budget must have taken many steps
+    assert llm.engine.step_id >= 90 // 5
+
+
+def test_second_run_hits_radix_cache(ckpt_factory):
+    path = ckpt_factory("llama")
+    base = prompts_of([40])[0]
+    llm = LLM(path, check_invariants=True)
+    first = llm.generate([base], SamplingParams(max_tokens=8, **GREEDY))[0]
+    assert first.num_cached_tokens == 0
+    extended = base + first.outputs[0].token_ids + [17, 18]
+    again = llm.generate([base, extended], SamplingParams(max_tokens=8, **GREEDY))
+    assert again[0].num_cached_tokens == len(base) - 1  # the last token is always recomputed
+    assert again[1].num_cached_tokens >= len(base) + 7
+    assert [o.outputs[0].token_ids for o in again] == reference(path, [base, extended], 8)
+    assert again[0].outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_retraction_under_tiny_kv_pool(ckpt_factory):
+    path = ckpt_factory("llama")
+    prompts = prompts_of([30, 25, 35, 20, 28, 33])
+    # six requests of ~30 + 60 tokens against 140 slots: admission reserves only
+    # part of each request's future, so decoding outgrows the pool
+    llm = LLM(path, kv_slots=140, check_invariants=True)
+    got = run(llm, prompts, 60)
+    assert llm.engine.scheduler.num_retractions > 0
+    assert got == reference(path, prompts, 60)
+    sched = llm.engine.scheduler
+    assert not sched.running and not sched.waiting
+    assert sched.kv.tree.protected_size() == 0
+
+
+def test_request_too_large_for_pool_is_a_clear_error(ckpt_factory):
+    llm = LLM(ckpt_factory("llama"), kv_slots=64)
+    with pytest.raises(ValueError, match="KV slots"):
+        llm.generate([prompts_of([40])[0]], SamplingParams(max_tokens=40))
+    # the engine still serves
+    assert len(run(llm, prompts_of([10]), 5)[0]) == 5
+
+
+def test_no_prefix_caching_same_tokens(ckpt_factory):
+    path = ckpt_factory("qwen3")
+    prompts = prompts_of([20, 20, 31])
+    prompts[1] = prompts[0][:15] + prompts[1][:5]
+    llm = LLM(path, prefix_caching=False, check_invariants=True)
+    assert run(llm, prompts, 8) == reference(path, prompts, 8)
+    assert llm.engine.scheduler.kv.tree.total_size() == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_logprobs_match_transformers(ckpt_factory, arch):
+    """bf16 vs bf16: first-token logprobs agree within 0.05 nats (bf16 has ~3
+    significant digits; the two implementations round in different places)."""
+    path = ckpt_factory(arch, dtype=torch.bfloat16)
+    prompt = prompts_of([24])[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
+    llm = LLM(path, dtype="bfloat16")
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=20, **GREEDY))[0].outputs[0]
+    lp = out.logprobs[0]
+    assert lp.token_id == int(ref.argmax()) or abs(float(ref.max()) - lp.logprob) < 0.05
+    for tok, val in lp.top:
+        assert abs(float(ref[tok]) - val) < 0.05, (tok, float(ref[tok]), val)
+    assert [t for t, _ in lp.top][:5] == ref.topk(20).indices.tolist()[:5] or max(
+        abs(float(ref[t]) - v) for t, v in lp.top) < 0.05

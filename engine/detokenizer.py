@@ -50,6 +50,10 @@ class IncrementalDetokenizer:
         return new
 
 
+    def decode_all(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
 def find_stop(text: str, stops: Sequence[str], new_len: int) -> tuple[int, str] | None:
     """Earliest stop string that ends inside the last `new_len` characters of text.
 

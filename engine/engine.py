@@ -148,6 +148,8 @@ class Engine:
                 "(the prompt must leave room for at least one generated token)"
             )
         max_tokens = params.max_tokens
+        if max_tokens == 0:
+            raise ValueError("max_tokens must be at least 1")
         if max_tokens is None:
             max_tokens = self.max_model_len - plen
         elif plen + max_tokens > self.max_model_len:
@@ -242,6 +244,10 @@ class Engine:
             stop = req.append_text(branch, tok)
             if stop is not None and not seq.finished:
                 sched.finish(seq, "stop")
+            elif seq.finished:
+                if seq.finish_reason == "stop" and tok in seq.stop_token_ids:
+                    branch.stop_reason = tok
+                req.flush_text(branch)
             changed[req.request_id] = req
         for req in changed.values():
             if req.finished:

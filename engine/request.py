@@ -100,6 +100,16 @@ class Request:
         branch.stop_reason = stop
         return stop
 
+    def flush_text(self, branch: Branch) -> None:
+        """At the end of a branch, emits what the detokenizer still buffers (an
+        incomplete UTF-8 sequence decodes to U+FFFD), so the final text equals
+        decoding all output tokens at once."""
+        if branch.stop_reason is not None and isinstance(branch.stop_reason, str):
+            return  # truncated at a stop string: the tail is not part of the output
+        full = branch.detok.decode_all(branch.seq.output_ids)
+        if full.startswith(branch.text) and len(full) > len(branch.text):
+            branch.text = full
+
     def output(self, delta: bool) -> RequestOutput:
         """Whole outputs, or (delta=True) only what was not sent before.
 

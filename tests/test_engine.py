@@ -1,0 +1,214 @@
+"""Engine behaviour through the Python API: seeds, branches, stops, logprobs,
+text, streaming, aborts, validation."""
+
+import asyncio
+
+import pytest
+
+from stepserve import LLM, AsyncEngine, SamplingParams
+from stepserve.engine.detokenizer import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def llm(llama_ckpt):
+    return LLM(llama_ckpt, check_invariants=True)
+
+
+def ids(llm, text):
+    return llm.tokenizer.encode(text, add_special_tokens=False)
+
+
+def assert_idle(engine):
+    sched = engine.scheduler
+    assert not sched.running and not sched.waiting
+    assert sched.kv.tree.protected_size() == 0
+    engine.check()
+    kv = sched.kv
+    assert kv.allocator.available() + kv.tree.total_size() == kv.capacity
+
+
+def test_seed_gives_same_tokens_whatever_else_is_in_the_batch(llm):
+    p = SamplingParams(max_tokens=20, temperature=1.3, seed=1234, ignore_eos=True)
+    alone = llm.generate(["In the beginning"], p)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=n, temperature=0.8, top_k=5, ignore_eos=True) for n in (3, 30, 11)]
+    mixed = llm.generate(["The quick brown fox", "In the beginning", "def main", "x"],
+                         [others[0], p, others[1], others[2]])
+    assert mixed[1].outputs[0].token_ids == alone
+    # and a different seed changes them
+    q = SamplingParams(max_tokens=20, temperature=1.3, seed=99, ignore_eos=True)
+    assert llm.generate(["In the beginning"], q)[0].outputs[0].token_ids != alone
+    assert_idle(llm.engine)
+
+
+def test_temperature_zero_is_greedy(llm):
+    g = llm.generate(["darkness was upon"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    k1 = llm.generate(["darkness was upon"], SamplingParams(max_tokens=12, top_k=1, seed=5, ignore_eos=True))
+    assert g[0].outputs[0].token_ids == k1[0].outputs[0].token_ids
+
+
+def test_n_branches_share_the_prompt_kv(llm):
+    eng = llm.engine
+    prompt = "And the earth was without form, and void"
+    plen = len(ids(llm, prompt))
+    start = eng.step_id
+    p = SamplingParams(n=4, max_tokens=10, temperature=2.0, seed=7, ignore_eos=True)
+    before = len(eng.records)
+    out = llm.generate([prompt], p)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2, 3]
+    seqs = [tuple(o.token_ids) for o in out.outputs]
+    assert len(set(seqs)) > 1, "seeded branches must differ"
+    assert all(len(s) == 10 for s in seqs)
+    # the prompt was computed once; each branch then computed its own 9 tokens
+    computed = sum(r.new_tokens for r in eng.records[before:])
+    assert computed == plen + 4 * 9, (computed, plen)
+    again = llm.generate([prompt], p)[0]
+    assert [tuple(o.token_ids) for o in again.outputs] == seqs
+    assert eng.step_id > start
+    assert_idle(eng)
+
+
+def _clean_boundary(llm, toks):
+    """Index i where tokens i and i+1 decode to clean text on their own."""
+    dec = llm.tokenizer.decode
+    for k in range(2, len(toks) - 1):
+        a, b = dec([toks[k]]), dec([toks[k + 1]])
+        whole = dec(toks[: k + 2])
+        if len(a) >= 2 and b and "\ufffd" not in whole and whole.endswith(a + b):
+            return k, a, b
+    return None
+
+
+def test_stop_string_spanning_tokens(llm):
+    for seed in range(20):
+        p = SamplingParams(max_tokens=30, temperature=1.0, seed=seed, ignore_eos=True)
+        full = llm.generate(["In the beginning God"], p)[0].outputs[0]
+        found = _clean_boundary(llm, full.token_ids)
+        if found:
+            break
+    i, a, b = found
+    stop = a[-2:] + b[:1]  # the end of token i and the start of token i+1
+    upto = llm.tokenizer.decode(full.token_ids[: i + 2])
+    cut = upto.find(stop)
+    p.stop = [stop]
+    out = llm.generate(["In the beginning God"], p)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == full.text[:cut]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) <= i + 2
+    p.include_stop_str_in_output = True
+    keep = llm.generate(["In the beginning God"], p)[0].outputs[0]
+    assert keep.text == full.text[:cut] + stop
+
+
+def test_stop_token_ids_and_eos(llm):
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    toks = llm.generate(["heaven"], p)[0].outputs[0].token_ids
+    stop_tok = toks[3]
+    first = toks.index(stop_tok)
+    out = llm.generate(["heaven"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]))
+    o = out[0].outputs[0]
+    assert o.finish_reason == "stop" and o.token_ids == toks[: first + 1]
+    eos = llm.tokenizer.eos_token_id
+    force = {eos: 100.0}
+    o = llm.generate(["heaven"], SamplingParams(max_tokens=8, logit_bias=force))[0].outputs[0]
+    assert o.finish_reason == "stop" and o.token_ids == [eos] and o.text == ""
+    o = llm.generate(["heaven"], SamplingParams(max_tokens=8, logit_bias=force, ignore_eos=True))[0].outputs[0]
+    assert o.finish_reason == "length" and o.token_ids == [eos] * 8
+    o = llm.generate(["heaven"], SamplingParams(max_tokens=8, logit_bias=force, min_tokens=3))[0].outputs[0]
+    assert o.finish_reason == "stop" and len(o.token_ids) == 4 and o.token_ids[-1] == eos
+
+
+def test_logprobs_top_alternatives(llm):
+    out = llm.generate(["the face of"], SamplingParams(max_tokens=6, temperature=0, logprobs=5, ignore_eos=True))
+    o = out[0].outputs[0]
+    assert len(o.logprobs) == 6
+    total = 0.0
+    for tok, lp in zip(o.token_ids, o.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 5
+        vals = [v for _, v in lp.top]
+        assert vals == sorted(vals, reverse=True)
+        assert lp.top[0][0] == tok and abs(lp.top[0][1] - lp.logprob) < 1e-6  # greedy picks the best
+        assert lp.logprob <= 0
+        total += lp.logprob
+    assert abs(o.cumulative_logprob - total) < 1e-4
+    no = llm.generate(["the face of"], SamplingParams(max_tokens=2, temperature=0))[0].outputs[0]
+    assert no.logprobs is None
+
+
+def test_text_equals_decode_of_tokens(llm):
+    out = llm.generate(["Ünïcödé"], SamplingParams(max_tokens=40, temperature=1.5, seed=3, ignore_eos=True))
+    o = out[0].outputs[0]
+    assert o.text == llm.tokenizer.decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_incremental_detokenizer_multibyte(llm):
+    text = "naïve café, 東京, emoji 🙂 and more 🙂東"
+    toks = ids(llm, text)
+    d = IncrementalDetokenizer(llm.tokenizer, [], skip_special_tokens=True)
+    pieces = [d.add(t) for t in toks]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+    # a token that ends mid-character yields nothing until the character completes
+    assert any(p == "" for p in pieces) or all(len(llm.tokenizer.decode([t])) for t in toks)
+
+
+def test_validation_errors_leave_engine_serving(llm):
+    eng = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]])
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[5] * 600])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate(["hi"], SamplingParams(max_tokens=512))
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[5, 100000]])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate(["hi"], SamplingParams(max_tokens=0))
+    assert llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].finish_reason == "length"
+    assert_idle(eng)
+
+
+def test_async_stream_equals_offline_and_abort_frees_kv(llama_ckpt):
+    engine = AsyncEngine(model=llama_ckpt, check_invariants=True)
+    params = SamplingParams(max_tokens=25, temperature=1.0, seed=11, ignore_eos=True, stop=["zz"])
+
+    async def collect(prompt, p):
+        text, toks, reasons = "", [], []
+        async for out in engine.generate(prompt, p):
+            for o in out.outputs:
+                text += o.text
+                toks += o.token_ids
+                if o.finish_reason:
+                    reasons.append(o.finish_reason)
+        return text, toks, reasons
+
+    async def abort_midway():
+        n = 0
+        async for out in engine.generate("abort me", SamplingParams(max_tokens=400, ignore_eos=True)):
+            n += len(out.outputs[0].token_ids) if out.outputs else 0
+            if n >= 3:
+                break  # leaving the iterator aborts the request
+        return n
+
+    async def main():
+        res = await asyncio.gather(collect("In the beginning", params), abort_midway(),
+                                   *[collect(f"prompt {i}", SamplingParams(max_tokens=5, ignore_eos=True))
+                                     for i in range(6)])
+        with pytest.raises(ValueError):
+            async for _ in engine.generate([], SamplingParams()):
+                pass
+        return res
+
+    try:
+        res = asyncio.run(main())
+        text, toks, reasons = res[0]
+        assert reasons == ["length"] and len(toks) == 25
+        assert all(r[2] == ["length"] and len(r[1]) == 5 for r in res[2:])
+        offline = LLM(llama_ckpt).generate(["In the beginning"], params)[0].outputs[0]
+        assert toks == offline.token_ids and text == offline.text
+        idle = engine.call(lambda e: (e.has_unfinished(), e.check())).result(timeout=10)
+        assert idle[0] is False
+        assert_idle(engine.engine)
+    finally:
+        engine.shutdown()

@@ -72,8 +72,12 @@ class TorchAttention:
         nd = fb.num_decode
         if nd:
             idx = fb.decode_kv_indices
-            kk = k_buf[idx].transpose(1, 2)  # [B, Hkv, L, D]
-            vv = v_buf[idx].transpose(1, 2)
+            b, lmax = idx.shape
+            flat = idx.view(-1)
+            # index_select on the flattened table: several times faster on CPU
+            # than advanced indexing with a 2-D index
+            kk = k_buf.index_select(0, flat).view(b, lmax, *k_buf.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
+            vv = v_buf.index_select(0, flat).view(b, lmax, *v_buf.shape[1:]).transpose(1, 2)
             qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True
@@ -81,8 +85,8 @@ class TorchAttention:
             out[:nd] = o.squeeze(2)
         for (start, n, kv_idx), mask in zip(fb.extend_rows, self._extend_masks):
             qq = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            kk = k_buf[kv_idx].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
-            vv = v_buf[kv_idx].transpose(0, 1).unsqueeze(0)
+            kk = k_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+            vv = v_buf.index_select(0, kv_idx).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qq, kk, vv, attn_mask=mask, is_causal=mask is None and n > 1,
                 scale=self.scale, enable_gqa=True,

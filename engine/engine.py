@@ -190,6 +190,8 @@ class Engine:
             req.branches.append(Branch(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)))
             if params.logprobs is not None:
                 req.branches[-1].logprobs = []
+            if params.logits_processor_factory is not None:
+                req.branches[-1].logits_processor = params.logits_processor_factory()
         seqs[0].fork_children = seqs[1:]
         self.requests[request_id] = req
         self.scheduler.add(seqs[0])

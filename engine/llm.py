@@ -12,8 +12,13 @@ Prompt = str | Sequence[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_kwargs):
-        self.engine = Engine(EngineConfig(model=model, **engine_kwargs))
+    def __init__(self, model: str | None = None, config: EngineConfig | None = None, **engine_kwargs):
+        """`LLM(model_dir, max_running=..., ...)`, or `LLM(config=EngineConfig(...))`."""
+        if config is None:
+            config = EngineConfig(model=model, **engine_kwargs)
+        elif model is not None or engine_kwargs:
+            raise ValueError("pass either config or model/engine options, not both")
+        self.engine = Engine(config)
 
     @property
     def tokenizer(self):

@@ -60,7 +60,7 @@ class ModelRunner:
             lens = torch.tensor([r.start + 1 for r in rows[:nd]], dtype=torch.long)
             row_ids = torch.tensor([r.seq.row for r in rows[:nd]], dtype=torch.long)
             lmax = int(lens.max())
-            decode_idx = table[row_ids.to(table.device), :lmax]
+            decode_idx = table.index_select(0, row_ids.to(table.device))[:, :lmax]
             # positions past a row's length hold stale slots; point them at the
             # padding slot so the gather stays in bounds and is masked anyway.
             pad = torch.arange(lmax)[None, :] >= lens[:, None]
@@ -87,6 +87,10 @@ class ModelRunner:
             return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None))
         logits = self.model(fb, self.backend)
         seqs = [s for _, s in sampling]
+        for i, s in enumerate(seqs):  # constrained decoding: only rows that have a processor pay
+            proc = s.group.branches[s.branch].logits_processor
+            if proc is not None:
+                proc(s.output_ids, logits[i])
         batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)
         out = self.sampler(logits, batch)
         return StepOutput(seqs, out.token_ids.tolist(), out)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from stepserve.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from stepserve.engine.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class Branch:
     sent_text: int = 0
     sent_tokens: int = 0
     done_reported: bool = False
+    logits_processor: Any = None  # from params.logits_processor_factory, per branch
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ import copy
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 __all__ = ["SamplingParams", "MAX_LOGPROBS", "GREEDY_TEMPERATURE_EPS"]
 
@@ -93,6 +93,13 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrained decoding (e.g. a JSON-schema grammar): called once per branch,
+    # it returns that branch's processor ``proc(output_ids, logits_row)``, which
+    # the model runner calls before sampling each of the branch's tokens; it
+    # masks/edits the float row in place (``output_ids``: the branch's tokens so
+    # far, so a stateful matcher can advance itself). Logprobs then describe the
+    # constrained distribution. ``None``: unconstrained (no per-step cost).
+    logits_processor_factory: Optional[Callable[[], Callable[[list, Any], None]]] = None
 
     # ------------------------------------------------------------------ setup
     def __post_init__(self) -> None:
@@ -199,6 +206,8 @@ class SamplingParams:
 
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        if self.logits_processor_factory is not None and not callable(self.logits_processor_factory):
+            raise _err("logits_processor_factory", "must be callable or None", self.logits_processor_factory)
         if vocab_size is not None:
             _check_int("vocab_size", vocab_size, lo=1)
         return self

@@ -73,10 +73,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions, q, k):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for this step; computed once and shared by all layers."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+
+def apply_rotary(q, k, cos, sin):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x):
@@ -98,7 +103,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, backend: AttentionBackend, fb: ForwardBatch):
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, fb: ForwardBatch):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -106,7 +111,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         o = backend.forward(self.layer_id, q, k, v, fb)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -131,8 +136,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, backend, fb):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, fb)
+    def forward(self, x, rope, backend, fb):
+        x = x + self.self_attn(self.input_layernorm(x), rope, backend, fb)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
         """Runs the batch; returns logits (float32) for `fb.logits_indices` only."""
         backend.prepare(fb)
         x = self.model.embed_tokens(fb.input_ids)
+        rope = self.rotary.lookup(fb.positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, fb.positions, self.rotary, backend, fb)
+            x = layer(x, rope, backend, fb)
         x = self.model.norm(x[fb.logits_indices])
         return F.linear(x, self.lm_head_weight).float()
 

@@ -1,0 +1,95 @@
+"""`stepserve` command line: serve, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by every command that builds an engine."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="Hugging Face model directory (default: the embedded KJV model)")
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-running", type=int, default=256, help="cap on sequences decoding at once")
+    g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (chunked prefill)")
+    g.add_argument("--kv-slots", type=int, default=None, help="KV pool size in tokens")
+    g.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV pool size when --kv-slots is not given")
+    g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args):
+    from stepserve.engine.engine import EngineConfig
+
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_running=args.max_running,
+        max_batched_tokens=args.max_batched_tokens,
+        kv_slots=args.kv_slots,
+        kv_memory_gb=args.kv_memory_gb,
+        admission=args.admission,
+        prefix_caching=not args.no_prefix_caching,
+        seed=args.seed,
+    )
+
+
+def _generate(args) -> int:
+    from stepserve import LLM, SamplingParams
+
+    llm = LLM(config=engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.sampling_seed)
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    for out in llm.generate(prompts, params):
+        print(f"{out.prompt}{out.outputs[0].text}")
+        print("---")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stepserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_gen = sub.add_parser("generate", help="offline generation for prompts given as arguments or on stdin")
+    add_engine_args(p_gen)
+    p_gen.add_argument("prompt", nargs="*")
+    p_gen.add_argument("--max-tokens", type=int, default=64)
+    p_gen.add_argument("--temperature", type=float, default=0.8)
+    p_gen.add_argument("--sampling-seed", type=int, default=None)
+    p_gen.set_defaults(func=_generate)
+
+    p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p_serve)
+    try:
+        from stepserve.server.cli import add_serve_args, run_serve
+    except ImportError:  # the server package is optional at this stage
+        add_serve_args = run_serve = None
+    if add_serve_args is not None:
+        add_serve_args(p_serve)
+        p_serve.set_defaults(func=run_serve)
+    else:
+        p_serve.set_defaults(func=lambda a: parser.error("the HTTP server is not available in this build"))
+
+    p_bench = sub.add_parser("bench", help="benchmarks")
+    bsub = p_bench.add_subparsers(dest="bench", required=True)
+    from stepserve.traces.bench_offline import add_args as add_offline_args, run as run_offline
+
+    p_off = bsub.add_parser("offline", help="offline throughput vs transformers, and scheduler overhead")
+    add_engine_args(p_off)
+    add_offline_args(p_off)
+    p_off.set_defaults(func=run_offline)
+
+    args = parser.parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

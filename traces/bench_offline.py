@@ -1,0 +1,242 @@
+"""Offline throughput: stepserve against transformers on the same prompts, in one run.
+
+Paths compared (same model weights, same prompts, same number of output tokens,
+greedy, EOS ignored so every path generates exactly `--output-len` tokens):
+  stepserve            continuous batching, `--concurrency` sequences at once
+  hf-static            transformers `generate`, static batches of `--concurrency`
+                       prompts (left-padded), one batch after another
+  hf-continuous        transformers `generate_batch` (its own continuous batching),
+                       where the installed version has it
+Repeats are interleaved (A, B, C, A, B, C, ...) and the median is reported, so
+drift in machine load hits every path alike. Also measured: the scheduler's CPU
+time per step (everything in a step but the model forward and sampling) with
+`--overhead-rows` sequences decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--num-prompts", type=int, default=128)
+    g.add_argument("--concurrency", type=int, default=64)
+    g.add_argument("--input-len-min", type=int, default=16)
+    g.add_argument("--input-len-max", type=int, default=96)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--overhead-rows", type=int, default=256)
+    g.add_argument("--overhead-steps", type=int, default=40)
+    g.add_argument("--skip-hf", action="store_true", help="measure stepserve only")
+    g.add_argument("--bench-seed", type=int, default=0)
+    g.add_argument("--out", default=None, help="write the report as JSON here")
+
+
+def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    # ids from the ordinary part of the vocabulary (specials sit at the start)
+    return [torch.randint(16, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+class StepserveRunner:
+    name = "stepserve"
+
+    def __init__(self, cfg, concurrency: int):
+        from stepserve.engine.engine import Engine
+
+        cfg.max_running = concurrency
+        self.engine = Engine(cfg)
+
+    def run(self, prompts, out_len) -> int:
+        from stepserve.engine.sampling_params import SamplingParams
+
+        p = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+        eng = self.engine
+        reqs = [eng.add_request(x, p) for x in prompts]
+        while eng.has_unfinished():
+            eng.step()
+        # drop the cache so every repeat does the same prefill work
+        eng.scheduler.kv.tree.evict(eng.scheduler.kv.tree.evictable_size())
+        return sum(len(r.branches[0].seq.output_ids) for r in reqs)
+
+
+class HFStaticRunner:
+    name = "hf-static"
+
+    def __init__(self, model, concurrency: int, pad_id: int):
+        self.model, self.bs, self.pad = model, concurrency, pad_id
+
+    @torch.inference_mode()
+    def run(self, prompts, out_len) -> int:
+        total = 0
+        for i in range(0, len(prompts), self.bs):
+            batch = prompts[i : i + self.bs]
+            width = max(map(len, batch))
+            ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for j, p in enumerate(batch):
+                ids[j, width - len(p) :] = torch.tensor(p)
+                mask[j, width - len(p) :] = 1
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                do_sample=False, pad_token_id=self.pad, eos_token_id=None,
+            )
+            total += (out.shape[1] - width) * len(batch)
+        return total
+
+
+class HFContinuousRunner:
+    name = "hf-continuous"
+
+    def __init__(self, model, concurrency: int):
+        from transformers import GenerationConfig
+
+        self.model = model
+        self.gen = GenerationConfig(
+            max_new_tokens=None, do_sample=False, eos_token_id=-1, pad_token_id=0,
+        )
+        self.concurrency = concurrency
+
+    def run(self, prompts, out_len) -> int:
+        # no inference_mode here: generate_batch updates its cache from a worker
+        # thread, which inference tensors made on this thread would forbid
+        self.gen.max_new_tokens = out_len
+        out = self.model.generate_batch(inputs=prompts, generation_config=self.gen, progress_bar=False)
+        n = sum(len(o.generated_tokens) for o in out.values())
+        if n < len(prompts) * out_len:
+            raise RuntimeError(f"generate_batch returned {n} of {len(prompts) * out_len} tokens")
+        return n
+
+
+def measure_overhead(cfg, rows: int, steps: int, vocab: int, seed: int) -> dict:
+    """Scheduler CPU time per step with `rows` sequences decoding."""
+    from stepserve.engine.engine import Engine
+    from stepserve.engine.sampling_params import SamplingParams
+
+    cfg.max_running = rows
+    eng = Engine(cfg)
+    prompts = make_prompts(rows, 8, 24, vocab, seed + 1)
+    p = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
+    for x in prompts:
+        eng.add_request(x, p)
+    while eng.scheduler.waiting or any(s.pending > 1 for s in eng.scheduler.running):
+        eng.step()  # admit and prefill everything first
+    start = len(eng.records)
+    for _ in range(steps):
+        eng.step()
+    recs = [r for r in eng.records[start:] if r.decode_rows == rows]
+    for req in list(eng.requests):
+        eng.abort_request(req)
+    sched = [r.schedule_s * 1e3 for r in recs]
+    fwd = [r.forward_s * 1e3 for r in recs]
+    return {
+        "rows": rows,
+        "steps": len(recs),
+        "schedule_ms_median": statistics.median(sched),
+        "schedule_ms_p90": sorted(sched)[int(0.9 * (len(sched) - 1))],
+        "forward_ms_median": statistics.median(fwd),
+    }
+
+
+def run(args) -> int:
+    from stepserve.cli import engine_config
+    from stepserve.engine.defaults import DEFAULT_MODEL
+
+    cfg = engine_config(args)
+    model_dir = cfg.model or DEFAULT_MODEL
+    ours = StepserveRunner(cfg, args.concurrency)
+    vocab = ours.engine.model_config.vocab_size
+    prompts = make_prompts(args.num_prompts, args.input_len_min, args.input_len_max, vocab, args.bench_seed)
+    runners = [ours]
+    notes = {}
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=ours.engine.dtype).eval()
+        pad = ours.engine.tokenizer.pad_token_id or 0
+        runners.append(HFStaticRunner(hf, args.concurrency, pad))
+        if hasattr(hf, "generate_batch"):
+            runners.append(HFContinuousRunner(hf, args.concurrency))
+        else:
+            notes["hf-continuous"] = "transformers has no generate_batch in this version"
+    # warm-up (allocator, kernels, lazy init) on a few prompts, untimed
+    for r in list(runners):
+        try:
+            r.run(prompts[:4], 4)
+        except Exception as e:  # an optional comparison path must not kill the run
+            notes[r.name] = f"failed: {e!r}"
+            runners.remove(r)
+    times: dict[str, list[float]] = {r.name: [] for r in runners}
+    tokens: dict[str, int] = {}
+    for rep in range(args.repeats):
+        for r in runners:
+            t0 = time.perf_counter()
+            n = r.run(prompts, args.output_len)
+            dt = time.perf_counter() - t0
+            times[r.name].append(dt)
+            tokens[r.name] = n
+            _progress(f"[repeat {rep + 1}/{args.repeats}] {r.name:14s} {n} tokens in {dt:6.2f}s = {n / dt:8.1f} tok/s")
+    results = {}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        results[name] = {"output_tokens": tokens[name], "seconds": ts, "median_s": med,
+                         "output_tok_per_s": tokens[name] / med}
+    base = results["stepserve"]["output_tok_per_s"]
+    hf_best = max((v["output_tok_per_s"] for k, v in results.items() if k != "stepserve"), default=None)
+    _progress(f"measuring scheduler overhead at {args.overhead_rows} running sequences ...")
+    overhead = measure_overhead(engine_config(args), args.overhead_rows, args.overhead_steps, vocab, args.bench_seed)
+    report = {
+        "command": " ".join(["stepserve"] + sys.argv[1:]),
+        "model": model_dir,
+        "versions": {"torch": torch.__version__, "python": platform.python_version(),
+                     "transformers": _version("transformers"), "stepserve": _version("stepserve")},
+        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "workload": {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
+                     "input_len": [args.input_len_min, args.input_len_max], "output_len": args.output_len,
+                     "repeats": args.repeats, "dtype": str(ours.engine.dtype)},
+        "results": results,
+        "speedup_vs_best_hf": None if hf_best is None else base / hf_best,
+        "speedup_vs": {k: base / v["output_tok_per_s"] for k, v in results.items() if k != "stepserve"},
+        "scheduler_overhead": overhead,
+        "notes": notes,
+    }
+    print(f"\n{'path':16s} {'tok/s':>10s} {'stepserve x':>12s}")
+    for name, v in results.items():
+        print(f"{name:16s} {v['output_tok_per_s']:10.1f} {base / v['output_tok_per_s']:12.2f}")
+    for k, v in notes.items():
+        print(f"{k}: {v}")
+    print(f"scheduler overhead at {overhead['rows']} running: median {overhead['schedule_ms_median']:.2f} ms/step "
+          f"(p90 {overhead['schedule_ms_p90']:.2f}; forward {overhead['forward_ms_median']:.2f} ms)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"report written to {args.out}")
+    return 0
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version(pkg)
+    except Exception:
+        return None
+
+
+if __name__ == "__main__":
+    from stepserve.cli import main
+
+    sys.exit(main(["bench", "offline", *sys.argv[1:]]))

@@ -262,8 +262,9 @@ class Engine:
             context_tokens=plan.context_tokens,
             new_tokens=plan.num_new_tokens,
             wall_s=t3 - t0,
-            forward_s=t2 - t1,
+            forward_s=t2 - t1 - out.prep_s,
             schedule_s=(t1 - t0) + (t3 - t2),
+            prep_s=out.prep_s,
         )
         self.step_id += 1
         self.records.append(rec)

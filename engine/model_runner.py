@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ class StepOutput:
     seqs: list[Sequence]  # one per sampled token, in `plan.sampling()` order
     token_ids: list[int]
     sampler: SamplerOutput
+    prep_s: float = 0.0  # CPU time building the batch tensors (outside the model)
 
 
 class ModelRunner:
@@ -41,11 +43,10 @@ class ModelRunner:
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         dev = self.device
         rows = plan.rows
-        nd = 0
-        while nd < len(rows) and rows[nd].num_new == 1:
-            nd += 1
-        ids: list[int] = [r.seq.token_ids[r.start] for r in rows[:nd]]
-        pos: list[int] = [r.start for r in rows[:nd]]
+        nd = plan.num_decode
+        dec = rows[:nd]
+        ids: list[int] = [r.seq.token_ids[r.start] for r in dec]
+        pos: list[int] = [r.start for r in dec]
         last_index: list[int] = list(range(nd))
         extend_meta = []
         table = self.req_pool.table
@@ -55,10 +56,11 @@ class ModelRunner:
             pos.extend(range(r.start, r.start + r.num_new))
             last_index.append(len(ids) - 1)
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
+        positions = torch.tensor(pos, dtype=torch.long)
         decode_idx = decode_lens = None
         if nd:
-            lens = torch.tensor([r.start + 1 for r in rows[:nd]], dtype=torch.long)
-            row_ids = torch.tensor([r.seq.row for r in rows[:nd]], dtype=torch.long)
+            lens = positions[:nd] + 1
+            row_ids = torch.tensor([r.seq.row for r in dec], dtype=torch.long)
             lmax = int(lens.max())
             decode_idx = table.index_select(0, row_ids.to(table.device))[:, :lmax]
             # positions past a row's length hold stale slots; point them at the
@@ -66,39 +68,38 @@ class ModelRunner:
             pad = torch.arange(lmax)[None, :] >= lens[:, None]
             decode_idx = decode_idx.masked_fill(pad.to(decode_idx.device), 0).to(dev)
             decode_lens = lens.to(dev)
-        sampled_rows = [i for i, _ in plan.sampling()]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
+            positions=positions.to(dev),
             out_slots=plan.slots.to(dev),
             num_decode=nd,
             decode_kv_indices=decode_idx,
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
-            logits_indices=torch.tensor([last_index[i] for i in sampled_rows], dtype=torch.long, device=dev),
+            logits_indices=torch.tensor([last_index[i] for i, _ in plan.samples], dtype=torch.long, device=dev),
         )
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:
-        sampling = plan.sampling()
+        t0 = time.perf_counter()
         fb = self.build_batch(plan)
-        if not sampling:  # prefill chunks that sample nothing still write KV
-            self.model(fb, self.backend)
-            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long), None, None, None))
+        prep = time.perf_counter() - t0
         logits = self.model(fb, self.backend)
-        seqs = [s for _, s in sampling]
-        for i, s in enumerate(seqs):  # constrained decoding: only rows that have a processor pay
-            proc = s.group.branches[s.branch].logits_processor
-            if proc is not None:
-                proc(s.output_ids, logits[i])
-        batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)
-        out = self.sampler(logits, batch)
-        return StepOutput(seqs, out.token_ids.tolist(), out)
+        seqs = [s for _, s in plan.samples]
+        if not seqs:  # prefill chunks that sample nothing still wrote their KV
+            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)))
+        if all(s.group.plain_greedy for s in seqs):
+            out = SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing else asked for
+        else:
+            t0 = time.perf_counter()
+            batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)
+            prep += time.perf_counter() - t0
+            out = self.sampler(logits, batch)
+        return StepOutput(seqs, out.token_ids.tolist(), out, prep)
 
     @staticmethod
     def _row_input(seq: Sequence) -> RowInput:
-        req = seq.group
-        params = req.params
+        params = seq.group.params
         mask = ()
         if seq.num_output < seq.min_tokens:
             mask = tuple(seq.stop_token_ids) + (() if seq.ignore_eos else tuple(seq.eos_token_ids))

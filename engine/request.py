@@ -77,6 +77,13 @@ class Request:
     num_cached_tokens: int = 0
     finished_time: float | None = None
 
+    def __post_init__(self):
+        p = self.params
+        # plain greedy rows need no sampling tensors at all: one argmax serves them
+        self.plain_greedy = (
+            p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None and p.min_tokens == 0
+        )
+
     @property
     def seqs(self) -> list[Sequence]:
         return [b.seq for b in self.branches]

@@ -9,13 +9,13 @@ import torch
 from stepserve.scheduler.sequence import Sequence
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class ScheduledRow:
     seq: Sequence
     start: int  # first position computed this step (== seq.num_computed)
     num_new: int  # tokens computed this step
     sample: bool  # the chunk reaches the end of the sequence: sample a token
-    slots: torch.Tensor | None = None  # KV slots for the new tokens (set at commit)
+    slots: torch.Tensor | None = None  # extend rows: KV slots of the new tokens (set at commit)
 
     @property
     def context_len(self) -> int:
@@ -31,6 +31,8 @@ class StepPlan:
     retracted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)
     slots: torch.Tensor | None = None  # all new tokens' KV slots, in row order
+    num_decode: int = 0  # leading rows with exactly one new token (set at commit)
+    samples: list[tuple[int, Sequence]] = field(default_factory=list)  # `sampling()`, frozen at commit
 
     @property
     def empty(self) -> bool:
@@ -49,7 +51,14 @@ class StepPlan:
         return sum(r.context_len for r in self.rows)
 
     def sort_decode_first(self) -> None:
-        self.rows.sort(key=lambda r: r.num_new != 1)
+        rows = self.rows
+        nd = 0
+        while nd < len(rows) and rows[nd].num_new == 1:
+            nd += 1
+        if any(r.num_new == 1 for r in rows[nd:]):
+            rows.sort(key=lambda r: r.num_new != 1)  # stable
+            nd = sum(1 for r in rows if r.num_new == 1)
+        self.num_decode = nd
 
     def sampling(self) -> list[tuple[int, Sequence]]:
         """(row index, sequence) per token to sample; a forking row samples once
@@ -74,4 +83,5 @@ class StepRecord:
     new_tokens: int  # tokens computed (prefill chunk tokens + decode tokens)
     wall_s: float  # whole step
     forward_s: float  # model forward + sampling
-    schedule_s: float  # CPU time in schedule() + update()
+    schedule_s: float  # schedule() + update() + detokenization and outputs
+    prep_s: float = 0.0  # building the batch's input tensors

@@ -214,6 +214,7 @@ class Scheduler:
     def _commit(self, plan: StepPlan) -> None:
         """Allocates this step's KV slots and writes them into the req->token table."""
         plan.sort_decode_first()
+        plan.samples = plan.sampling()
         total = plan.num_new_tokens
         if total == 0:
             return
@@ -222,15 +223,12 @@ class Scheduler:
             raise RuntimeError(f"KV accounting error: {total} slots planned, {self.kv.available()} available")
         plan.slots = slots
         table = self.kv.req_pool.table
-        nd = 0
-        while nd < len(plan.rows) and plan.rows[nd].num_new == 1:
-            nd += 1
+        nd = plan.num_decode
         if nd:
-            rows = torch.tensor([r.seq.row for r in plan.rows[:nd]], dtype=torch.long, device=table.device)
-            pos = torch.tensor([r.start for r in plan.rows[:nd]], dtype=torch.long, device=table.device)
+            dec = plan.rows[:nd]
+            rows = torch.tensor([r.seq.row for r in dec], dtype=torch.long, device=table.device)
+            pos = torch.tensor([r.start for r in dec], dtype=torch.long, device=table.device)
             table[rows, pos] = slots[:nd]
-            for i, r in enumerate(plan.rows[:nd]):
-                r.slots = slots[i : i + 1]
         off = nd
         for r in plan.rows[nd:]:
             r.slots = slots[off : off + r.num_new]
@@ -239,14 +237,15 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------
     def update(self, plan: StepPlan, tokens: list[int]) -> list[Sequence]:
-        """Applies sampled tokens (one per `plan.sampling()` entry); returns the
+        """Applies sampled tokens (one per `plan.samples` entry); returns the
         sequences that received a token. Token-level stop conditions end them."""
-        sampling = plan.sampling()
+        sampling = plan.samples
         assert len(tokens) == len(sampling), (len(tokens), len(sampling))
+        caching = self.cfg.prefix_caching
         for r in plan.rows:
             seq = r.seq
             seq.num_computed += r.num_new
-            if not r.sample and self.cfg.prefix_caching:
+            if not r.sample and caching:
                 self.kv.cache_prefix(seq)  # publish the chunk for concurrent prompts
         # Forks first, while every parent still holds its prompt's KV.
         for i, seq in sampling:
@@ -258,35 +257,33 @@ class Scheduler:
                 self.running.append(seq)
         now = self.clock()
         got = []
-        finished = False
-        for (i, seq), tok in zip(sampling, tokens):
-            if seq.status is SeqStatus.FINISHED:
+        ended = []
+        max_context = self.cfg.max_context
+        FINISHED = SeqStatus.FINISHED
+        for (_, seq), tok in zip(sampling, tokens):
+            if seq.status is FINISHED:
                 continue
-            seq.token_ids.append(tok)
+            ids = seq.token_ids
+            ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                if seq.fork_children:
+                    seq.fork_children = []  # forked: the siblings are independent now
             seq.last_token_time = now
             got.append(seq)
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
+            # token-level stops, inlined: this loop runs once per row per step
+            n_out = len(ids) - seq.prompt_len
+            if n_out >= seq.min_tokens and (
+                (tok in seq.eos_token_ids and not seq.ignore_eos) or tok in seq.stop_token_ids
+            ):
+                ended.append((seq, "stop"))
+            elif n_out >= seq.max_tokens or len(ids) >= max_context:
+                ended.append((seq, "length"))
+        if ended:
+            for seq, reason in ended:
                 self._end(seq, reason)
-                finished = True
-        for r in plan.rows:
-            if r.sample and r.seq.fork_children and r.seq.num_output >= 1:
-                r.seq.fork_children = []  # forked: the siblings are independent now
-        if finished:
-            self.running = [s for s in self.running if s.status is not SeqStatus.FINISHED]
+            self.running = [s for s in self.running if s.status is not FINISHED]
         return got
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        if seq.num_output >= seq.min_tokens:
-            if not seq.ignore_eos and tok in seq.eos_token_ids:
-                return "stop"
-            if tok in seq.stop_token_ids:
-                return "stop"
-        if seq.num_output >= seq.max_tokens or seq.num_tokens >= self.cfg.max_context:
-            return "length"
-        return None
 
     def check(self) -> None:
         self.kv.check(self.running)

@@ -135,6 +135,7 @@ class RadixCache:
             if split:
                 # The unmatched tail keeps its old timestamp: it was not used.
                 child = self._split(child, n, now)
+            child.last_access = now
             values.append(child.value)
             node = child
             pos += n

@@ -172,7 +172,7 @@ class Scheduler:
 
     def _admission_order(self) -> list[Sequence]:
         if self.cfg.admission == "lpm" and self.cfg.prefix_caching and len(self.waiting) <= self.cfg.lpm_max_queue:
-            hits = {id(s): int(self.kv.match(s).slots.numel()) for s in self.waiting}
+            hits = {id(s): self.kv.match(s, count_stats=False).length for s in self.waiting}
             return sorted(self.waiting, key=lambda s: -hits[id(s)])  # stable: FCFS among equals
         return list(self.waiting)
 

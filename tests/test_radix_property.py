@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from stepserve.kvcache import RadixCache, SlotAllocator, TreeNode, check_slot_ownership
 
@@ -150,9 +150,21 @@ class RadixMachine(RuleBasedStateMachine):
 
     # ----------------------------------------------------------------- rules
 
+    @initialize(prompts=st.lists(TOKENS, max_size=4))
+    def warm(self, prompts):
+        """Start from a populated cache so that early steps already hit,
+        collide and evict, instead of spending the run filling an empty tree."""
+        for tokens in prompts:
+            self.admit(tokens)
+        for rid in list(self.reqs):
+            self.finish_request(0)
+
     @rule(tokens=TOKENS)
     def start_request(self, tokens):
         """Admit a request: match + lock its prefix, allocate the rest."""
+        self.admit(tokens)
+
+    def admit(self, tokens: list[int]) -> None:
         m = self.match(tokens)
         self.tree.lock(m.node)
         self.admitting = tuple(tokens[: m.slots.numel()])
@@ -164,6 +176,16 @@ class RadixMachine(RuleBasedStateMachine):
         req = Req(tokens, torch.cat([m.slots, new]), m.slots.numel(), m.node)
         self.reqs[self.next_rid] = req
         self.next_rid += 1
+
+    @rule(pick=PICK, cut=st.integers(0, 8), more=st.lists(st.integers(0, 1), max_size=3))
+    def start_same_prompt(self, pick, cut, more):
+        """Admit a request sharing a running request's (uncached) tokens: when both
+        get inserted, the second one's insert must report the duplicates."""
+        if not self.reqs:
+            return
+        other = self.reqs[sorted(self.reqs)[pick % len(self.reqs)]]
+        tokens = other.tokens[: max(1, len(other.tokens) - cut)] + more
+        self.admit(tokens)
 
     @rule(pick=PICK, more=TOKENS)
     def decode(self, pick, more):
@@ -213,6 +235,8 @@ class RadixMachine(RuleBasedStateMachine):
 
     @rule(tokens=TOKENS)
     def lock_prefix(self, tokens):
+        if len(self.ext_locks) >= 3:  # unbounded pinning would starve the pool
+            return
         m = self.match(tokens)
         self.tree.lock(m.node)
         self.ext_locks.append((m.node, tuple(tokens[: m.slots.numel()])))

@@ -1,12 +1,17 @@
 """Offline throughput: stepserve against transformers on the same prompts, in one run.
 
-Paths compared (same model weights, same prompts, same number of output tokens,
-greedy, EOS ignored so every path generates exactly `--output-len` tokens):
+Paths compared (same model weights, same prompts, greedy, EOS ignored so the
+output lengths are exactly the workload's):
   stepserve            continuous batching, `--concurrency` sequences at once
   hf-static            transformers `generate`, static batches of `--concurrency`
                        prompts (left-padded), one batch after another
   hf-continuous        transformers `generate_batch` (its own continuous batching),
                        where the installed version has it
+Two workloads: `fixed` (every request generates `--output-len` tokens: the
+per-step efficiency of each path, static batching's best case) and `mixed`
+(per-request lengths uniform in [1, 2*output_len-1], same mean: what requests
+that stop at different times look like, where a static batch runs until its
+longest member ends and only the requested tokens count as output).
 Repeats are interleaved (A, B, C, A, B, C, ...) and the median is reported, so
 drift in machine load hits every path alike. Also measured: the scheduler's CPU
 time per step (everything in a step but the model forward and sampling) with
@@ -31,7 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=64)
     g.add_argument("--input-len-min", type=int, default=16)
     g.add_argument("--input-len-max", type=int, default=96)
-    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--output-len", type=int, default=64, help="(mean) output tokens per request")
+    g.add_argument("--workloads", default="fixed,mixed", help="comma list of fixed, mixed")
     g.add_argument("--repeats", type=int, default=3)
     g.add_argument("--overhead-rows", type=int, default=256)
     g.add_argument("--overhead-steps", type=int, default=40)
@@ -51,6 +57,19 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class Unsupported(Exception):
+    """This path cannot express the workload (the run is skipped, with the reason)."""
+
+
+def output_lengths(kind: str, n: int, mean: int, seed: int) -> list[int]:
+    if kind == "fixed":
+        return [mean] * n
+    if kind == "mixed":
+        g = torch.Generator().manual_seed(seed + 7)
+        return torch.randint(1, 2 * mean, (n,), generator=g).tolist()
+    raise ValueError(f"unknown workload {kind!r} (fixed, mixed)")
+
+
 class StepserveRunner:
     name = "stepserve"
 
@@ -60,12 +79,14 @@ class StepserveRunner:
         cfg.max_running = concurrency
         self.engine = Engine(cfg)
 
-    def run(self, prompts, out_len) -> int:
+    def run(self, prompts, out_lens) -> int:
         from stepserve.engine.sampling_params import SamplingParams
 
-        p = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
         eng = self.engine
-        reqs = [eng.add_request(x, p) for x in prompts]
+        reqs = [
+            eng.add_request(x, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+            for x, n in zip(prompts, out_lens)
+        ]
         while eng.has_unfinished():
             eng.step()
         # drop the cache so every repeat does the same prefill work
@@ -80,10 +101,14 @@ class HFStaticRunner:
         self.model, self.bs, self.pad = model, concurrency, pad_id
 
     @torch.inference_mode()
-    def run(self, prompts, out_len) -> int:
+    def run(self, prompts, out_lens) -> int:
+        """Each batch runs until its longest request is done; only each
+        request's own tokens count (the rest is what static batching wastes)."""
         total = 0
         for i in range(0, len(prompts), self.bs):
             batch = prompts[i : i + self.bs]
+            lens = out_lens[i : i + self.bs]
+            out_len = max(lens)
             width = max(map(len, batch))
             ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -94,7 +119,8 @@ class HFStaticRunner:
                 input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
                 do_sample=False, pad_token_id=self.pad, eos_token_id=None,
             )
-            total += (out.shape[1] - width) * len(batch)
+            assert out.shape[1] - width == out_len
+            total += sum(lens)
         return total
 
 
@@ -110,7 +136,10 @@ class HFContinuousRunner:
         )
         self.concurrency = concurrency
 
-    def run(self, prompts, out_len) -> int:
+    def run(self, prompts, out_lens) -> int:
+        if len(set(out_lens)) != 1:
+            raise Unsupported("generate_batch takes one max_new_tokens for all requests")
+        out_len = out_lens[0]
         # no inference_mode here: generate_batch updates its cache from a worker
         # thread, which inference tensors made on this thread would forbid
         self.gen.max_new_tokens = out_len
@@ -177,27 +206,45 @@ def run(args) -> int:
     # warm-up (allocator, kernels, lazy init) on a few prompts, untimed
     for r in list(runners):
         try:
-            r.run(prompts[:4], 4)
+            r.run(prompts[:4], [4] * 4)
         except Exception as e:  # an optional comparison path must not kill the run
             notes[r.name] = f"failed: {e!r}"
             runners.remove(r)
-    times: dict[str, list[float]] = {r.name: [] for r in runners}
-    tokens: dict[str, int] = {}
-    for rep in range(args.repeats):
-        for r in runners:
-            t0 = time.perf_counter()
-            n = r.run(prompts, args.output_len)
-            dt = time.perf_counter() - t0
-            times[r.name].append(dt)
-            tokens[r.name] = n
-            _progress(f"[repeat {rep + 1}/{args.repeats}] {r.name:14s} {n} tokens in {dt:6.2f}s = {n / dt:8.1f} tok/s")
-    results = {}
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        results[name] = {"output_tokens": tokens[name], "seconds": ts, "median_s": med,
-                         "output_tok_per_s": tokens[name] / med}
-    base = results["stepserve"]["output_tok_per_s"]
-    hf_best = max((v["output_tok_per_s"] for k, v in results.items() if k != "stepserve"), default=None)
+    workloads = {}
+    for kind in args.workloads.split(","):
+        lens = output_lengths(kind, len(prompts), args.output_len, args.bench_seed)
+        times: dict[str, list[float]] = {r.name: [] for r in runners}
+        tokens: dict[str, int] = {}
+        for rep in range(args.repeats):
+            for r in runners:
+                if r.name in times and not times[r.name] and rep > 0:
+                    continue  # unsupported on this workload
+                t0 = time.perf_counter()
+                try:
+                    n = r.run(prompts, lens)
+                except Unsupported as e:
+                    notes[f"{r.name}/{kind}"] = f"not run: {e}"
+                    times.pop(r.name, None)
+                    continue
+                dt = time.perf_counter() - t0
+                times[r.name].append(dt)
+                tokens[r.name] = n
+                _progress(f"[{kind} {rep + 1}/{args.repeats}] {r.name:14s} {n} tokens in {dt:6.2f}s = {n / dt:8.1f} tok/s")
+        results = {}
+        for name, ts in times.items():
+            if not ts:
+                continue
+            med = statistics.median(ts)
+            results[name] = {"output_tokens": tokens[name], "seconds": ts, "median_s": med,
+                             "output_tok_per_s": tokens[name] / med}
+        base = results["stepserve"]["output_tok_per_s"]
+        others = {k: v["output_tok_per_s"] for k, v in results.items() if k != "stepserve"}
+        workloads[kind] = {
+            "output_tokens_total": sum(lens),
+            "results": results,
+            "speedup_vs": {k: base / v for k, v in others.items()},
+            "speedup_vs_best_hf": base / max(others.values()) if others else None,
+        }
     _progress(f"measuring scheduler overhead at {args.overhead_rows} running sequences ...")
     overhead = measure_overhead(engine_config(args), args.overhead_rows, args.overhead_steps, vocab, args.bench_seed)
     report = {
@@ -207,17 +254,17 @@ def run(args) -> int:
                      "transformers": _version("transformers"), "stepserve": _version("stepserve")},
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
         "workload": {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
-                     "input_len": [args.input_len_min, args.input_len_max], "output_len": args.output_len,
+                     "input_len": [args.input_len_min, args.input_len_max], "output_len_mean": args.output_len,
                      "repeats": args.repeats, "dtype": str(ours.engine.dtype)},
-        "results": results,
-        "speedup_vs_best_hf": None if hf_best is None else base / hf_best,
-        "speedup_vs": {k: base / v["output_tok_per_s"] for k, v in results.items() if k != "stepserve"},
+        "workloads": workloads,
         "scheduler_overhead": overhead,
         "notes": notes,
     }
-    print(f"\n{'path':16s} {'tok/s':>10s} {'stepserve x':>12s}")
-    for name, v in results.items():
-        print(f"{name:16s} {v['output_tok_per_s']:10.1f} {base / v['output_tok_per_s']:12.2f}")
+    for kind, w in workloads.items():
+        print(f"\n[{kind}] {'path':16s} {'tok/s':>10s} {'stepserve x':>12s}")
+        base = w["results"]["stepserve"]["output_tok_per_s"]
+        for name, v in w["results"].items():
+            print(f"[{kind}] {name:16s} {v['output_tok_per_s']:10.1f} {base / v['output_tok_per_s']:12.2f}")
     for k, v in notes.items():
         print(f"{k}: {v}")
     print(f"at {overhead['rows']} running: scheduler (schedule+update+outputs) median "

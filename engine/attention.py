@@ -42,28 +42,43 @@ def _gather_rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 class TorchAttention:
     """Reference backend: gathers each row's KV by slot index and calls SDPA.
 
-    Decode rows go through one batched SDPA over a padded [B, Lmax] index table;
-    extend rows (prefill chunks) run one SDPA each with a causal mask offset by
-    the row's cached prefix. Works on CPU and CUDA.
+    Decode rows go through one batched SDPA over a padded [B, Lmax] index table
+    -- or, on CPU with float32 KV, through the native paged kernel
+    (`cpu_kernels`), which reads the pool in place; extend rows (prefill chunks)
+    run one SDPA each with a causal mask offset by the row's cached prefix.
+    Works on CPU and CUDA.
     """
 
-    def __init__(self, pool: TokenKVPool, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, pool: TokenKVPool, num_heads: int, num_kv_heads: int, head_dim: int,
+                 native: bool | None = None):
         self.pool = pool
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
+        if native is None:
+            native = pool.device.type == "cpu" and pool.dtype == torch.float32
+        self.kernel = None
+        if native:
+            from stepserve.engine.cpu_kernels import paged_decode_module
+
+            self.kernel = paged_decode_module()
+        self._decode_idx: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._extend_masks: list[torch.Tensor | None] = []
 
     def prepare(self, fb: ForwardBatch) -> None:
-        if fb.num_decode:
+        self._decode_idx = self._decode_mask = None
+        if fb.num_decode and self.kernel is None:
             lens = fb.decode_kv_lens
-            lmax = fb.decode_kv_indices.shape[1]
+            lmax = int(lens.max())
+            idx = fb.req_to_token.index_select(0, fb.decode_rows)[:, :lmax]
             ar = torch.arange(lmax, device=lens.device)
-            self._decode_mask = (ar[None, :] < lens[:, None])[:, None, None, :]
-        else:
-            self._decode_mask = None
+            valid = ar[None, :] < lens[:, None]
+            # positions past a row's length hold stale slots: point them at the
+            # padding slot so the gather stays in bounds (they are masked anyway)
+            self._decode_idx = idx.masked_fill(~valid, 0)
+            self._decode_mask = valid[:, None, None, :]
         masks = []
         for _, n, kv_idx in fb.extend_rows:
             prefix = kv_idx.shape[0] - n
@@ -80,8 +95,12 @@ class TorchAttention:
         self.pool.write(layer, fb.out_slots, k, v)
         out = torch.empty_like(q)
         nd = fb.num_decode
-        if nd:
-            idx = fb.decode_kv_indices
+        if nd and self.kernel is not None:
+            out[:nd] = self.kernel.paged_decode(
+                q[:nd].contiguous(), k_buf, v_buf, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens, self.scale
+            )
+        elif nd:
+            idx = self._decode_idx
             b, lmax = idx.shape
             kk = _gather_rows(k_buf, idx.view(-1)).view(b, lmax, *k_buf.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
             vv = _gather_rows(v_buf, idx.view(-1)).view(b, lmax, *v_buf.shape[1:]).transpose(1, 2)

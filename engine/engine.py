@@ -43,7 +43,7 @@ class EngineConfig:
     kv_memory_gb: float = 1.0
     admission: str = "fcfs"
     prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto | torch
+    attention_backend: str = "auto"  # auto (native CPU decode kernel when it builds) | torch (pure reference)
     seed: int = 0  # seeds the per-request seeds of requests that give none
     check_invariants: bool = False  # run the KV integrity check after every step
     policies: list[StepPolicy] = field(default_factory=list)
@@ -104,7 +104,12 @@ class Engine:
             kv,
             config.policies,
         )
-        backend = TorchAttention(self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        if config.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"unknown attention backend {config.attention_backend!r} (auto, torch)")
+        backend = TorchAttention(
+            self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+            native=None if config.attention_backend == "auto" else False,
+        )
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)

@@ -20,10 +20,12 @@ class ForwardBatch:
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     out_slots: torch.Tensor  # int64 [T]: KV slot each new token writes
-    # decode part: rows [0, num_decode), one token each
+    # decode part: rows [0, num_decode), one token each; row b's context is
+    # req_to_token[decode_rows[b], :decode_kv_lens[b]] (incl. the new token)
     num_decode: int
-    decode_kv_indices: torch.Tensor | None  # int64 [B, Lmax], padded with slot 0
-    decode_kv_lens: torch.Tensor | None  # int64 [B] (context length incl. the new token)
+    req_to_token: torch.Tensor  # int64 [max_rows, max_context]
+    decode_rows: torch.Tensor | None  # int64 [B]
+    decode_kv_lens: torch.Tensor | None  # int64 [B]
     # extend part, per row: (first token index in the flat batch, number of new
     # tokens, KV slot indices of the whole context [prefix_len + n])
     extend_rows: list[tuple[int, int, torch.Tensor]]

@@ -55,6 +55,18 @@ def test_batch_of_very_different_lengths(ckpt_factory, arch):
     assert run(llm, prompts, 12) == reference(path, prompts, 12)
 
 
+def test_pure_torch_backend_equals_native_kernel(ckpt_factory):
+    """The reference torch attention and the native CPU decode kernel agree."""
+    path = ckpt_factory("qwen3")
+    prompts = prompts_of([5, 80, 33, 1])
+    native = LLM(path)
+    if native.engine.runner.backend.kernel is None:
+        pytest.skip("native CPU kernel did not build on this machine")
+    torch_only = LLM(path, attention_backend="torch")
+    assert torch_only.engine.runner.backend.kernel is None
+    assert run(native, prompts, 20) == run(torch_only, prompts, 20) == reference(path, prompts, 20)
+
+
 def test_chunked_prefill_tiny_chunks(ckpt_factory):
     path = ckpt_factory("qwen2")
     prompts = prompts_of([45, 3, 90])

@@ -57,23 +57,17 @@ class ModelRunner:
             last_index.append(len(ids) - 1)
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
         positions = torch.tensor(pos, dtype=torch.long)
-        decode_idx = decode_lens = None
+        decode_rows = decode_lens = None
         if nd:
-            lens = positions[:nd] + 1
-            row_ids = torch.tensor([r.seq.row for r in dec], dtype=torch.long)
-            lmax = int(lens.max())
-            decode_idx = table.index_select(0, row_ids.to(table.device))[:, :lmax]
-            # positions past a row's length hold stale slots; point them at the
-            # padding slot so the gather stays in bounds and is masked anyway.
-            pad = torch.arange(lmax)[None, :] >= lens[:, None]
-            decode_idx = decode_idx.masked_fill(pad.to(decode_idx.device), 0).to(dev)
-            decode_lens = lens.to(dev)
+            decode_lens = (positions[:nd] + 1).to(dev)
+            decode_rows = torch.tensor([r.seq.row for r in dec], dtype=torch.long, device=dev)
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=positions.to(dev),
             out_slots=plan.slots.to(dev),
             num_decode=nd,
-            decode_kv_indices=decode_idx,
+            req_to_token=table,
+            decode_rows=decode_rows,
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
             logits_indices=torch.tensor([last_index[i] for i, _ in plan.samples], dtype=torch.long, device=dev),
@@ -88,6 +82,9 @@ class ModelRunner:
         seqs = [s for _, s in plan.samples]
         if not seqs:  # prefill chunks that sample nothing still wrote their KV
             return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)))
+        for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
+            if s.group.constrained:
+                s.group.branches[s.branch].logits_processor(s.output_ids, logits[i])
         if all(s.group.plain_greedy for s in seqs):
             out = SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing else asked for
         else:

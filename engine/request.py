@@ -83,6 +83,7 @@ class Request:
         self.plain_greedy = (
             p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None and p.min_tokens == 0
         )
+        self.constrained = p.logits_processor_factory is not None  # rows whose logits a processor edits
 
     @property
     def seqs(self) -> list[Sequence]:

@@ -212,3 +212,41 @@ def test_async_stream_equals_offline_and_abort_frees_kv(llama_ckpt):
         assert_idle(engine.engine)
     finally:
         engine.shutdown()
+
+
+def test_step_policy_hook_sees_every_step(llama_ckpt):
+    """A policy plans before each step and observes its StepRecord; a policy
+    that defers rows (as branch admission will) changes nothing but timing."""
+    from stepserve.engine.engine import Engine, EngineConfig
+
+    class DeferOddSteps:
+        name = "defer-odd"
+
+        def __init__(self):
+            self.planned, self.records = 0, []
+
+        def plan(self, plan, view):
+            self.planned += 1
+            assert view.kv_capacity > 0 and view.num_running >= 0
+            if self.planned % 2 and len(plan.rows) > 1:
+                # keep the first row only; the others wait a step, keeping their KV
+                plan.rows = plan.rows[:1]
+            return plan
+
+        def observe(self, plan, record):
+            assert record.rows == len(plan.rows)
+            assert record.new_tokens == sum(r.num_new for r in plan.rows)
+            self.records.append(record)
+
+    pol = DeferOddSteps()
+    eng = Engine(EngineConfig(model=llama_ckpt, policies=[pol], check_invariants=True))
+    ref = LLM(llama_ckpt)
+    prompts = ["In the beginning", "And God said", "Let there be light"]
+    p = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    reqs = [eng.add_request(x, p) for x in prompts]
+    while eng.has_unfinished():
+        eng.step()
+    assert pol.planned == len(pol.records) == eng.step_id
+    assert [r.output(delta=False).outputs[0].token_ids for r in reqs] == [
+        o.outputs[0].token_ids for o in ref.generate(prompts, p)]
+    assert_idle(eng)

@@ -138,3 +138,17 @@ def test_bfloat16_logprobs_match_transformers(ckpt_factory, arch):
         assert abs(float(ref[tok]) - val) < 0.05, (tok, float(ref[tok]), val)
     assert [t for t, _ in lp.top][:5] == ref.topk(20).indices.tolist()[:5] or max(
         abs(float(ref[t]) - v) for t, v in lp.top) < 0.05
+
+
+def test_sharded_checkpoint_loads(ckpt_factory, tmp_path):
+    """A checkpoint split into several safetensors files with an index."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = ckpt_factory("qwen2")
+    hf = AutoModelForCausalLM.from_pretrained(src)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    AutoTokenizer.from_pretrained(src).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    prompts = prompts_of([12, 4])
+    assert run(LLM(str(tmp_path)), prompts, 8) == reference(src, prompts, 8)

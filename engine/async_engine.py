@@ -85,6 +85,8 @@ class AsyncEngine:
     def _handle(self, cmd) -> None:
         kind, arg, fut = cmd
         eng = self.engine
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return  # the caller gave up (client gone) before the loop got here
         if kind == "add":
             prompt, params, rid, loop, q = arg
             try:

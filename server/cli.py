@@ -1,0 +1,93 @@
+"""`stepserve serve`: the engine behind uvicorn, with a graceful SIGTERM.
+
+SIGTERM (or Ctrl-C): the listening socket closes and new requests on open
+connections get 503; running requests get `--shutdown-timeout` seconds to
+finish, then uvicorn cancels them (which aborts them in the engine); the engine
+loop stops and the process exits 0.
+
+Also runnable alone: `python -m stepserve.server.cli --model DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("stepserve.server")
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=os.environ.get("STEPSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health (env STEPSERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients use (default: the model directory's name)")
+    g.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests accepted beyond --max-running before answering 429")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGTERM")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def served_model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    from stepserve.engine.defaults import DEFAULT_MODEL
+
+    return os.path.basename(os.path.normpath(args.model or DEFAULT_MODEL))
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from stepserve.cli import engine_config
+    from stepserve.engine.async_engine import AsyncEngine
+    from stepserve.server.app import create_app
+    from stepserve.server.serving import ServerSettings
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = AsyncEngine(engine_config(args))
+    settings = ServerSettings(
+        served_model_name=served_model_name(args),
+        api_key=args.api_key or None,
+        max_queued_requests=args.max_queued_requests,
+    )
+    app = create_app(engine, settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on",
+                            access_log=not args.no_access_log)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.client.admission.draining = True  # requests on kept-alive connections get 503
+            super().handle_exit(sig, frame)
+
+    # uvicorn re-raises the signal it caught once it has shut down; with our own
+    # handlers in place beforehand, that lands here instead of killing us with 143.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    log.info("serving %s on http://%s:%d", settings.served_model_name, args.host, args.port)
+    try:
+        Server(config).run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stepserve.cli import add_engine_args
+
+    p = argparse.ArgumentParser(prog="stepserve-serve", description=__doc__)
+    add_engine_args(p)
+    add_serve_args(p)
+    return run_serve(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

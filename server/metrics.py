@@ -1,0 +1,152 @@
+"""Prometheus metrics, one registry per app (tests run several servers).
+
+Engine-side totals (tokens, finished sequences, prefix-cache counters,
+retractions, queue sizes, KV usage) live in the engine; they are read with one
+`AsyncEngine.call` per scrape and exported by a custom collector, so the engine
+hot path does no extra work. Step times come from the engine's `records` ring,
+pulled on every scrape and by a background task once a second (so the ring's
+trimming never drops unseen steps under load). Per-request latencies (TTFT,
+ITL, TPOT, E2E) are measured here, from the output deltas as the server sees
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger("stepserve.server")
+
+P = "stepserve:"
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                    1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
+                 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+@dataclass
+class EngineSnapshot:
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict = field(default_factory=dict)  # finish reason -> sequences
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    retractions: int = 0
+    running: int = 0  # requests with a running sequence
+    waiting: int = 0  # requests with nothing running, queued
+    kv_used: int = 0
+    kv_capacity: int = 1
+    step_times: list = field(default_factory=list)  # wall_s of steps not seen before
+    last_step: int = -1
+
+
+def take_snapshot(engine, last_step: int) -> EngineSnapshot:
+    """Runs on the engine thread (via AsyncEngine.call)."""
+    sched = engine.scheduler
+    running = {id(s.group) for s in sched.running}
+    waiting = {id(s.group) for s in sched.waiting} - running
+    new = []
+    for rec in reversed(engine.records):
+        if rec.step <= last_step:
+            break
+        new.append(rec.wall_s)
+    new.reverse()
+    return EngineSnapshot(
+        prompt_tokens=engine.stats["prompt_tokens"],
+        generation_tokens=engine.stats["generation_tokens"],
+        finished=dict(engine.stats["finished"]),
+        prefix_queried_tokens=sched.prefix_queried_tokens,
+        prefix_hit_tokens=sched.prefix_hit_tokens,
+        retractions=sched.num_retractions,
+        running=len(running),
+        waiting=len(waiting),
+        kv_used=sched.kv.used(),
+        kv_capacity=max(sched.kv.capacity, 1),
+        step_times=new,
+        last_step=engine.step_id - 1,
+    )
+
+
+class _EngineCollector:
+    def __init__(self, metrics: "ServerMetrics"):
+        self.metrics = metrics
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.metrics.snapshot
+        fin = CounterMetricFamily(P + "requests", "Finished sequences (one per choice), by finish reason",
+                                  labels=["finished_reason"])
+        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+            fin.add_metric([reason], s.finished.get(reason, 0))
+        yield fin
+        for name, doc, value in (
+            ("prompt_tokens", "Prompt tokens of requests added to the engine", s.prompt_tokens),
+            ("generation_tokens", "Tokens generated", s.generation_tokens),
+            ("prefix_cache_queried_tokens", "Prompt tokens looked up in the radix cache", s.prefix_queried_tokens),
+            ("prefix_cache_hit_tokens", "Prompt tokens found in the radix cache", s.prefix_hit_tokens),
+            ("retractions", "Sequences retracted (KV freed, requeued) for lack of KV slots", s.retractions),
+        ):
+            yield CounterMetricFamily(P + name, doc, value=value)
+        yield GaugeMetricFamily(P + "num_requests_running", "Requests with a sequence in the running batch",
+                                value=s.running)
+        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for admission", value=s.waiting)
+        yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV slots in use (cached and evictable "
+                                "slots count as free)", value=s.kv_used / s.kv_capacity)
+
+
+class ServerMetrics:
+    def __init__(self, async_engine):
+        self.engine = async_engine
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=_LATENCY_BUCKETS)
+        self.tpot = Histogram(P + "time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1)",
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between successive output deltas",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.step_time = Histogram(P + "step_time_seconds", "Engine step wall time", registry=r,
+                                   buckets=_STEP_BUCKETS)
+        self.rejected = Counter(P + "requests_rejected", "Requests refused with 429 (admission queue full)",
+                                registry=r)
+        self.snapshot = EngineSnapshot()
+        self._lock = asyncio.Lock()
+        r.register(_EngineCollector(self))
+
+    async def refresh(self, timeout: float = 5.0) -> None:
+        async with self._lock:  # one pull at a time, so no step is counted twice
+            fut = self.engine.call(lambda eng: take_snapshot(eng, self.snapshot.last_step))
+            snap = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            for t in snap.step_times:
+                self.step_time.observe(t)
+            self.snapshot = snap
+
+    async def render(self) -> bytes:
+        try:
+            await self.refresh()
+        except Exception as e:  # the engine is gone or stuck: still export what we have
+            log.warning("metrics refresh failed: %r", e)
+        return generate_latest(self.registry)
+
+    async def poll_steps(self, interval: float = 1.0) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                pass
+
+    def observe_request(self, start: float, first: float | None, end: float, max_branch_tokens: int) -> None:
+        self.e2e.observe(end - start)
+        if first is not None and max_branch_tokens > 1:
+            self.tpot.observe((end - first) / (max_branch_tokens - 1))

@@ -1,0 +1,96 @@
+"""`POST /generate`: the native route for tools that need exact tokens.
+
+In: `text` or `input_ids`, and `sampling_params` in the engine's own names.
+Out: `{"id", "prompt_token_ids", "outputs": [{"index", "text", "token_ids",
+"finish_reason", "stop_reason", "logprobs"}], "usage"}`; streamed, each event
+carries only the new text and tokens, and the last one the usage.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from stepserve.server.errors import SafeJSONResponse
+from stepserve.server.logprobs import native_logprobs
+from stepserve.server.openai_common import Accumulator
+from stepserve.server.protocol import GenerateRequest, ResponseFormat
+from stepserve.server.serving import EngineClient, merge, new_id, until_disconnected
+from stepserve.server.sse import DONE, SSEResponse, event
+
+
+def _output(o, logprobs: bool) -> dict:
+    return {
+        "index": o.index,
+        "text": o.text,
+        "token_ids": list(o.token_ids),
+        "finish_reason": o.finish_reason,
+        "stop_reason": o.stop_reason,
+        "logprobs": native_logprobs(o.logprobs or []) if logprobs else None,
+    }
+
+
+async def generate(req: GenerateRequest, request: Request, client: EngineClient):
+    client.check_model(req.model)
+    param = "text" if req.text is not None else "input_ids"
+    ids = client.tokenize(req.text) if req.text is not None else list(req.input_ids)
+    client.check_prompt(ids, param)
+    sp = req.sampling_params
+    kw = sp.model_dump(exclude={"json_schema"})
+    kw["max_tokens"] = client.max_tokens(len(ids), sp.max_tokens, None, "sampling_params.max_tokens")
+    if sp.json_schema is not None:
+        fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"schema": sp.json_schema}})
+        kw["logits_processor_factory"] = await client.compile_grammar(fmt)
+    names = {k: f"sampling_params.{k}" for k in kw} | {"prompt": param}
+    params = client.sampling_params(names, **kw)
+    rid = new_id("gen")
+    ticket = client.acquire(1)
+    try:
+        streams = await until_disconnected(request, client.open([ids], [params], rid, names))
+    except BaseException:
+        ticket.release()
+        raise
+    acc = Accumulator(sp.n, [len(ids)])
+    want_lp = sp.logprobs is not None
+
+    async def cleanup():
+        try:
+            for s in streams:
+                await s.aclose()
+        finally:
+            ticket.release()
+
+    if req.stream:
+        async def body():
+            try:
+                async for _, out in merge(streams):
+                    acc.add(0, out)
+                    msg = {"id": rid, "outputs": [_output(o, want_lp) for o in out.outputs]}
+                    if out.finished:
+                        msg["usage"] = acc.usage()
+                    yield event(msg)
+                yield DONE
+            finally:
+                await cleanup()
+
+        return SSEResponse(body(), cleanup)
+
+    async def collect():
+        async for _, out in merge(streams):
+            acc.add(0, out)
+
+    try:
+        await until_disconnected(request, collect())
+    finally:
+        await cleanup()
+    outputs = [
+        {
+            "index": idx,
+            "text": "".join(st.text),
+            "token_ids": st.token_ids,
+            "finish_reason": st.finish_reason,
+            "stop_reason": st.stop_reason,
+            "logprobs": native_logprobs(st.logprobs) if want_lp else None,
+        }
+        for idx, st in sorted(acc.choices.items())
+    ]
+    return SafeJSONResponse({"id": rid, "prompt_token_ids": ids, "outputs": outputs, "usage": acc.usage()})

@@ -1,0 +1,118 @@
+"""`POST /v1/chat/completions`: messages rendered with the model's chat template."""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+
+from stepserve.server.errors import SafeJSONResponse, bad_request
+from stepserve.server.logprobs import chat_logprobs
+from stepserve.server.openai_common import Accumulator, sampling_kwargs
+from stepserve.server.protocol import ChatCompletionRequest
+from stepserve.server.serving import EngineClient, merge, new_id, until_disconnected
+from stepserve.server.sse import DONE, SSEResponse, event
+
+
+def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[int]:
+    tok = client.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("This model has no chat template; use /v1/completions", "messages")
+    messages = []
+    for m in req.messages:
+        msg = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        messages.append(msg)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+    except Exception as e:  # jinja raises for conversations the template refuses
+        raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
+    # the rendered template already holds its special tokens as text
+    return client.tokenize(text)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, client: EngineClient):
+    client.check_model(req.model)
+    kw = sampling_kwargs(req)
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    ids = render_chat(client, req)
+    client.check_prompt(ids, "messages")
+    budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = client.max_tokens(len(ids), requested, None, budget_param)
+    factory = await client.compile_grammar(req.response_format)
+    names = {"logprobs": "top_logprobs", "max_tokens": budget_param, "prompt": "messages"}
+    params = client.sampling_params(
+        names,
+        **kw,
+        max_tokens=max_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        logits_processor_factory=factory,
+    )
+    rid = new_id("chatcmpl")
+    ticket = client.acquire(1)
+    try:
+        streams = await until_disconnected(request, client.open([ids], [params], rid, names))
+    except BaseException:
+        ticket.release()
+        raise
+    acc = Accumulator(req.n, [len(ids)])
+
+    async def cleanup():
+        try:
+            for s in streams:
+                await s.aclose()
+        finally:
+            ticket.release()
+
+    def head(obj: str, choices, **extra):
+        return {"id": rid, "object": obj, "created": acc.created, "model": client.settings.served_model_name,
+                "system_fingerprint": None, "choices": choices, **extra}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+        chunk = "chat.completion.chunk"
+
+        async def body():
+            try:
+                yield event(head(chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None} for i in range(req.n)], **extra))
+                async for i, out in merge(streams):
+                    choices = []
+                    for idx, o in acc.add(i, out):
+                        if not o.text and not o.token_ids and o.finish_reason is None:
+                            continue
+                        lp = chat_logprobs(client.texts, o.logprobs or []) if req.logprobs else None
+                        delta = {"content": o.text} if o.text else {}
+                        choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason})
+                    if choices:
+                        yield event(head(chunk, choices, **extra))
+                if include_usage:
+                    yield event(head(chunk, [], usage=acc.usage()))
+                yield DONE
+            finally:
+                await cleanup()
+
+        return SSEResponse(body(), cleanup)
+
+    async def collect():
+        async for i, out in merge(streams):
+            acc.add(i, out)
+
+    try:
+        await until_disconnected(request, collect())
+    finally:
+        await cleanup()
+    choices = [
+        {
+            "index": idx,
+            "message": {"role": "assistant", "content": "".join(st.text), "refusal": None},
+            "logprobs": chat_logprobs(client.texts, st.logprobs) if req.logprobs else None,
+            "finish_reason": st.finish_reason,
+        }
+        for idx, st in sorted(acc.choices.items())
+    ]
+    return SafeJSONResponse(head("chat.completion", choices, usage=acc.usage()))

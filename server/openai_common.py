@@ -1,0 +1,89 @@
+"""What completions and chat share: sampling fields -> SamplingParams keywords,
+usage, and the accumulation of deltas into whole choices."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from stepserve.engine.request import RequestOutput, TokenLogprob
+from stepserve.server.errors import bad_request
+from stepserve.server.protocol import _SamplingFields
+
+
+def sampling_kwargs(req: _SamplingFields) -> dict:
+    """The OpenAI (and vLLM-extension) sampling fields, in SamplingParams' names."""
+    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    if req.temperature is not None:
+        kw["temperature"] = req.temperature
+    if req.top_p is not None:
+        if req.top_p == 0.0:  # OpenAI accepts 0: keep only the most likely token
+            kw["top_k"] = 1
+        else:
+            kw["top_p"] = req.top_p
+    if req.top_k is not None:
+        kw.setdefault("top_k", req.top_k)
+    if req.min_p is not None:
+        kw["min_p"] = req.min_p
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "seed"):
+        value = getattr(req, name)
+        if value is not None:
+            kw[name] = value
+    if req.stop is not None:
+        kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+    if req.logit_bias:
+        kw["logit_bias"] = dict(req.logit_bias)
+    return kw
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+@dataclass
+class ChoiceState:
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class Accumulator:
+    """Deltas of every prompt's request -> per-choice totals and usage.
+    Choice index = prompt index * n + branch index (OpenAI's order)."""
+
+    def __init__(self, n: int, prompt_tokens: list[int]):
+        self.n = n
+        self.prompt_tokens = prompt_tokens
+        self.cached = [0] * len(prompt_tokens)
+        self.choices: dict[int, ChoiceState] = {}
+        self.created = int(time.time())
+
+    def add(self, prompt_index: int, out: RequestOutput) -> list[tuple[int, object]]:
+        """Records a delta; returns [(choice index, CompletionOutput delta)]."""
+        self.cached[prompt_index] = out.num_cached_tokens
+        res = []
+        for o in out.outputs:
+            idx = prompt_index * self.n + o.index
+            st = self.choices.setdefault(idx, ChoiceState())
+            st.text.append(o.text)
+            st.token_ids.extend(o.token_ids)
+            if o.logprobs:
+                st.logprobs.extend(o.logprobs)
+            if o.finish_reason is not None:
+                st.finish_reason = o.finish_reason
+                st.stop_reason = o.stop_reason
+            res.append((idx, o))
+        return res
+
+    def usage(self) -> dict:
+        completion = sum(len(c.token_ids) for c in self.choices.values())
+        return usage(sum(self.prompt_tokens), completion, sum(self.cached))

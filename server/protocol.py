@@ -1,0 +1,172 @@
+"""Request bodies of the HTTP API: OpenAI's field names, types and limits.
+
+Models are strict (a string is not a number, 1.0 is not an int) and ignore
+unknown fields, as vLLM does, so that newer OpenAI clients keep working.
+Responses are built as plain dicts in the route modules.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+# limits (OpenAI's where it has one)
+MAX_N = 16
+MAX_COMPLETION_LOGPROBS = 5  # legacy completions: `logprobs` <= 5
+MAX_TOP_LOGPROBS = 20  # chat: `top_logprobs` <= 20
+MAX_STOP = 4
+MAX_STOP_LEN = 1024
+MAX_PROMPTS = 64  # prompts in one completions request
+MAX_LOGIT_BIAS_ENTRIES = 1024
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_INT = 2**31 - 1  # bound for counts: absurd values fail validation, not arithmetic
+
+
+def _utf8(s: str) -> str:
+    # JSON may carry lone surrogates ("\ud800"): valid JSON, not valid text
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid UTF-8 text (found an unpaired surrogate)") from None
+    return s
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN), AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Model):
+    name: Text = "response"
+    description: Optional[Text] = None
+    schema_: Optional[dict] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaSpec] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+        return self
+
+
+class _SamplingFields(_Model):
+    """Fields common to completions and chat (plus vLLM's sampling extensions)."""
+
+    model: Optional[Text] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    top_k: Optional[int] = Field(None, ge=-1, le=MAX_INT)
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]]] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=10.0)
+    logit_bias: Optional[Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                                   Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    user: Optional[Annotated[str, Field(max_length=512), AfterValidator(_utf8)]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    response_format: Optional[ResponseFormat] = None
+
+
+Prompt = Union[
+    Text,
+    Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)],
+]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Prompt
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    suffix: Optional[Text] = None
+
+
+class TextPart(_Model):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[Text, list[TextPart]]] = None
+    name: Optional[Text] = None
+    tool_call_id: Optional[Text] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+
+
+class NativeSamplingParams(_Model):
+    """`POST /generate`'s sampling parameters: the engine's own names."""
+
+    n: int = Field(1, ge=1, le=MAX_N)
+    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_INT)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP)]]] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
+    ignore_eos: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: Optional[Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                                   Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    json_schema: Optional[dict] = None  # constrain the output to this JSON schema
+
+
+class GenerateRequest(_Model):
+    """`POST /generate`: exactly one of `text` and `input_ids`."""
+
+    text: Optional[Text] = None
+    input_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    model: Optional[Text] = None
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text' and 'input_ids'")
+        return self

@@ -1,0 +1,284 @@
+"""Between the routes and the `AsyncEngine`: prompt checks, submission, latency
+metrics, merging the streams of a multi-prompt request, and client disconnects.
+
+A request is submitted and *primed* (its first output delta awaited) before any
+response byte is sent, so an error the engine raises while adding it becomes a
+clean 400 rather than a broken stream. Leaving a stream early (client gone,
+task cancelled) closes it, which aborts the engine request at once and returns
+its KV slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Sequence
+
+from starlette.requests import Request
+
+from stepserve.engine.request import RequestOutput
+from stepserve.engine.sampling_params import SamplingParams
+from stepserve.server.admission import Admission, Ticket
+from stepserve.server.errors import APIError, bad_request
+from stepserve.server.grammar import GrammarCompiler
+from stepserve.server.logprobs import TokenTexts
+from stepserve.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    max_queued_requests: int = 1024  # accepted beyond the engine's max_running, then 429
+    retry_after_s: int = 1
+    metrics_poll_s: float = 1.0
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def engine_error_param(message: str) -> str | None:
+    """Which request parameter an engine ValueError is about (messages start
+    with the parameter's name, or describe the prompt / the token budget)."""
+    if message.startswith("prompt (") or message.startswith("request needs"):
+        return "max_tokens"
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() and head not in ("request", "duplicate") else None
+
+
+class Stream:
+    """One engine request, primed; iterate once. Measures its latencies."""
+
+    def __init__(self, agen, first: RequestOutput, first_time: float, start: float, metrics: ServerMetrics, abort):
+        self._agen = agen
+        self._first_time = first_time
+        self._abort = abort  # abort(request_id), for when the generator cannot be closed
+        self._first = first
+        self._start = start
+        self._metrics = metrics
+        self._closed = False
+        self.prompt_tokens = len(first.prompt_token_ids)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        m = self._metrics
+        first_tok = last_tok = None
+        counts: dict[int, int] = {}
+        item, now = self._first, self._first_time
+        try:
+            while True:
+                k = 0
+                for o in item.outputs:
+                    k += len(o.token_ids)
+                    counts[o.index] = counts.get(o.index, 0) + len(o.token_ids)
+                if k:
+                    if first_tok is None:
+                        first_tok = now
+                        m.ttft.observe(now - self._start)
+                    else:
+                        m.itl.observe(now - last_tok)
+                    last_tok = now
+                yield item
+                if item.finished:
+                    m.observe_request(self._start, first_tok, now, max(counts.values(), default=0))
+                    return
+                item = await self._agen.__anext__()
+                now = time.perf_counter()
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                await self._agen.aclose()  # aborts the engine request unless it finished
+            except RuntimeError:  # still being iterated elsewhere: abort by id (a no-op once finished)
+                self._abort(self._first.request_id)
+
+
+async def merge(streams: Sequence[Stream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, delta) from every stream, in arrival order."""
+    if len(streams) == 1:
+        it = streams[0].__aiter__()
+        try:
+            async for out in it:
+                yield 0, out
+        finally:
+            await it.aclose()
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: Stream) -> None:
+        it = s.__aiter__()
+        try:
+            async for out in it:
+                q.put_nowait((i, out))
+            q.put_nowait((i, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            q.put_nowait((i, e))
+        finally:
+            await it.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+
+
+async def until_disconnected(request: Request, aw: Awaitable):
+    """Runs aw; if the client disconnects first, cancels it (which aborts its
+    engine requests) and raises ClientDisconnected."""
+    task = asyncio.ensure_future(aw)
+
+    async def watch() -> None:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task.done():
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    raise ClientDisconnected()
+
+
+class EngineClient:
+    """What the routes need from the engine, checked the way the engine would."""
+
+    def __init__(self, async_engine, settings: ServerSettings, metrics: ServerMetrics):
+        self.async_engine = async_engine
+        eng = async_engine.engine
+        self.settings = settings
+        self.metrics = metrics
+        self.tokenizer = eng.tokenizer
+        self.max_model_len = eng.max_model_len
+        self.vocab_size = eng.model_config.vocab_size
+        self.kv_capacity = eng.kv_capacity
+        self.admission = Admission(eng.config.max_running, settings.max_queued_requests, settings.retry_after_s)
+        self.texts = TokenTexts(self.tokenizer)
+        self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, eng.eos_token_ids)
+
+    # -- checks ---------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_model_name:
+            raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def check_prompt(self, ids: list[int], param: str) -> None:
+        if not ids:
+            raise bad_request("The prompt is empty", param)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}", param)
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and must leave room for at least one generated token",
+                param,
+                code="context_length_exceeded",
+            )
+
+    def max_tokens(self, plen: int, requested: int | None, default: int | None, param: str) -> int:
+        room = self.max_model_len - plen
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise bad_request(
+                f"{param} ({requested}) plus the prompt ({plen} tokens) exceeds the model's maximum context "
+                f"length of {self.max_model_len} tokens",
+                param,
+                code="context_length_exceeded",
+            )
+        if plen + requested > self.kv_capacity:
+            raise bad_request(f"The request needs {plen + requested} KV slots; the pool holds {self.kv_capacity}",
+                              param)
+        return requested
+
+    def sampling_params(self, names: dict[str, str] | None = None, **kw) -> SamplingParams:
+        """SamplingParams, validated against the vocabulary; a ValueError
+        becomes a 400 naming the request's parameter (via `names`)."""
+        try:
+            return SamplingParams(**kw).validate(self.vocab_size)
+        except ValueError as e:
+            p = engine_error_param(str(e))
+            raise bad_request(str(e), (names or {}).get(p, p)) from None
+
+    async def compile_grammar(self, response_format):
+        if response_format is None or response_format.type == "text":
+            return None
+        return await asyncio.to_thread(self.grammar.compile, response_format)
+
+    # -- submission -------------------------------------------------------------
+    async def open(
+        self,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        request_id: str,
+        names: dict[str, str] | None = None,
+    ) -> list[Stream]:
+        """Submits one engine request per prompt and primes them all. On any
+        failure nothing stays submitted."""
+        start = time.perf_counter()
+        gens = [
+            self.async_engine.generate(p, sp, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
+            for i, (p, sp) in enumerate(zip(prompts, params))
+        ]
+        async def prime(g):
+            first = await g.__anext__()
+            return first, time.perf_counter()
+
+        results = await asyncio.gather(*(prime(g) for g in gens), return_exceptions=True)
+        err = next((r for r in results if isinstance(r, BaseException)), None)
+        if err is not None:
+            for g in gens:
+                await g.aclose()
+            if isinstance(err, ValueError):
+                p = engine_error_param(str(err))
+                raise bad_request(str(err), (names or {}).get(p, p))
+            if isinstance(err, RuntimeError):
+                raise APIError(503, f"The engine is not available: {err}", "server_error")
+            raise err
+        return [Stream(g, first, t, start, self.metrics, self.async_engine.abort) for g, (first, t) in zip(gens, results)]
+
+    def acquire(self, k: int) -> Ticket:
+        try:
+            return self.admission.acquire(k)
+        except APIError as e:
+            if e.status == 429:
+                self.metrics.rejected.inc()
+            raise

@@ -1,0 +1,113 @@
+"""A real uvicorn server on 127.0.0.1 and a free port, in a background thread,
+for the server tests; plus helpers to scrape metrics and wait for idleness."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from stepserve import AsyncEngine
+from stepserve.engine.engine import EngineConfig
+from stepserve.server.app import create_app
+from stepserve.server.serving import ServerSettings
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """`with ServerThread(ckpt, api_key=...) as srv:` -> srv.url, srv.engine, srv.app."""
+
+    def __init__(self, model: str, served_model_name: str = "test-model", api_key: str | None = None,
+                 max_queued_requests: int = 1024, **engine_kwargs):
+        engine_kwargs.setdefault("check_invariants", True)
+        self.engine = AsyncEngine(EngineConfig(model=model, **engine_kwargs))
+        self.settings = ServerSettings(served_model_name=served_model_name, api_key=api_key,
+                                       max_queued_requests=max_queued_requests, metrics_poll_s=0.2)
+        self.app = create_app(self.engine, self.settings)
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host=HOST, port=self.port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.engine.shutdown()
+
+    # -- helpers -----------------------------------------------------------------
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+
+    def engine_call(self, fn, timeout: float = 30):
+        import concurrent.futures
+
+        try:
+            return self.engine.call(fn).result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise AssertionError(f"engine loop did not answer (dead: {self.engine._dead!r})") from None
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        """Until the engine has nothing running or waiting and the server holds
+        no admitted request (aborts cross threads asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            busy = self.engine_call(lambda e: e.has_unfinished() or bool(e.requests))
+            if not busy and self.app.state.client.admission.in_flight == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("server did not become idle")
+            time.sleep(0.02)
+
+    def assert_kv_clean(self) -> None:
+        def check(e):
+            e.check()
+            kv = e.scheduler.kv
+            return kv.tree.protected_size(), kv.allocator.available() + kv.tree.total_size(), kv.capacity
+
+        protected, accounted, capacity = self.engine_call(check)
+        assert protected == 0
+        assert accounted == capacity
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", headers=self.headers(), timeout=30).text)
+
+
+_LINE = re.compile(r"^([^\s{#]+)(\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """'name{labels}' -> value for every sample line."""
+    out = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+@contextlib.contextmanager
+def served(model: str, **kw):
+    with ServerThread(model, **kw) as srv:
+        yield srv

@@ -1,0 +1,227 @@
+"""Every bad request gets a 4xx with OpenAI's error body, one case at a time,
+and the server keeps serving; `--api-key` auth; 429 when the admission queue
+is full, with nothing accepted lost."""
+
+import asyncio
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from server_util import ServerThread
+
+MODEL = "err-model"
+KEY = "sk-errors"
+
+
+@pytest.fixture(scope="module")
+def srv(llama_ckpt):
+    with ServerThread(llama_ckpt, served_model_name=MODEL, api_key=KEY, kv_slots=8192, max_running=16) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def http(srv):
+    with httpx.Client(base_url=srv.url, headers=srv.headers(), timeout=60) as c:
+        yield c
+
+
+def assert_error(resp: httpx.Response, status: int, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str)
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def ok_completion(**kw):
+    return {"model": MODEL, "prompt": "In the beginning", "max_tokens": 4, **kw}
+
+
+def ok_chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **kw}
+
+
+LONG = [5] * 600  # the checkpoint's context is 512
+
+# (route, body, expected param) -- each must give 400
+BAD_REQUESTS = [
+    ("/v1/completions", ok_completion(temperature="hot"), "temperature"),
+    ("/v1/completions", ok_completion(n="2"), "n"),
+    ("/v1/completions", ok_completion(max_tokens=1.5), "max_tokens"),
+    ("/v1/completions", ok_completion(prompt=5), "prompt"),
+    ("/v1/completions", ok_completion(prompt=None), "prompt"),
+    ("/v1/completions", ok_completion(stream="yes"), "stream"),
+    ("/v1/completions", ok_completion(prompt=LONG), "prompt"),
+    ("/v1/completions", ok_completion(prompt=[LONG[:10], LONG]), "prompt"),
+    ("/v1/completions", ok_completion(max_tokens=600), "max_tokens"),
+    ("/v1/completions", ok_completion(max_tokens=10**12), "max_tokens"),
+    ("/v1/completions", ok_completion(max_tokens=0), "max_tokens"),
+    ("/v1/completions", ok_completion(max_tokens=-5), "max_tokens"),
+    ("/v1/completions", ok_completion(n=17), "n"),
+    ("/v1/completions", ok_completion(n=0), "n"),
+    ("/v1/completions", ok_completion(logprobs=6), "logprobs"),
+    ("/v1/completions", ok_completion(logprobs=-1), "logprobs"),
+    ("/v1/completions", ok_completion(prompt=""), "prompt"),
+    ("/v1/completions", ok_completion(prompt=[]), "prompt"),
+    ("/v1/completions", ok_completion(prompt=[[]]), "prompt"),
+    ("/v1/completions", ok_completion(prompt=[1, -2]), "prompt"),
+    ("/v1/completions", ok_completion(prompt=[1, 10**6]), "prompt"),
+    ("/v1/completions", ok_completion(prompt="bad \ud800 text"), "prompt"),
+    ("/v1/completions", ok_completion(stop=""), "stop"),
+    ("/v1/completions", ok_completion(stop=["a", "b", "c", "d", "e"]), "stop"),
+    ("/v1/completions", ok_completion(stop=[1]), "stop"),
+    ("/v1/completions", ok_completion(stop=["ok", ""]), "stop"),
+    ("/v1/completions", ok_completion(temperature=-1), "temperature"),
+    ("/v1/completions", ok_completion(temperature=1e308), "temperature"),
+    ("/v1/completions", ok_completion(top_p=2), "top_p"),
+    ("/v1/completions", ok_completion(top_k=-5), "top_k"),
+    ("/v1/completions", ok_completion(min_p=1.5), "min_p"),
+    ("/v1/completions", ok_completion(seed=2**70), "seed"),
+    ("/v1/completions", ok_completion(presence_penalty=5), "presence_penalty"),
+    ("/v1/completions", ok_completion(frequency_penalty=-3), "frequency_penalty"),
+    ("/v1/completions", ok_completion(repetition_penalty=0), "repetition_penalty"),
+    ("/v1/completions", ok_completion(logit_bias={"abc": 1}), "logit_bias"),
+    ("/v1/completions", ok_completion(logit_bias={"999999": 1}), "logit_bias"),
+    ("/v1/completions", ok_completion(logit_bias={"5": 1000}), "logit_bias"),
+    ("/v1/completions", ok_completion(best_of=3), "best_of"),
+    ("/v1/completions", ok_completion(echo=True, logprobs=1), "echo"),
+    ("/v1/completions", ok_completion(suffix="tail"), "suffix"),
+    ("/v1/completions", ok_completion(stream_options={"include_usage": True}), "stream_options"),
+    ("/v1/completions", ok_completion(response_format={"type": "xml"}), "response_format.type"),
+    ("/v1/chat/completions", ok_chat(messages=[]), "messages"),
+    ("/v1/chat/completions", ok_chat(messages="hi"), "messages"),
+    ("/v1/chat/completions", ok_chat(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role"),
+    ("/v1/chat/completions", ok_chat(messages=[{"content": "x"}]), "messages.0.role"),
+    ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None),
+    ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": "x" * 3000}]), "messages"),
+    ("/v1/chat/completions", ok_chat(max_completion_tokens=10**9), "max_completion_tokens"),
+    ("/v1/chat/completions", ok_chat(top_logprobs=21, logprobs=True), "top_logprobs"),
+    ("/v1/chat/completions", ok_chat(top_logprobs=2), "top_logprobs"),
+    ("/v1/chat/completions", ok_chat(logprobs=3), "logprobs"),
+    ("/v1/chat/completions", ok_chat(response_format={"type": "json_schema"}), "response_format"),
+    ("/v1/chat/completions", ok_chat(response_format={"type": "json_schema",
+                                                      "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+     "response_format"),
+    ("/generate", {"sampling_params": {"max_tokens": 2}}, None),
+    ("/generate", {"text": "a", "input_ids": [1], "sampling_params": {}}, None),
+    ("/generate", {"input_ids": [1, 100000]}, "input_ids"),
+    ("/generate", {"text": "a", "sampling_params": {"temperature": "x"}}, "sampling_params.temperature"),
+    ("/generate", {"text": "a", "sampling_params": {"max_tokens": 10**6}}, "sampling_params.max_tokens"),
+    ("/generate", {"text": "a", "sampling_params": {"stop_token_ids": [10**6]}}, "sampling_params.stop_token_ids"),
+]
+
+
+def test_bad_requests_get_400_and_the_server_keeps_serving(srv, http, client):
+    failures = []
+    for route, body, param in BAD_REQUESTS:
+        resp = http.post(route, content=json.dumps(body, ensure_ascii=True), headers={"content-type": "application/json"})
+        try:
+            assert_error(resp, 400, param)
+        except AssertionError as e:
+            failures.append((route, body if len(json.dumps(body)) < 200 else "<long>", str(e)[:300]))
+    assert not failures, failures
+    r = client.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    srv.wait_idle()
+    srv.assert_kv_clean()
+
+
+def test_malformed_bodies(http):
+    for raw in (b"{", b"not json", b'{"model": "x",}', b"[1, 2]", b'"just a string"', b"", b"\xff\xfe\xfd",
+                b'{"prompt": "\xff\xfe"}'):
+        for route in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            resp = http.post(route, content=raw, headers={"content-type": "application/json"})
+            assert_error(resp, 400)
+
+
+def test_errors_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert e.value.status_code == 404 and e.value.body["code"] == "model_not_found"
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=LONG, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=99)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True, stop=[""])
+    assert e.value.body["param"] == "stop"
+
+
+def test_unknown_route_and_method(http):
+    assert_error(http.get("/v1/nothing"), 404)
+    assert_error(http.get("/v1/completions"), 405)
+
+
+def test_auth(srv):
+    routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("POST", "/generate"), ("GET", "/openapi.json"),
+              ("GET", "/v1/nothing")]
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
+        for method, path in routes:
+            resp = httpx.request(method, srv.url + path, headers=headers, json=ok_completion(), timeout=30)
+            assert_error(resp, 401, code="invalid_api_key")
+    assert httpx.get(srv.url + "/health").status_code == 200
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    bad.close()
+
+
+def test_429_when_the_queue_is_full_and_nothing_accepted_is_lost(srv, client):
+    adm = srv.app.state.client.admission
+    old_limit = adm.limit
+    adm.limit = 4  # as if started with --max-running 2 --max-queued-requests 2
+    rejected0 = srv.metrics()["stepserve:requests_rejected_total"]
+    gate = threading.Event()
+    srv.engine.call(lambda e: gate.wait(60))  # hold the engine so accepted requests stay in flight
+
+    async def go():
+        async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            accepted = [asyncio.ensure_future(c.completions.create(
+                model=MODEL, prompt=f"queued {i}", max_tokens=8, extra_body={"ignore_eos": True}))
+                for i in range(4)]
+            while adm.in_flight < 4:
+                await asyncio.sleep(0.01)
+            refused = []
+            for i in range(3):
+                with pytest.raises(openai.RateLimitError) as e:
+                    await c.completions.create(model=MODEL, prompt="one too many", max_tokens=8)
+                refused.append(e.value)
+            gate.set()
+            return await asyncio.gather(*accepted), refused
+
+    try:
+        done, refused = asyncio.run(go())
+    finally:
+        gate.set()
+        adm.limit = old_limit
+    for e in refused:
+        assert e.status_code == 429 and e.response.headers["retry-after"] == "1"
+        assert e.body["code"] == "rate_limit_exceeded"
+    assert [r.choices[0].finish_reason for r in done] == ["length"] * 4
+    assert all(r.usage.completion_tokens == 8 for r in done)
+    srv.wait_idle()
+    assert srv.metrics()["stepserve:requests_rejected_total"] - rejected0 == 3
+    assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).choices

@@ -43,7 +43,7 @@ class TorchAttention:
     """Reference backend: gathers each row's KV by slot index and calls SDPA.
 
     Decode rows go through one batched SDPA over a padded [B, Lmax] index table
-    -- or, on CPU with float32 KV, through the native paged kernel
+    -- or, on CPU (float32 or bfloat16 KV), through the native paged kernel
     (`cpu_kernels`), which reads the pool in place; extend rows (prefill chunks)
     run one SDPA each with a causal mask offset by the row's cached prefix.
     Works on CPU and CUDA.
@@ -57,7 +57,7 @@ class TorchAttention:
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         if native is None:
-            native = pool.device.type == "cpu" and pool.dtype == torch.float32
+            native = pool.device.type == "cpu" and pool.dtype in (torch.float32, torch.bfloat16)
         self.kernel = None
         if native:
             from stepserve.engine.cpu_kernels import paged_decode_module

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from stepserve.server.errors import SafeJSONResponse
 from stepserve.server.logprobs import native_logprobs
-from stepserve.server.openai_common import Accumulator
 from stepserve.server.protocol import GenerateRequest, ResponseFormat
-from stepserve.server.serving import EngineClient, merge, new_id, until_disconnected
-from stepserve.server.sse import DONE, SSEResponse, event
+from stepserve.server.serving import EngineClient, new_id
 
 
 def _output(o, logprobs: bool) -> dict:
@@ -43,54 +40,28 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
     names = {k: f"sampling_params.{k}" for k in kw} | {"prompt": param}
     params = client.sampling_params(names, **kw)
     rid = new_id("gen")
-    ticket = client.acquire(1)
-    try:
-        streams = await until_disconnected(request, client.open([ids], [params], rid, names))
-    except BaseException:
-        ticket.release()
-        raise
-    acc = Accumulator(sp.n, [len(ids)])
+    gen = await client.start(request, [ids], [params], rid, sp.n, names)
+    acc = gen.acc
     want_lp = sp.logprobs is not None
 
-    async def cleanup():
-        try:
-            for s in streams:
-                await s.aclose()
-        finally:
-            ticket.release()
+    def chunk(out, deltas):
+        msg = {"id": rid, "outputs": [_output(o, want_lp) for o in out.outputs]}
+        if out.finished:
+            msg["usage"] = acc.usage()
+        return msg
 
-    if req.stream:
-        async def body():
-            try:
-                async for _, out in merge(streams):
-                    acc.add(0, out)
-                    msg = {"id": rid, "outputs": [_output(o, want_lp) for o in out.outputs]}
-                    if out.finished:
-                        msg["usage"] = acc.usage()
-                    yield event(msg)
-                yield DONE
-            finally:
-                await cleanup()
+    def final():
+        outputs = [
+            {
+                "index": idx,
+                "text": "".join(st.text),
+                "token_ids": st.token_ids,
+                "finish_reason": st.finish_reason,
+                "stop_reason": st.stop_reason,
+                "logprobs": native_logprobs(st.logprobs) if want_lp else None,
+            }
+            for idx, st in sorted(acc.choices.items())
+        ]
+        return {"id": rid, "prompt_token_ids": ids, "outputs": outputs, "usage": acc.usage()}
 
-        return SSEResponse(body(), cleanup)
-
-    async def collect():
-        async for _, out in merge(streams):
-            acc.add(0, out)
-
-    try:
-        await until_disconnected(request, collect())
-    finally:
-        await cleanup()
-    outputs = [
-        {
-            "index": idx,
-            "text": "".join(st.text),
-            "token_ids": st.token_ids,
-            "finish_reason": st.finish_reason,
-            "stop_reason": st.stop_reason,
-            "logprobs": native_logprobs(st.logprobs) if want_lp else None,
-        }
-        for idx, st in sorted(acc.choices.items())
-    ]
-    return SafeJSONResponse({"id": rid, "prompt_token_ids": ids, "outputs": outputs, "usage": acc.usage()})
+    return await gen.respond(req.stream, chunk, final)

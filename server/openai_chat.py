@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from stepserve.server.errors import SafeJSONResponse, bad_request
+from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import chat_logprobs
-from stepserve.server.openai_common import Accumulator, sampling_kwargs
+from stepserve.server.openai_common import sampling_kwargs
 from stepserve.server.protocol import ChatCompletionRequest
-from stepserve.server.serving import EngineClient, merge, new_id, until_disconnected
-from stepserve.server.sse import DONE, SSEResponse, event
+from stepserve.server.serving import EngineClient, new_id
 
 
 def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[int]:
@@ -52,67 +51,40 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
         logits_processor_factory=factory,
     )
     rid = new_id("chatcmpl")
-    ticket = client.acquire(1)
-    try:
-        streams = await until_disconnected(request, client.open([ids], [params], rid, names))
-    except BaseException:
-        ticket.release()
-        raise
-    acc = Accumulator(req.n, [len(ids)])
-
-    async def cleanup():
-        try:
-            for s in streams:
-                await s.aclose()
-        finally:
-            ticket.release()
+    gen = await client.start(request, [ids], [params], rid, req.n, names)
+    acc = gen.acc
 
     def head(obj: str, choices, **extra):
         return {"id": rid, "object": obj, "created": acc.created, "model": client.settings.served_model_name,
                 "system_fingerprint": None, "choices": choices, **extra}
 
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        extra = {"usage": None} if include_usage else {}
-        chunk = "chat.completion.chunk"
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+    chunk_obj = "chat.completion.chunk"
 
-        async def body():
-            try:
-                yield event(head(chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None} for i in range(req.n)], **extra))
-                async for i, out in merge(streams):
-                    choices = []
-                    for idx, o in acc.add(i, out):
-                        if not o.text and not o.token_ids and o.finish_reason is None:
-                            continue
-                        lp = chat_logprobs(client.texts, o.logprobs or []) if req.logprobs else None
-                        delta = {"content": o.text} if o.text else {}
-                        choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason})
-                    if choices:
-                        yield event(head(chunk, choices, **extra))
-                if include_usage:
-                    yield event(head(chunk, [], usage=acc.usage()))
-                yield DONE
-            finally:
-                await cleanup()
+    def chunk(out, deltas):
+        choices = []
+        for idx, o in deltas:
+            if not o.text and not o.token_ids and o.finish_reason is None:
+                continue
+            lp = chat_logprobs(client.texts, o.logprobs or []) if req.logprobs else None
+            delta = {"content": o.text} if o.text else {}
+            choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason})
+        return head(chunk_obj, choices, **extra) if choices else None
 
-        return SSEResponse(body(), cleanup)
+    def final():
+        choices = [
+            {
+                "index": idx,
+                "message": {"role": "assistant", "content": "".join(st.text), "refusal": None},
+                "logprobs": chat_logprobs(client.texts, st.logprobs) if req.logprobs else None,
+                "finish_reason": st.finish_reason,
+            }
+            for idx, st in sorted(acc.choices.items())
+        ]
+        return head("chat.completion", choices, usage=acc.usage())
 
-    async def collect():
-        async for i, out in merge(streams):
-            acc.add(i, out)
-
-    try:
-        await until_disconnected(request, collect())
-    finally:
-        await cleanup()
-    choices = [
-        {
-            "index": idx,
-            "message": {"role": "assistant", "content": "".join(st.text), "refusal": None},
-            "logprobs": chat_logprobs(client.texts, st.logprobs) if req.logprobs else None,
-            "finish_reason": st.finish_reason,
-        }
-        for idx, st in sorted(acc.choices.items())
-    ]
-    return SafeJSONResponse(head("chat.completion", choices, usage=acc.usage()))
+    first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None} for i in range(req.n)], **extra)]
+    last = (lambda: head(chunk_obj, [], usage=acc.usage())) if include_usage else None
+    return await gen.respond(req.stream, chunk, final, first, last)

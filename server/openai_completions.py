@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
-from stepserve.server.errors import SafeJSONResponse, bad_request
+from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import completion_logprobs
-from stepserve.server.openai_common import Accumulator, sampling_kwargs
+from stepserve.server.openai_common import sampling_kwargs
 from stepserve.server.protocol import CompletionRequest
-from stepserve.server.serving import EngineClient, merge, new_id, until_disconnected
-from stepserve.server.sse import DONE, SSEResponse, event
+from stepserve.server.serving import EngineClient, new_id
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -53,74 +52,49 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         for ids, _ in prompts
     ]
     rid = new_id("cmpl")
-    ticket = client.acquire(len(prompts))
-    try:
-        streams = await until_disconnected(request, client.open([p for p, _ in prompts], params, rid, _NAMES))
-    except BaseException:
-        ticket.release()
-        raise
-    acc = Accumulator(req.n, [len(ids) for ids, _ in prompts])
+    gen = await client.start(request, [p for p, _ in prompts], params, rid, req.n, _NAMES)
+    acc = gen.acc
     echoes = [(text if text is not None else client.tokenizer.decode(ids)) if req.echo else ""
               for ids, text in prompts]
-
-    async def cleanup():
-        try:
-            for s in streams:
-                await s.aclose()
-        finally:
-            ticket.release()
 
     def head(choices, **extra):
         return {"id": rid, "object": "text_completion", "created": acc.created, "model": client.settings.served_model_name,
                 "choices": choices, **extra}
 
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        extra = {"usage": None} if include_usage else {}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    extra = {"usage": None} if include_usage else {}
+    offsets = {}  # choice index -> text offset of its next logprob (streamed)
 
-        async def body():
-            try:
-                offsets = {}
-                if req.echo:
-                    for i, text in enumerate(echoes):
-                        for b in range(req.n):
-                            offsets[i * req.n + b] = len(text)
-                            yield event(head([{"index": i * req.n + b, "text": text, "logprobs": None,
-                                               "finish_reason": None}], **extra))
-                async for i, out in merge(streams):
-                    choices = []
-                    for idx, o in acc.add(i, out):
-                        lp = None
-                        if req.logprobs is not None:
-                            lp, offsets[idx] = completion_logprobs(client.texts, o.logprobs or [], offsets.get(idx, 0))
-                        if not o.text and not o.token_ids and o.finish_reason is None:
-                            continue
-                        choices.append({"index": idx, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
-                    if choices:
-                        yield event(head(choices, **extra))
-                if include_usage:
-                    yield event(head([], usage=acc.usage()))
-                yield DONE
-            finally:
-                await cleanup()
+    def first():
+        if req.echo:
+            for i, text in enumerate(echoes):
+                for b in range(req.n):
+                    offsets[i * req.n + b] = len(text)
+                    yield head([{"index": i * req.n + b, "text": text, "logprobs": None, "finish_reason": None}],
+                               **extra)
 
-        return SSEResponse(body(), cleanup)
+    def chunk(out, deltas):
+        choices = []
+        for idx, o in deltas:
+            lp = None
+            if req.logprobs is not None:
+                lp, offsets[idx] = completion_logprobs(client.texts, o.logprobs or [], offsets.get(idx, 0))
+            if not o.text and not o.token_ids and o.finish_reason is None:
+                continue
+            choices.append({"index": idx, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
+        return head(choices, **extra) if choices else None
 
-    async def collect():
-        async for i, out in merge(streams):
-            acc.add(i, out)
+    def final():
+        choices = []
+        for idx in sorted(acc.choices):
+            st = acc.choices[idx]
+            echo = echoes[idx // req.n]
+            lp = None
+            if req.logprobs is not None:
+                lp, _ = completion_logprobs(client.texts, st.logprobs, len(echo))
+            choices.append({"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
+                            "finish_reason": st.finish_reason})
+        return head(choices, usage=acc.usage())
 
-    try:
-        await until_disconnected(request, collect())
-    finally:
-        await cleanup()
-    choices = []
-    for idx in sorted(acc.choices):
-        st = acc.choices[idx]
-        echo = echoes[idx // req.n]
-        lp = None
-        if req.logprobs is not None:
-            lp, _ = completion_logprobs(client.texts, st.logprobs, len(echo))
-        choices.append({"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
-                        "finish_reason": st.finish_reason})
-    return SafeJSONResponse(head(choices, usage=acc.usage()))
+    last = (lambda: head([], usage=acc.usage())) if include_usage else None
+    return await gen.respond(req.stream, chunk, final, first(), last)

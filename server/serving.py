@@ -1,6 +1,10 @@
 """Between the routes and the `AsyncEngine`: prompt checks, submission, latency
 metrics, merging the streams of a multi-prompt request, and client disconnects.
 
+A route translates its request, then `client.start(...)` admits it and opens
+its streams, and the `Generation` it returns answers: as SSE, with the route's
+`chunk` rendering each delta, or collected whole into the route's `final` JSON.
+
 A request is submitted and *primed* (its first output delta awaited) before any
 response byte is sent, so an error the engine raises while adding it becomes a
 clean 400 rather than a broken stream. Leaving a stream early (client gone,
@@ -14,17 +18,19 @@ import asyncio
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Sequence
+from typing import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from starlette.requests import Request
 
-from stepserve.engine.request import RequestOutput
+from stepserve.engine.request import CompletionOutput, RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.server.admission import Admission, Ticket
-from stepserve.server.errors import APIError, bad_request
+from stepserve.server.errors import APIError, SafeJSONResponse, bad_request
 from stepserve.server.grammar import GrammarCompiler
 from stepserve.server.logprobs import TokenTexts
 from stepserve.server.metrics import ServerMetrics
+from stepserve.server.openai_common import Accumulator
+from stepserve.server.sse import DONE, SSEResponse, event
 
 
 @dataclass
@@ -175,6 +181,77 @@ async def until_disconnected(request: Request, aw: Awaitable):
     raise ClientDisconnected()
 
 
+# (delta, [(choice index, that choice's delta)] as recorded by the Accumulator) -> SSE payload, or None for no event
+RenderChunk = Callable[[RequestOutput, "list[tuple[int, CompletionOutput]]"], "dict | None"]
+
+
+class Generation:
+    """The engine work of one admitted HTTP request: its primed streams, the
+    admission ticket they hold and the Accumulator of their deltas. Answer with
+    `respond` (or `sse` / `collect`); whichever way the response ends, the
+    streams close and the ticket is released."""
+
+    def __init__(self, request: Request, streams: list[Stream], ticket: Ticket, acc: Accumulator):
+        self.request = request
+        self.streams = streams
+        self.ticket = ticket
+        self.acc = acc
+
+    async def aclose(self) -> None:
+        try:
+            for s in self.streams:
+                await s.aclose()
+        finally:
+            self.ticket.release()
+
+    async def respond(
+        self,
+        stream: bool,
+        chunk: RenderChunk,
+        final: Callable[[], dict],
+        first: Iterable[dict] = (),
+        last: Callable[[], dict | None] | None = None,
+    ):
+        """An SSE response (see `sse`) if `stream`, else everything collected
+        and `final()` as JSON."""
+        if stream:
+            return self.sse(chunk, first, last)
+        await self.collect()
+        return SafeJSONResponse(final())
+
+    def sse(self, chunk: RenderChunk, first: Iterable[dict] = (), last: Callable[[], dict | None] | None = None):
+        """Events: each of `first` (iterated once the response starts), then
+        `chunk(...)` per delta, then `last()`, where not None; then `[DONE]`."""
+        async def body():
+            try:
+                for obj in first:
+                    yield event(obj)
+                async for i, out in merge(self.streams):
+                    obj = chunk(out, self.acc.add(i, out))
+                    if obj is not None:
+                        yield event(obj)
+                obj = last() if last is not None else None
+                if obj is not None:
+                    yield event(obj)
+                yield DONE
+            finally:
+                await self.aclose()
+
+        return SSEResponse(body(), self.aclose)
+
+    async def collect(self) -> None:
+        """Every delta into the Accumulator; a client that leaves first gets
+        ClientDisconnected (and its engine requests are aborted)."""
+        async def drain():
+            async for i, out in merge(self.streams):
+                self.acc.add(i, out)
+
+        try:
+            await until_disconnected(self.request, drain())
+        finally:
+            await self.aclose()
+
+
 class EngineClient:
     """What the routes need from the engine, checked the way the engine would."""
 
@@ -274,6 +351,26 @@ class EngineClient:
                 raise APIError(503, f"The engine is not available: {err}", "server_error")
             raise err
         return [Stream(g, first, t, start, self.metrics, self.async_engine.abort) for g, (first, t) in zip(gens, results)]
+
+    async def start(
+        self,
+        request: Request,
+        prompts: Sequence[list[int]],
+        params: Sequence[SamplingParams],
+        request_id: str,
+        n: int,
+        names: dict[str, str] | None = None,
+    ) -> Generation:
+        """Admits the request (one slot per prompt, or 429), then opens its
+        streams (see `open`) unless the client leaves first; on any failure the
+        slots are given back."""
+        ticket = self.acquire(len(prompts))
+        try:
+            streams = await until_disconnected(request, self.open(prompts, params, request_id, names))
+        except BaseException:
+            ticket.release()
+            raise
+        return Generation(request, streams, ticket, Accumulator(n, [len(p) for p in prompts]))
 
     def acquire(self, k: int) -> Ticket:
         try:

@@ -10,6 +10,7 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
 
 from stepserve import AsyncEngine
@@ -105,6 +106,27 @@ def parse_metrics(text: str) -> dict[str, float]:
         if m:
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
+
+
+def server_fixtures(model: str, api_key: str, **engine_kwargs):
+    """Module-scoped `srv` (a ServerThread on the llama test checkpoint) and
+    `client` (a sync openai client for it) fixtures:
+    `srv, client = server_fixtures(MODEL, KEY, kv_slots=..., max_running=...)`."""
+
+    @pytest.fixture(scope="module")
+    def srv(llama_ckpt):
+        with ServerThread(llama_ckpt, served_model_name=model, api_key=api_key, **engine_kwargs) as s:
+            yield s
+
+    @pytest.fixture(scope="module")
+    def client(srv):
+        import openai
+
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=api_key, max_retries=0, timeout=60)
+        yield c
+        c.close()
+
+    return srv, client
 
 
 @contextlib.contextmanager

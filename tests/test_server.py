@@ -10,23 +10,13 @@ import httpx
 import openai
 import pytest
 
-from server_util import ServerThread
+from server_util import server_fixtures
 
 MODEL = "test-model"
 KEY = "sk-test-key"
 
 
-@pytest.fixture(scope="module")
-def srv(llama_ckpt):
-    with ServerThread(llama_ckpt, served_model_name=MODEL, api_key=KEY, kv_slots=16384, max_running=64) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    yield c
-    c.close()
+srv, client = server_fixtures(MODEL, KEY, kv_slots=16384, max_running=64)
 
 
 @pytest.fixture(scope="module")

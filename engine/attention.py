@@ -94,6 +94,8 @@ class TorchAttention:
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         self.pool.write(layer, fb.out_slots, k, v)
         out = torch.empty_like(q)
+        if fb.num_padding:
+            out[-fb.num_padding :].zero_()  # belongs to no row; keep it finite
         nd = fb.num_decode
         if nd and self.kernel is not None:
             out[:nd] = self.kernel.paged_decode(

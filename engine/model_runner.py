@@ -39,6 +39,12 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler or Sampler()
         self.vocab_size = model.config.vocab_size
+        # bf16 matmuls on CPU (oneDNN) build a kernel per input shape on first
+        # sight (~1 ms per matmul, measured); the step's token count changes
+        # every step, so it is padded to a small set of shapes. float32 (MKL)
+        # has no such cost, and CUDA graphs bring their own buckets.
+        dtype = next(model.parameters()).dtype
+        self.pad_tokens = device.type == "cpu" and dtype == torch.bfloat16
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
         dev = self.device
@@ -56,6 +62,11 @@ class ModelRunner:
             pos.extend(range(r.start, r.start + r.num_new))
             last_index.append(len(ids) - 1)
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
+        real = len(ids)
+        pad = self.token_bucket(real) - real if self.pad_tokens else 0
+        if pad:
+            ids.extend([0] * pad)
+            pos.extend([0] * pad)
         positions = torch.tensor(pos, dtype=torch.long)
         decode_rows = decode_lens = None
         if nd:
@@ -64,14 +75,22 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=positions.to(dev),
-            out_slots=plan.slots.to(dev),
+            out_slots=(plan.slots if not pad else torch.cat([plan.slots, plan.slots.new_zeros(pad)])).to(dev),
             num_decode=nd,
             req_to_token=table,
             decode_rows=decode_rows,
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
             logits_indices=torch.tensor([last_index[i] for i, _ in plan.samples], dtype=torch.long, device=dev),
+            num_padding=pad,
         )
+
+    @staticmethod
+    def token_bucket(n: int) -> int:
+        """Token count rounded up to one of ~50 shapes: multiples of 8 up to 64,
+        of 16 up to 256, of 64 beyond."""
+        step = 8 if n <= 64 else 16 if n <= 256 else 64
+        return -(-n // step) * step
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> StepOutput:

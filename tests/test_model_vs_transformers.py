@@ -121,23 +121,33 @@ def test_no_prefix_caching_same_tokens(ckpt_factory):
     assert llm.engine.scheduler.kv.tree.total_size() == 0
 
 
+@pytest.mark.parametrize("backend", ["torch", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_bfloat16_logprobs_match_transformers(ckpt_factory, arch):
-    """bf16 vs bf16: first-token logprobs agree within 0.05 nats (bf16 has ~3
-    significant digits; the two implementations round in different places)."""
+def test_bfloat16_logprobs_match_transformers(ckpt_factory, arch, backend):
+    """bf16 vs bf16, stated tolerances (bf16 keeps ~3 significant digits):
+    - prefill (first generated token): within 0.05 nats;
+    - decode steps: within 0.1 nats. Decode attention reads bf16 KV from the
+      pool and reduces in a different order than the reference's full-context
+      forward (the native CPU kernel even accumulates in float32), so rounding
+      differs; measured worst cases on these checkpoints are 0.06-0.07.
+    Three prompts in one batch (43 tokens: on CPU the step is padded to a shape
+    bucket), checked at generated positions 0 and 2."""
     path = ckpt_factory(arch, dtype=torch.bfloat16)
-    prompt = prompts_of([24])[0]
+    prompts = prompts_of([24, 5, 14])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), -1)
-    llm = LLM(path, dtype="bfloat16")
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, logprobs=20, **GREEDY))[0].outputs[0]
-    lp = out.logprobs[0]
-    assert lp.token_id == int(ref.argmax()) or abs(float(ref.max()) - lp.logprob) < 0.05
-    for tok, val in lp.top:
-        assert abs(float(ref[tok]) - val) < 0.05, (tok, float(ref[tok]), val)
-    assert [t for t, _ in lp.top][:5] == ref.topk(20).indices.tolist()[:5] or max(
-        abs(float(ref[t]) - v) for t, v in lp.top) < 0.05
+    llm = LLM(path, dtype="bfloat16", attention_backend=backend)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3, logprobs=20, **GREEDY))
+    for prompt, out in zip(prompts, outs):
+        o = out.outputs[0]
+        for k in (0, 2):
+            tol = 0.1 if k else 0.05
+            ctx = prompt + o.token_ids[:k]
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([ctx])).logits[0, -1].float(), -1)
+            lp = o.logprobs[k]
+            for tok, val in lp.top:
+                assert abs(float(ref[tok]) - val) < tol, (k, tok, float(ref[tok]), val)
+            assert abs(float(ref[lp.token_id]) - lp.logprob) < tol
 
 
 def test_sharded_checkpoint_loads(ckpt_factory, tmp_path):

@@ -203,10 +203,17 @@ def run(args) -> int:
             runners.append(HFContinuousRunner(hf, args.concurrency))
         else:
             notes["hf-continuous"] = "transformers has no generate_batch in this version"
-    # warm-up (allocator, kernels, lazy init) on a few prompts, untimed
+    # Warm-up, untimed: one full pass of the first workload per path. Kernel
+    # libraries (oneDNN for bf16 on CPU) build a primitive per matmul shape on
+    # first sight, and every step has a different token count; a short warm-up
+    # would leave that cost inside the first timed repeat.
+    warm_lens = output_lengths(args.workloads.split(",")[0], len(prompts), args.output_len, args.bench_seed)
     for r in list(runners):
         try:
-            r.run(prompts[:4], [4] * 4)
+            _progress(f"warm-up: {r.name}")
+            r.run(prompts, warm_lens)
+        except Unsupported:
+            pass
         except Exception as e:  # an optional comparison path must not kill the run
             notes[r.name] = f"failed: {e!r}"
             runners.remove(r)

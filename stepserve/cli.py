@@ -1,4 +1,4 @@
-"""`stepserve` command line: serve, generate, bench."""
+"""`stepserve` command line: serve, generate, bench, replay, simulate, profile."""
 
 from __future__ import annotations
 
@@ -86,6 +86,30 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p_off)
     add_offline_args(p_off)
     p_off.set_defaults(func=run_offline)
+
+    from stepserve.traces.bench_serve import add_args as add_serve_bench_args, run as run_serve_bench
+
+    p_bs = bsub.add_parser("serve", help="HTTP serving latency/throughput, against the offline path in one run")
+    add_engine_args(p_bs)
+    add_serve_bench_args(p_bs)
+    p_bs.set_defaults(func=run_serve_bench)
+
+    from stepserve.traces.profile import add_profile_args, run_profile
+    from stepserve.traces.replay_cli import add_replay_args, run_replay
+    from stepserve.traces.simulate_cli import add_simulate_args, run_simulate
+
+    p_replay = sub.add_parser("replay", help="replay a trace against a server; goodput report (or --compare reports)")
+    add_replay_args(p_replay)
+    p_replay.set_defaults(func=run_replay)
+
+    p_sim = sub.add_parser("simulate", help="simulate a trace: the real scheduler on a virtual clock")
+    add_simulate_args(p_sim)
+    p_sim.set_defaults(func=run_simulate)
+
+    p_prof = sub.add_parser("profile", help="time engine steps over a sweep, fit the step-latency model")
+    add_engine_args(p_prof)
+    add_profile_args(p_prof)
+    p_prof.set_defaults(func=run_profile)
 
     args = parser.parse_args(argv)
     return args.func(args) or 0

@@ -1,0 +1,300 @@
+"""The step-latency model: predicted wall time of one step from its shape.
+
+One model serves the step policies (what would this plan cost?) and the
+simulator (how far does the virtual clock move?). Forms, all linear in their
+coefficients and fitted by least squares:
+
+  taper        T = a + b*rows + c*context_tokens                 (TAPER's predictor)
+  linear       T = a + b*rows + c*context_tokens + d*new_tokens  (the default)
+  linear+attn  linear + e*prefill_pairs
+
+`prefill_pairs` counts the (query, key) pairs of the prefill chunks' causal
+attention, sum of num_new*start + num_new*(num_new+1)/2 over rows with more
+than one new token: the one cost that grows quadratically in a chunk, which
+`context_tokens` (linear) misses. Decode rows are covered by context_tokens.
+
+The fit minimises *relative* squared error (each step weighted by 1/T): step
+times span orders of magnitude (one decode row vs a 2048-token prefill), and
+plain least squares would fit the big steps and leave the small ones -- the
+common case -- with large relative errors.
+
+`OnlineLatencyModel` refits on a rolling window of observed steps (TAPER
+authors' defaults: last 200 steps, at least 32 samples, every 600 s), pulled
+towards the offline fit by a small ridge term so that a window with little
+variety (e.g. only decode steps, where rows == new_tokens) cannot drive the
+coefficients anywhere absurd. It is a `StepPolicy` that only observes.
+
+Profiles (JSON, written by `stepserve profile` or computed by `roofline.py`)
+are loaded by `load_profile(path_or_name)`; built-in roofline profiles are
+named `DEVICE[xN]:MODEL` (e.g. `h100:llama3-8b`, `a10x8:llama2-70b`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+FORMS: dict[str, tuple[str, ...]] = {
+    "taper": ("const", "rows", "context_tokens"),
+    "linear": ("const", "rows", "context_tokens", "new_tokens"),
+    "linear+attn": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs"),
+}
+PROFILE_KIND = "stepserve-latency-profile"
+
+
+@dataclass(slots=True)
+class StepFeatures:
+    rows: int
+    context_tokens: int
+    new_tokens: int
+    prefill_pairs: float = 0.0
+
+    def vector(self, form: str) -> list[float]:
+        return [1.0 if n == "const" else float(getattr(self, n)) for n in FORMS[form]]
+
+
+def plan_features(plan) -> StepFeatures:
+    """Features of a `StepPlan`, in one pass over its rows."""
+    ctx = new = 0
+    pairs = 0
+    for r in plan.rows:
+        n = r.num_new
+        s = r.start
+        new += n
+        ctx += s + n
+        if n > 1:
+            pairs += n * s + n * (n + 1) // 2
+    return StepFeatures(len(plan.rows), ctx, new, float(pairs))
+
+
+def record_features(rec) -> StepFeatures:
+    """Features of a `StepRecord` (no per-row detail: prefill_pairs unknown, 0)."""
+    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, 0.0)
+
+
+class LatencyModel(Protocol):
+    form: str
+
+    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0) -> float: ...
+
+    def to_dict(self) -> dict: ...
+
+
+@dataclass
+class LinearLatencyModel:
+    form: str
+    coef: list[float]
+    min_s: float = 1e-6  # a prediction is never below this (a fitted intercept can be negative)
+
+    def __post_init__(self):
+        if self.form not in FORMS:
+            raise ValueError(f"unknown latency form {self.form!r} ({', '.join(FORMS)})")
+        if len(self.coef) != len(FORMS[self.form]):
+            raise ValueError(f"form {self.form} takes {len(FORMS[self.form])} coefficients, got {len(self.coef)}")
+        c = list(self.coef) + [0.0] * (5 - len(self.coef))
+        # the taper form has no new_tokens term: spread into fixed slots for a branch-free predict
+        if self.form == "taper":
+            c = [c[0], c[1], c[2], 0.0, 0.0]
+        self._c = tuple(float(x) for x in c)
+
+    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0) -> float:
+        a, b, c, d, e = self._c
+        t = a + b * rows + c * context_tokens + d * new_tokens + e * prefill_pairs
+        return t if t > self.min_s else self.min_s
+
+    def predict_features(self, f: StepFeatures) -> float:
+        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs)
+
+    def predict_plan(self, plan) -> float:
+        return self.predict_features(plan_features(plan))
+
+    def to_dict(self) -> dict:
+        return {"form": self.form, "terms": list(FORMS[self.form]), "coef": list(self.coef)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LinearLatencyModel":
+        return cls(d["form"], [float(x) for x in d["coef"]])
+
+    @classmethod
+    def fit(
+        cls,
+        feats: list[StepFeatures],
+        times: list[float] | np.ndarray,
+        form: str = "linear",
+        prior: "LinearLatencyModel | None" = None,
+        ridge: float = 0.0,
+    ) -> "LinearLatencyModel":
+        """Least squares on relative error; `ridge` > 0 pulls towards `prior`
+        (or towards zero), scaled per term by that term's own magnitude."""
+        X = np.array([f.vector(form) for f in feats], dtype=np.float64)
+        y = np.asarray(times, dtype=np.float64)
+        if len(y) == 0:
+            raise ValueError("no samples to fit")
+        w = 1.0 / np.maximum(y, 1e-9)
+        Xw = X * w[:, None]
+        yw = y * w
+        A = Xw.T @ Xw
+        rhs = Xw.T @ yw
+        if ridge > 0:
+            D = np.diag(np.maximum(np.diag(A), 1e-12)) * ridge
+            w0 = np.zeros(len(FORMS[form]))
+            if prior is not None and prior.form == form:
+                w0 = np.asarray(prior.coef, dtype=np.float64)
+            A = A + D
+            rhs = rhs + D @ w0
+            coef = np.linalg.solve(A, rhs)
+        else:
+            coef, *_ = np.linalg.lstsq(Xw, yw, rcond=None)
+        return cls(form, [float(x) for x in coef])
+
+
+def relative_errors(model, feats: list[StepFeatures], times) -> np.ndarray:
+    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats])
+    y = np.asarray(times, dtype=np.float64)
+    return np.abs(pred - y) / np.maximum(y, 1e-12)
+
+
+def error_summary(model, feats: list[StepFeatures], times) -> dict:
+    """Absolute percentage error of the predictions: median, p90, mean (fractions)."""
+    e = relative_errors(model, feats, times)
+    if e.size == 0:
+        return {"n": 0, "median_ape": None, "p90_ape": None, "mean_ape": None}
+    return {"n": int(e.size), "median_ape": float(np.median(e)), "p90_ape": float(np.percentile(e, 90)),
+            "mean_ape": float(e.mean())}
+
+
+class OnlineLatencyModel:
+    """Refits a linear model on the last `window` observed steps.
+
+    Until `min_samples` steps are in, it answers with `base` (the offline fit),
+    or -- without one -- reports itself uncalibrated (`calibrated` False; TAPER
+    runs eager until then). Refits when the minimum is first reached, then
+    every `refit_period_s` of `clock` time (the simulator passes its virtual
+    clock) or every `refit_every_steps` observed steps, whichever comes first.
+    """
+
+    name = "latency-model"
+
+    def __init__(
+        self,
+        base: LinearLatencyModel | None = None,
+        form: str | None = None,
+        window: int = 200,
+        min_samples: int = 32,
+        refit_period_s: float = 600.0,
+        refit_every_steps: int | None = None,
+        ridge: float = 1e-3,
+        target: str = "wall_s",
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.base = base
+        self.form = form or (base.form if base is not None else "linear")
+        self.window: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self.refit_period_s = refit_period_s
+        self.refit_every_steps = refit_every_steps
+        self.ridge = ridge
+        self.target = target
+        self.clock = clock
+        self.model: LinearLatencyModel | None = None
+        self.num_refits = 0
+        self._last_refit_t: float | None = None
+        self._since_refit = 0
+
+    @property
+    def calibrated(self) -> bool:
+        return self.model is not None or self.base is not None
+
+    def current(self) -> LinearLatencyModel | None:
+        return self.model if self.model is not None else self.base
+
+    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0) -> float:
+        m = self.current()
+        if m is None:
+            raise RuntimeError("latency model not calibrated yet (fewer than min_samples steps, no offline profile)")
+        return m.predict(rows, context_tokens, new_tokens, prefill_pairs)
+
+    # -- StepPolicy ------------------------------------------------------------
+    def plan(self, plan, view):
+        return plan
+
+    def observe(self, plan, record) -> None:
+        f = plan_features(plan) if plan is not None else record_features(record)
+        self.add(f, getattr(record, self.target))
+
+    def add(self, f: StepFeatures, t: float) -> None:
+        self.window.append((f, t))
+        self._since_refit += 1
+        if len(self.window) < self.min_samples:
+            return
+        now = self.clock()
+        due = (
+            self.model is None
+            or (self._last_refit_t is not None and now - self._last_refit_t >= self.refit_period_s)
+            or (self.refit_every_steps is not None and self._since_refit >= self.refit_every_steps)
+        )
+        if due:
+            self.refit(now)
+
+    def refit(self, now: float | None = None) -> LinearLatencyModel:
+        feats = [f for f, _ in self.window]
+        times = [t for _, t in self.window]
+        # Without an offline fit to lean on, only a whisker of ridge: enough to keep a
+        # rank-deficient window solvable, too little to bias a well-posed one.
+        ridge = self.ridge if self.base is not None else 1e-9
+        self.model = LinearLatencyModel.fit(feats, times, self.form, prior=self.base, ridge=ridge)
+        self.num_refits += 1
+        self._last_refit_t = self.clock() if now is None else now
+        self._since_refit = 0
+        return self.model
+
+
+# -- profiles -------------------------------------------------------------------
+
+
+@dataclass
+class Profile:
+    """A latency model plus what the simulator needs to size an engine like it."""
+
+    name: str
+    source: str  # "measured" | "roofline"
+    model: object  # LinearLatencyModel | RooflineLatencyModel
+    engine: dict = field(default_factory=dict)  # kv_slots, max_running, max_batched_tokens, max_context, vocab_size
+    data: dict = field(default_factory=dict)  # the whole JSON
+
+    def to_dict(self) -> dict:
+        return self.data
+
+
+def profile_from_dict(d: dict, name: str = "") -> Profile:
+    if d.get("kind") != PROFILE_KIND:
+        raise ValueError(f"not a stepserve latency profile (kind={d.get('kind')!r})")
+    lat = d["latency"]
+    if lat["form"] == "roofline":
+        from stepserve.scheduler.roofline import RooflineLatencyModel
+
+        model = RooflineLatencyModel.from_dict(lat)
+    else:
+        model = LinearLatencyModel.from_dict(lat)
+    return Profile(name=d.get("name") or name, source=d.get("source", "measured"), model=model,
+                   engine=dict(d.get("engine", {})), data=d)
+
+
+def load_profile(spec: str) -> Profile:
+    """A profile JSON path, or a built-in roofline profile `DEVICE[xN]:MODEL`."""
+    if os.path.isfile(spec):
+        with open(spec) as f:
+            return profile_from_dict(json.load(f), name=spec)
+    from stepserve.scheduler.roofline import is_builtin_name, roofline_profile
+
+    if is_builtin_name(spec):
+        return profile_from_dict(roofline_profile(spec), name=spec)
+    raise FileNotFoundError(
+        f"profile {spec!r}: no such file, and not a built-in roofline profile DEVICE[xN]:MODEL "
+        "(see `stepserve simulate --list-profiles`)")

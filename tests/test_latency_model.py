@@ -1,0 +1,228 @@
+"""Step-latency model: least-squares fits, the online refit, roofline profiles,
+profile files, and the `stepserve profile` sweep on a small random checkpoint.
+No timing thresholds: fits are checked on synthetic data with known answers."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from stepserve.scheduler.latency_model import (
+    FORMS, LinearLatencyModel, OnlineLatencyModel, StepFeatures, error_summary, load_profile, plan_features,
+)
+from stepserve.scheduler.roofline import (
+    DEVICES, MODELS, RooflineAssumptions, builtin_names, kv_slots, parse_name, roofline_profile,
+)
+
+
+def _feats(n=200, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        rows = int(rng.integers(1, 64))
+        new = rows + int(rng.integers(0, 2)) * int(rng.integers(1, 512))
+        ctx = rows * int(rng.integers(1, 2000)) + new
+        pairs = float(rng.integers(0, 100_000)) if new > rows else 0.0
+        out.append(StepFeatures(rows, ctx, new, pairs))
+    return out
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fit_recovers_coefficients(form):
+    true = {"taper": [2e-3, 1e-4, 3e-7], "linear": [2e-3, 1e-4, 3e-7, 5e-6],
+            "linear+attn": [2e-3, 1e-4, 3e-7, 5e-6, 1e-9]}[form]
+    ref = LinearLatencyModel(form, true)
+    feats = _feats()
+    times = [ref.predict_features(f) for f in feats]
+    fit = LinearLatencyModel.fit(feats, times, form)
+    assert fit.coef == pytest.approx(true, rel=1e-6, abs=1e-12)
+    assert error_summary(fit, feats, times)["median_ape"] < 1e-9
+
+
+def test_fit_is_relative_least_squares():
+    # one huge step and many small ones: relative weighting fits the small ones
+    feats = [StepFeatures(1, 10 + i, 1) for i in range(50)] + [StepFeatures(1, 100_000, 2048)]
+    times = [1e-3 + 1e-7 * f.context_tokens for f in feats[:-1]] + [10.0]
+    fit = LinearLatencyModel.fit(feats, times, "linear")
+    errs = [abs(fit.predict_features(f) - t) / t for f, t in zip(feats[:-1], times[:-1])]
+    assert max(errs) < 0.05
+
+
+def test_model_dict_roundtrip_and_floor():
+    m = LinearLatencyModel("linear", [-1.0, 0.0, 0.0, 0.0])
+    assert m.predict(1, 1, 1) == m.min_s  # a negative intercept never gives a negative time
+    m = LinearLatencyModel("taper", [1e-3, 2e-4, 1e-7])
+    back = LinearLatencyModel.from_dict(json.loads(json.dumps(m.to_dict())))
+    assert back.coef == m.coef and back.predict(4, 100, 999) == pytest.approx(1e-3 + 8e-4 + 1e-5)
+    with pytest.raises(ValueError):
+        LinearLatencyModel("linear", [1.0, 2.0])
+
+
+def test_plan_features():
+    from stepserve.scheduler.plan import ScheduledRow, StepPlan
+    from stepserve.scheduler.sequence import Sequence
+
+    seq = Sequence(0, [1] * 10, 10, 5, 0.0)
+    plan = StepPlan(rows=[ScheduledRow(seq, 9, 1, True), ScheduledRow(seq, 4, 6, True), ScheduledRow(seq, 0, 3, False)])
+    f = plan_features(plan)
+    # context 10 + 10 + 3; new 1 + 6 + 3; prefill pairs: 6*4 + 21, 3*0 + 6
+    assert (f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) == (3, 23, 10, 51.0)
+
+
+class FakeRecord:
+    def __init__(self, f: StepFeatures, t: float):
+        self.rows, self.context_tokens, self.new_tokens, self.wall_s = f.rows, f.context_tokens, f.new_tokens, t
+
+
+def test_online_refit_window_and_period():
+    now = [0.0]
+    truth = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    m = OnlineLatencyModel(window=50, min_samples=10, refit_period_s=100.0, clock=lambda: now[0])
+    assert not m.calibrated
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        m.predict(1, 1, 1)
+    feats = _feats(300, seed=1)
+    for f in feats[:9]:
+        m.observe(None, FakeRecord(f, truth.predict_features(f)))
+    assert not m.calibrated
+    m.observe(None, FakeRecord(feats[9], truth.predict_features(feats[9])))
+    assert m.calibrated and m.num_refits == 1
+    assert m.model.coef == pytest.approx(truth.coef, rel=1e-3)
+    # the machine gets 2x slower: no refit until the period has passed...
+    slow = LinearLatencyModel("linear", [2 * c for c in truth.coef])
+    for f in feats[10:70]:
+        m.observe(None, FakeRecord(f, slow.predict_features(f)))
+    assert m.num_refits == 1
+    now[0] = 150.0
+    m.observe(None, FakeRecord(feats[70], slow.predict_features(feats[70])))
+    assert m.num_refits == 2
+    assert len(m.window) == 50  # the window holds only slow steps now
+    assert m.model.coef == pytest.approx(slow.coef, rel=1e-3)
+
+
+def test_online_ridge_keeps_prior_on_degenerate_window():
+    prior = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    m = OnlineLatencyModel(base=prior, min_samples=32, refit_every_steps=32)
+    assert m.calibrated and m.predict(4, 400, 4) == prior.predict(4, 400, 4)
+    # decode only: rows == new_tokens, so their split is not identifiable from the data
+    for i in range(64):
+        f = StepFeatures(8, 8 * (100 + i), 8)
+        m.observe(None, FakeRecord(f, prior.predict_features(f)))
+    assert m.num_refits == 2
+    assert m.predict(8, 900, 8) == pytest.approx(prior.predict(8, 900, 8), rel=1e-3)
+    assert all(np.isfinite(m.model.coef))
+
+
+# -- roofline -------------------------------------------------------------------
+
+
+def test_model_shapes_match_published_sizes():
+    # parameter counts as published (billions)
+    for key, billions in {"llama3-8b": 8.03, "llama3-70b": 70.55, "llama2-70b": 68.98, "qwen3-8b": 8.19,
+                          "qwen3-32b": 32.76, "llama2-7b": 6.74}.items():
+        assert MODELS[key].params / 1e9 == pytest.approx(billions, abs=0.02), key
+    assert MODELS["llama3-8b"].kv_bytes_per_token() == 131072  # 32 layers x 8 heads x 128 x K,V x bf16
+
+
+def test_roofline_decode_is_memory_bound_and_tp_helps():
+    p = load_profile("h100:llama3-8b")
+    assert p.source == "roofline" and p.data["source"] == "roofline"
+    m = p.model
+    a = RooflineAssumptions()
+    weights = MODELS["llama3-8b"].params * 2
+    one = m.predict(1, 1000, 1)
+    assert one == pytest.approx(a.overhead_s + (weights + 131072 * 1001) / (3350e9 * a.mem_eff), rel=1e-9)
+    # a big prefill is compute-bound: time grows ~linearly with tokens
+    t4k, t8k = m.predict(1, 4096, 4096, 4096 * 4097 / 2), m.predict(1, 8192, 8192, 8192 * 8193 / 2)
+    assert 1.8 < t8k / t4k < 2.3
+    tp8 = load_profile("h100x8:llama3-8b").model
+    assert tp8.predict(1, 1000, 1) < one
+    assert tp8.allreduces_per_step == 64
+    # more devices, more KV room
+    assert load_profile("h100x8:qwen3-32b").engine["kv_slots"] > load_profile("h100x2:qwen3-32b").engine["kv_slots"]
+
+
+def test_roofline_names_and_fit_checks():
+    assert parse_name("a10x8:llama2-70b") == ("a10", 8, "llama2-70b")
+    assert parse_name("H100:Llama3-8B") == ("h100", 1, "llama3-8b")
+    for bad in ("h100", "tpu:llama3-8b", "h100:gpt5", "h100x:llama3-8b"):
+        with pytest.raises(ValueError):
+            parse_name(bad)
+    with pytest.raises(ValueError, match="does not fit"):
+        roofline_profile("l4:llama3-70b")
+    prof = roofline_profile("a10x8:llama2-70b")
+    assert prof["engine"]["kv_slots"] == kv_slots(DEVICES["a10"], 8, MODELS["llama2-70b"], RooflineAssumptions())
+    assert prof["engine"]["max_context"] == 4096 and prof["source"] == "roofline"
+    assert "h200x4:qwen3-8b" in builtin_names()
+
+
+def test_load_profile_file_and_errors(tmp_path):
+    prof = roofline_profile("h200:qwen3-8b")
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(prof))
+    loaded = load_profile(str(p))
+    assert loaded.model.predict(3, 300, 3) == load_profile("h200:qwen3-8b").model.predict(3, 300, 3)
+    with pytest.raises(FileNotFoundError):
+        load_profile(str(tmp_path / "missing.json"))
+    p.write_text(json.dumps({"kind": "something-else"}))
+    with pytest.raises(ValueError, match="not a stepserve latency profile"):
+        load_profile(str(p))
+
+
+# -- the profile sweep on the engine -----------------------------------------------
+
+
+def test_profile_command_writes_a_fitted_profile(llama_ckpt, tmp_path, capsys):
+    from stepserve.cli import main
+
+    out = tmp_path / "prof.json"
+    rc = main(["profile", "--model", llama_ckpt, "--batch-sizes", "1,4", "--context-lens", "16,48",
+               "--chunk-sizes", "32", "--mixed-batch-sizes", "2", "--repeats", "3", "--warmup", "1",
+               "--max-batched-tokens", "256", "--out", str(out)])
+    assert rc == 0
+    prof = json.loads(out.read_text())
+    assert prof["source"] == "measured" and prof["target"] == "wall_s"
+    assert prof["latency"]["form"] in FORMS and len(prof["latency"]["coef"]) == len(FORMS[prof["latency"]["form"]])
+    assert set(prof["forms"]) == set(FORMS)
+    scenarios = {p["scenario"] for p in prof["points"]}
+    assert scenarios == {"decode", "prefill", "mixed"}
+    assert prof["heldout"]["num_test_points"] >= 1 and prof["heldout"]["points"]["median_ape"] is not None
+    assert prof["engine"]["max_batched_tokens"] == 256 and prof["engine"]["kv_slots"] > 0
+    # usable wherever a profile is
+    p = load_profile(str(out))
+    assert p.source == "measured" and p.model.predict(4, 100, 4) > 0
+    assert math.isfinite(p.model.predict(1, 32, 32, 528.0))
+    assert "held-out" in capsys.readouterr().out
+
+
+def test_fit_with_terms_and_request_overhead():
+    """TTFT points = overhead + half a decode step + a mixed step: the joint fit
+    recovers the step coefficients and the overhead."""
+    from stepserve.traces.profile import fit_and_evaluate, fit_points
+
+    truth = LinearLatencyModel("linear", [3e-3, 2e-4, 1e-6, 5e-5])
+    overhead = 7e-3
+    points = []
+    for b in (1, 2, 4, 8, 16, 32):
+        for ctx in (16, 128, 400):
+            f = StepFeatures(b, b * ctx, b)
+            points.append({"features": f, "time": truth.predict_features(f), "raw": [(f, truth.predict_features(f))]})
+    for p in (16, 64, 256):
+        f = StepFeatures(1, p, p, p * (p + 1) / 2)
+        t = overhead + truth.predict_features(f)
+        points.append({"features": f, "time": t, "raw": [(f, t)], "from_request": True})
+        for b in (4, 16):
+            d = StepFeatures(b, b * 100, b)
+            m = StepFeatures(b + 1, b * 100 + p, b + p, p * (p + 1) / 2)
+            t = overhead + 0.5 * truth.predict_features(d) + truth.predict_features(m)
+            points.append({"features": m, "time": t, "raw": [(m, t)], "from_request": True,
+                           "terms": [(0.5, d), (1.0, m)]})
+    fit = fit_points(points, "linear")
+    assert fit.model.coef == pytest.approx(truth.coef, rel=1e-6)
+    assert fit.request_overhead_s == pytest.approx(overhead, rel=1e-6)
+    res = fit_and_evaluate(points, 0.25, seed=0)
+    assert res["form"] in ("linear", "linear+attn") and res["folds"] == 4
+    assert res["heldout"]["points"]["median_ape"] < 1e-6

@@ -1,0 +1,190 @@
+"""The simulator: the real scheduler on a virtual clock. Determinism with a
+fixed seed, exact virtual timings under a constant latency model, retraction
+and prefix hits through the real KV manager, policies observing every step,
+and the CLI end to end (report, plot, compare)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from stepserve.scheduler.latency_model import LinearLatencyModel, load_profile
+from stepserve.traces.metrics import SLO
+from stepserve.traces.report import build_report
+from stepserve.traces.request_spec import RequestSpec, Segment
+from stepserve.traces.simulator import SimConfig, Simulator
+from stepserve.traces.synthetic import SyntheticConfig, generate
+
+CONST_1MS = LinearLatencyModel("linear", [1e-3, 0.0, 0.0, 0.0])
+
+
+def _spec(i, t, plen, olen, n=1, key=None):
+    return RequestSpec(f"r{i}", t, olen, (Segment(key or f"own{i}", plen),), n=n)
+
+
+def test_virtual_clock_timings_are_exact():
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100))
+    res = sim.run([_spec(0, 0.0, 10, 5), _spec(1, 0.0105, 10, 1)])
+    a, b = res.records
+    # prefill step ends at 1 ms with the first token; 4 decode steps of 1 ms each
+    assert a.first_token_s == pytest.approx(1e-3) and a.end_s == pytest.approx(5e-3)
+    assert a.ttft == pytest.approx(1e-3) and a.tpot == pytest.approx(1e-3) and a.output_tokens == 5
+    # b arrives while the engine is idle: the clock jumps to its arrival
+    assert b.start_s == 0.0105 and b.ttft == pytest.approx(1e-3) and b.tpot is None
+    assert res.duration_s == pytest.approx(0.0115)
+    assert list(res.itl_s) == pytest.approx([1e-3] * 4)
+    assert res.stats["steps"] == 6
+
+
+def test_request_overhead_delays_entry_not_the_clock_origin():
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, request_overhead_s=0.004))
+    (a,) = sim.run([_spec(0, 0.5, 10, 3)]).records
+    assert a.start_s == 0.5 and a.ttft == pytest.approx(0.005) and a.e2e == pytest.approx(0.007)
+
+
+def test_step_noise_is_seeded():
+    q = list(np.linspace(0.5, 2.0, 101))
+    specs = _workload(seed=7, num=40)
+    runs = [_sim_run(specs, noise_quantiles=q, noise_seed=s) for s in (1, 1, 2)]
+    plain = _sim_run(specs)
+    assert _fingerprint(runs[0]) == _fingerprint(runs[1])
+    assert _fingerprint(runs[0]) != _fingerprint(runs[2]) and _fingerprint(runs[0]) != _fingerprint(plain)
+    assert min(runs[0].itl_s) < min(plain.itl_s) < max(plain.itl_s) < max(runs[0].itl_s)
+
+
+def test_branches_decode_side_by_side():
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100))
+    (r,) = sim.run([_spec(0, 0.0, 12, 6, n=3)]).records
+    assert r.output_tokens == 18 and r.branch_tokens == 6
+    assert r.end_s == pytest.approx(6e-3) and r.tpot == pytest.approx(1e-3)
+
+
+def test_refusals_like_the_engine():
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=50, max_context=64, vocab_size=100))
+    recs = sim.run([_spec(0, 0.0, 70, 2), _spec(1, 0.0, 40, 30), _spec(2, 0.0, 30, 30), _spec(3, 0.0, 8, 4)]).records
+    assert "context" in recs[0].error and "context" in recs[1].error
+    assert "KV slots" in recs[2].error
+    assert recs[3].completed and recs[3].output_tokens == 4
+
+
+def _workload(seed=0, num=120):
+    return generate(SyntheticConfig(num=num, rate=40.0, arrival="gamma", burstiness=0.5, input="uniform:8:60",
+                                    output="uniform:4:40", prefix_groups=3, prefix_len=24, turns=2,
+                                    branch_fraction=0.2, branches=3, seed=seed))
+
+
+def _sim_run(specs, **kw):
+    model = LinearLatencyModel("linear", [2e-3, 1e-4, 1e-6, 2e-5])
+    cfg = SimConfig(**{"kv_slots": 4000, "max_context": 512, "vocab_size": 500, "max_running": 32,
+                       "max_batched_tokens": 256, "seed": 0, **kw})
+    return Simulator(model, cfg).run(specs)
+
+
+def _fingerprint(res):
+    return ([(r.request_id, r.first_token_s, r.end_s, r.output_tokens, r.cached_tokens) for r in res.records],
+            list(res.itl_s), {k: v for k, v in res.stats.items() if k not in ("cpu_s", "wall_s")})
+
+
+def test_determinism_with_fixed_seed():
+    a = _sim_run(_workload(seed=5))
+    b = _sim_run(_workload(seed=5))
+    assert _fingerprint(a) == _fingerprint(b)
+    c = _sim_run(_workload(seed=6))
+    assert _fingerprint(a) != _fingerprint(c)
+
+
+def test_real_kv_manager_retracts_and_hits_the_prefix_cache():
+    specs = _workload(seed=1)
+    # a pool small enough to force retractions; the integrity check runs every step
+    res = _sim_run(specs, kv_slots=300, check_every=1)
+    assert all(r.completed for r in res.records)
+    assert all(r.output_tokens == s.output_len * s.n for r, s in zip(res.records, specs))
+    assert res.stats["retractions"] > 0
+    assert res.stats["prefix_hit_rate"] > 0.1  # system prompts and earlier turns
+    off = _sim_run(specs, prefix_caching=False)
+    assert off.stats["prefix_hit_rate"] == 0.0
+    assert off.stats["virtual_busy_s"] > _sim_run(specs).stats["virtual_busy_s"]
+
+
+class CountingPolicy:
+    name = "counting"
+
+    def __init__(self):
+        self.planned = self.observed = 0
+        self.rows = 0
+
+    def plan(self, plan, view):
+        self.planned += 1
+        assert view.now >= 0 and view.kv_capacity == 4000
+        return plan
+
+    def observe(self, plan, record):
+        self.observed += 1
+        self.rows += record.rows
+        assert record.wall_s > 0
+
+
+def test_policies_plan_and_observe_every_step():
+    pol = CountingPolicy()
+    model = LinearLatencyModel("linear", [2e-3, 1e-4, 1e-6, 2e-5])
+    sim = Simulator(model, SimConfig(kv_slots=4000, max_context=512, vocab_size=500), [pol])
+    res = sim.run(_workload(seed=2, num=40))
+    assert pol.planned == pol.observed == res.stats["steps"]
+    assert pol.rows == pytest.approx(res.stats["mean_rows"] * res.stats["steps"])
+
+
+def test_report_shape_matches_replay():
+    from stepserve.traces.metrics import RequestRecord
+
+    res = _sim_run(_workload(seed=3, num=30))
+    slo = SLO(ttft_s=0.05, tpot_s=0.01)
+    common = dict(slo=slo, trace={"source": "synthetic"}, scaling={}, config={})
+    sim = build_report(mode="simulate", records=res.records, duration_s=res.duration_s, itl_values=res.itl_s,
+                       **common)
+    rec = RequestRecord("x", 0.0, 5, start_s=0.0, first_token_s=0.1, end_s=0.3, output_tokens=3, branch_tokens=3,
+                        itl_s=[0.1, 0.1])
+    real = build_report(mode="replay", records=[rec], duration_s=0.3, **common)
+    assert set(sim) == set(real)
+    for key in ("num_requests", "num_completed", "duration_s", "throughput_rps", "output_tps", "goodput_rps",
+                "goodput_tps", "slo_attainment", "scaling", "command"):
+        assert key in sim
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(sim[key]) == {"mean", "p50", "p90", "p99"}
+    json.dumps(sim, allow_nan=False)
+
+
+def test_roofline_profile_sizes_the_simulated_engine():
+    prof = load_profile("h100:llama3-8b")
+    cfg = SimConfig.from_profile(prof.engine, max_running=64)
+    assert cfg.kv_slots == prof.engine["kv_slots"] and cfg.max_running == 64 and cfg.max_context == 8192
+    res = Simulator(prof.model, cfg).run(_workload(seed=4, num=30))
+    assert all(r.completed for r in res.records)
+    # one decode row of an 8B model on an H100 takes milliseconds, not microseconds or seconds
+    assert 1e-3 < min(res.itl_s) < 0.1
+
+
+def test_simulate_cli_report_plot_and_compare(tmp_path, capsys):
+    from stepserve.cli import main
+
+    trace = "synthetic:num=40,rate=20,input=uniform:16:200,output=uniform:4:64,prefix_groups=2,prefix_len=32"
+    outs = []
+    for name, extra in (("a", []), ("b", ["--admission", "lpm"])):
+        out = tmp_path / f"{name}.json"
+        rc = main(["simulate", "--trace", trace, "--profile", "h100:qwen3-8b", "--slo-ttft", "0.2", "--slo-tpot",
+                   "0.03", "--rates", "5,20", "--length-scale", "2", "--max-output", "100", "--out", str(out),
+                   "--plot", "--no-progress", *extra])
+        assert rc == 0
+        outs.append(str(out))
+    rep = json.loads((tmp_path / "a.json").read_text())
+    assert rep["mode"] == "simulate" and [s["rate"] for s in rep["sweep"]] == [5.0, 20.0]
+    assert len(rep["runs"]) == 2 and rep["runs"][1]["scaling"]["rate_rps"] == pytest.approx(20.0)
+    assert rep["scaling"]["applied"]["input_scale"] == 2.0 and rep["scaling"]["applied"]["max_output"] == 100
+    assert rep["profile"]["source"] == "roofline" and "command" in rep
+    assert (tmp_path / "a.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["replay", "--compare", *outs, "--plot", str(tmp_path / "cmp.png")]) == 0
+    table = capsys.readouterr().out
+    assert "goodput req/s" in table and "vs a" in table
+    assert (tmp_path / "cmp.png").stat().st_size > 0

@@ -1,0 +1,45 @@
+"""Azure LLM inference trace 2023 (Patel et al., "Splitwise", ISCA 2024; CC-BY-4.0):
+CSV `TIMESTAMP,ContextTokens,GeneratedTokens`, one row per request.
+
+Timestamps are wall clock with 7 fractional digits (`2023-11-16 18:15:46.6805900`);
+Python's %f takes at most 6, so each is cut to 26 characters. The prompts are
+not in the trace: every request gets a segment of its own (no sharing), which
+is what the production service's distinct user prompts look like to a cache.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from datetime import datetime
+
+from stepserve.traces.request_spec import RequestSpec, Segment
+
+
+def _parse_ts(s: str) -> datetime:
+    return datetime.strptime(s.strip()[:26], "%Y-%m-%d %H:%M:%S.%f")
+
+
+def load_azure(path: str) -> list[RequestSpec]:
+    name = os.path.splitext(os.path.basename(path))[0]
+    specs: list[RequestSpec] = []
+    t0 = None
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        if missing:
+            raise ValueError(f"{path}: not an Azure 2023 trace (missing columns {sorted(missing)})")
+        for i, row in enumerate(reader):
+            ts = _parse_ts(row["TIMESTAMP"])
+            if t0 is None:
+                t0 = ts
+            plen = int(row["ContextTokens"])
+            olen = int(row["GeneratedTokens"])
+            specs.append(RequestSpec(
+                request_id=f"{name}-{i}",
+                arrival_s=(ts - t0).total_seconds(),
+                # A zero-length prompt or output cannot be served; 1 is the nearest request that can.
+                output_len=max(1, olen),
+                segments=(Segment(f"{name}:{i}", max(1, plen)),),
+            ))
+    return specs

@@ -1,0 +1,224 @@
+"""HTTP serving benchmark: the same prompts through the server and through the
+offline engine, in one run, to measure what the HTTP path costs.
+
+`stepserve bench serve [--url URL] --num-prompts N --max-concurrency C
+[--request-rate R]`. Without `--url` it starts `stepserve serve` itself on a
+free loopback port with the engine options given, so that the offline path
+(an `Engine` in this process, `--max-running` = C) runs the identical
+configuration. Requests are streamed completions (TTFT and ITL measured per
+chunk) sent at `--request-rate` (Poisson; `inf` = all at once) with at most C
+in flight. Repeats are interleaved (HTTP, offline, HTTP, ...) and medians are
+reported, so load drift on the machine hits both paths alike. The client runs
+on the same machine as the server and its CPU time is part of what is
+measured, as it is for any user of this machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from stepserve.traces.metrics import SLO, RequestRecord, summarize
+from stepserve.traces.replay import ReplayConfig, Replayer, server_info, wait_ready
+from stepserve.traces.report import command_line, versions
+from stepserve.traces.request_spec import RequestSpec, Segment
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--url", default=None, help="an already running server (then no offline comparison)")
+    g.add_argument("--num-prompts", type=int, default=128)
+    g.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
+    g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    g.add_argument("--input-len-min", type=int, default=16)
+    g.add_argument("--input-len-max", type=int, default=96)
+    g.add_argument("--output-len", type=int, default=64)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--bench-seed", type=int, default=0)
+    g.add_argument("--out", default=None, help="write the report as JSON here")
+
+
+def make_specs(args) -> list[RequestSpec]:
+    rng = np.random.default_rng(args.bench_seed)
+    lens = rng.integers(args.input_len_min, args.input_len_max + 1, args.num_prompts)
+    if math.isinf(args.request_rate):
+        arrivals = np.zeros(args.num_prompts)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, args.num_prompts))
+    # unique segment keys: no two prompts share tokens, so both paths do all the prefill
+    return [
+        RequestSpec(f"bench-{i}", float(t), args.output_len, (Segment(f"bench:{args.bench_seed}:{i}", int(n)),))
+        for i, (t, n) in enumerate(zip(arrivals, lens))
+    ]
+
+
+class _LimitedReplayer(Replayer):
+    """The replay client with at most `limit` requests in flight (closed loop
+    when every arrival is at 0). TTFT counts from when a request is sent."""
+
+    def __init__(self, cfg, info, limit: int):
+        super().__init__(cfg, info)
+        self.limit = limit
+        self._sem = None
+
+    async def _one(self, spec, rec, t0):
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.limit)
+        async with self._sem:
+            await super()._one(spec, rec, t0)
+
+
+def run_http(url: str, specs, limit: int, vocab: int | None) -> dict:
+    info = server_info(url)
+    cfg = ReplayConfig(url=url, vocab_size=vocab, progress=False, warmup=2)
+    records, duration = asyncio.run(_LimitedReplayer(cfg, info, limit).run(specs))
+    return summarize(records, duration, SLO())
+
+
+def run_offline(engine, specs, builder) -> dict:
+    """The same requests straight into the engine, arriving on the same schedule."""
+    from stepserve.engine.sampling_params import SamplingParams
+
+    pending = sorted(specs, key=lambda s: s.arrival_s)
+    records = {s.request_id: RequestRecord(s.request_id, s.arrival_s, s.prompt_len) for s in specs}
+    last: dict[str, float] = {}
+    t0 = time.perf_counter()
+    i = 0
+    while i < len(pending) or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while i < len(pending) and pending[i].arrival_s <= now:
+            s = pending[i]
+            p = SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
+            engine.add_request(builder.prompt(s), p, request_id=s.request_id)
+            records[s.request_id].start_s = now
+            i += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, pending[i].arrival_s - now))
+            continue
+        for req in engine.step():
+            rec = records[req.request_id]
+            t = time.perf_counter() - t0
+            if rec.first_token_s is None:
+                rec.first_token_s = t
+            else:
+                rec.itl_s.append(t - last[req.request_id])
+            last[req.request_id] = t
+            if req.finished:
+                rec.end_s = t
+                rec.output_tokens = len(req.branches[0].seq.output_ids)
+    engine.scheduler.kv.tree.evict(engine.scheduler.kv.tree.evictable_size())
+    duration = max(r.end_s for r in records.values())
+    return summarize(list(records.values()), duration, SLO())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _engine_argv(args) -> list[str]:
+    out = []
+    for flag, val in [("--model", args.model), ("--dtype", args.dtype), ("--max-model-len", args.max_model_len),
+                      ("--max-batched-tokens", args.max_batched_tokens), ("--kv-slots", args.kv_slots),
+                      ("--kv-memory-gb", args.kv_memory_gb), ("--admission", args.admission), ("--seed", args.seed)]:
+        if val is not None:
+            out += [flag, str(val)]
+    if args.no_prefix_caching:
+        out.append("--no-prefix-caching")
+    return out
+
+
+def run(args) -> int:
+    from stepserve.cli import engine_config
+    from stepserve.engine.engine import Engine
+    from stepserve.traces.request_spec import PromptBuilder
+
+    specs = make_specs(args)
+    server = None
+    url = args.url
+    engine = None
+    try:
+        if url is None:
+            port = _free_port()
+            url = f"http://127.0.0.1:{port}"
+            cmd = [sys.executable, "-m", "stepserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--max-running", str(args.max_concurrency), "--no-access-log", *_engine_argv(args)]
+            server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            wait_ready(url, timeout=600)
+            cfg = engine_config(args)
+            cfg.max_running = args.max_concurrency
+            engine = Engine(cfg)
+        vocab = server_info(url).vocab_size
+        builder = PromptBuilder(vocab or 256, 0)  # the replay client's default seed: same prompts
+        runs: dict[str, list[dict]] = {"http": [], "offline": []}
+        if engine is not None:  # warm-up: one untimed pass (kernel builds, shape caches)
+            run_offline(engine, specs, builder)
+            run_http(url, specs, args.max_concurrency, vocab)
+        for rep in range(args.repeats):
+            runs["http"].append(run_http(url, specs, args.max_concurrency, vocab))
+            _say(f"[{rep + 1}/{args.repeats}] http    {runs['http'][-1]['output_tps']:8.1f} tok/s")
+            if engine is not None:
+                runs["offline"].append(run_offline(engine, specs, builder))
+                _say(f"[{rep + 1}/{args.repeats}] offline {runs['offline'][-1]['output_tps']:8.1f} tok/s")
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+    report = {
+        "command": command_line(),
+        "versions": versions(),
+        "url": args.url or "(started by the benchmark)",
+        "workload": {"num_prompts": args.num_prompts, "max_concurrency": args.max_concurrency,
+                     "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
+                     "input_len": [args.input_len_min, args.input_len_max], "output_len": args.output_len,
+                     "repeats": args.repeats},
+        "runs": runs,
+    }
+    summary = {}
+    for path, rs in runs.items():
+        if not rs:
+            continue
+        med = lambda key, sub=None: statistics.median(r[key] if sub is None else r[key][sub] for r in rs)  # noqa: E731
+        summary[path] = {"output_tps": med("output_tps"), "throughput_rps": med("throughput_rps"),
+                         "ttft_p50_s": med("ttft_s", "p50"), "ttft_p90_s": med("ttft_s", "p90"),
+                         "tpot_p50_s": med("tpot_s", "p50"), "itl_p50_s": med("itl_s", "p50"),
+                         "e2e_p50_s": med("e2e_s", "p50"), "e2e_p90_s": med("e2e_s", "p90")}
+    report["summary"] = summary
+    if "offline" in summary:
+        report["http_overhead"] = 1.0 - summary["http"]["output_tps"] / summary["offline"]["output_tps"]
+    print(f"\n{'path':8s} {'tok/s':>9s} {'req/s':>7s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} "
+          f"{'ITL p50':>8s} {'E2E p50':>8s} {'E2E p90':>8s}")
+    for path, s in summary.items():
+        print(f"{path:8s} {s['output_tps']:9.1f} {s['throughput_rps']:7.2f} {_ms(s['ttft_p50_s'])} "
+              f"{_ms(s['ttft_p90_s'])} {_ms(s['tpot_p50_s'])} {_ms(s['itl_p50_s'], 8)} {_ms(s['e2e_p50_s'], 8)} "
+              f"{_ms(s['e2e_p90_s'], 8)}")
+    if "http_overhead" in report:
+        print(f"HTTP path throughput vs offline: {-100 * report['http_overhead']:+.1f}% "
+              f"(overhead {100 * report['http_overhead']:.1f}%)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"report written to {args.out}")
+    return 0
+
+
+def _ms(v, width=9) -> str:
+    return f"{'-':>{width}s}" if v is None else f"{1e3 * v:{width - 2}.1f}ms"
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,85 @@
+"""`stepserve replay --compare A.json B.json ...`: reports side by side.
+
+Any mix of replay and simulation reports; the last column shows each later
+report relative to the first (e.g. simulated vs real: +4.2%).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+ROWS: list[tuple[str, str, float]] = [
+    # (label, path into the report, display multiplier)
+    ("requests", "num_requests", 1),
+    ("completed", "num_completed", 1),
+    ("duration s", "duration_s", 1),
+    ("throughput req/s", "throughput_rps", 1),
+    ("output tok/s", "output_tps", 1),
+    ("goodput req/s", "goodput_rps", 1),
+    ("goodput tok/s", "goodput_tps", 1),
+    ("SLO attainment %", "slo_attainment", 100),
+    *[(f"{m.upper()} {q} ms", f"{m}_s.{q}", 1e3) for m in ("ttft", "tpot", "itl", "e2e") for q in ("mean", "p50", "p90", "p99")],
+]
+
+
+def _get(report: dict, path: str):
+    v = report
+    for k in path.split("."):
+        if not isinstance(v, dict) or k not in v:
+            return None
+        v = v[k]
+    return v
+
+
+def load_reports(paths: list[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def gap(a, b) -> float | None:
+    """(b - a) / a, or None when undefined."""
+    if a is None or b is None or a == 0:
+        return None
+    return (b - a) / a
+
+
+def compare_table(reports: list[dict], labels: list[str]) -> str:
+    width = max(12, *(len(x) for x in labels))
+    head = f"{'metric':20s} " + " ".join(f"{x:>{width}s}" for x in labels)
+    if len(reports) > 1:
+        head += "  " + " ".join(f"{'vs ' + labels[0][:width - 3]:>{width}s}" for _ in reports[1:])
+    lines = [head, "-" * len(head)]
+    modes = [str(r.get("mode", "?")) for r in reports]
+    lines.append(f"{'mode':20s} " + " ".join(f"{m:>{width}s}" for m in modes))
+    for label, path, mult in ROWS:
+        vals = [_get(r, path) for r in reports]
+        cells = []
+        for v in vals:
+            if v is None:
+                cells.append(f"{'-':>{width}s}")
+            elif isinstance(v, int) and mult == 1:
+                cells.append(f"{v:>{width}d}")
+            else:
+                cells.append(f"{v * mult:>{width}.3f}")
+        line = f"{label:20s} " + " ".join(cells)
+        if len(reports) > 1:
+            rel = [gap(vals[0], v) for v in vals[1:]]
+            line += "  " + " ".join(f"{'-' if g is None else f'{g:+.1%}':>{width}s}" for g in rel)
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def run_compare(paths: list[str], plot: str | None = None) -> int:
+    reports = load_reports(paths)
+    labels = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    print(compare_table(reports, labels))
+    if plot:
+        from stepserve.traces.plot import plot_compare
+
+        plot_compare(reports, labels, plot)
+        print(f"plot written to {plot}")
+    return 0

@@ -1,0 +1,151 @@
+"""Per-request latency records and the figures every benchmark reports.
+
+Shared by the replay client and the simulator, so their reports have one shape.
+
+Definitions (DESIGN, "Figures every benchmark reports"):
+- TTFT: first token time - the time the request was sent (replay) or arrived (simulator).
+- E2E: last token time - that same start.
+- TPOT = (E2E - TTFT) / (output tokens - 1), per request with >= 2 tokens per
+  branch; with n branches the tokens are one branch's (the longest), since
+  branches decode side by side.
+- ITL: the gaps between successive token deliveries of one branch, pooled over
+  all requests (a delivery may carry several tokens when a client reads late).
+- Percentiles: linear interpolation between order statistics (numpy's default);
+  mean, p50, p90, p99 over requests (ITL: over gaps).
+- Throughput: completed requests and their output tokens per second of the
+  run's duration (t = 0, the window start, to the last completion).
+- SLO attainment: the share of *all* requests (failed ones count as misses)
+  that completed and met every given SLO; a TPOT SLO is met vacuously by a
+  single-token answer (it has no TPOT). Without any SLO, attainment is the
+  completion rate.
+- Goodput: requests per second (and their output tokens per second) that met
+  every SLO, over the same duration.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class SLO:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    e2e_s: float | None = None
+
+    def given(self) -> bool:
+        return any(v is not None for v in (self.ttft_s, self.tpot_s, self.e2e_s))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    arrival_s: float  # scheduled arrival, seconds from the run's start
+    prompt_tokens: int
+    n: int = 1  # branches
+    start_s: float | None = None  # actually sent (replay) / entered the engine (simulator)
+    first_token_s: float | None = None
+    end_s: float | None = None
+    output_tokens: int = 0  # all branches together
+    branch_tokens: int = 0  # tokens of the longest branch (what TPOT divides by)
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when known
+    itl_s: list[float] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.error is None and self.end_s is not None and self.first_token_s is not None
+
+    @property
+    def ttft(self) -> float | None:
+        return self.first_token_s - self.start_s if self.completed else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.end_s - self.start_s if self.completed else None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.completed or self.branch_tokens < 2:
+            return None
+        return (self.end_s - self.first_token_s) / (self.branch_tokens - 1)
+
+    def meets(self, slo: SLO) -> bool:
+        if not self.completed:
+            return False
+        if slo.ttft_s is not None and self.ttft > slo.ttft_s:
+            return False
+        if slo.e2e_s is not None and self.e2e > slo.e2e_s:
+            return False
+        tpot = self.tpot
+        if slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
+            return False
+        return True
+
+    def to_dict(self, with_itl: bool = True) -> dict:
+        d = {
+            "request_id": self.request_id, "arrival_s": self.arrival_s, "start_s": self.start_s,
+            "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens, "n": self.n,
+            "cached_tokens": self.cached_tokens, "ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e,
+            "first_token_s": self.first_token_s, "end_s": self.end_s, "error": self.error,
+        }
+        if with_itl:
+            d["itl_s"] = list(self.itl_s)
+        return d
+
+
+def percentiles(values, ps=(50, 90, 99)) -> dict:
+    """{mean, p50, p90, p99}; all None when there are no values."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, **{f"p{p}": None for p in ps}}
+    q = np.percentile(a, ps)
+    return {"mean": float(a.mean()), **{f"p{p}": float(v) for p, v in zip(ps, q)}}
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: SLO, itl_values=None) -> dict:
+    """The figures of one run. `itl_values` overrides the pooled per-record ITLs
+    (the simulator keeps its gaps in one array rather than per request)."""
+    done = [r for r in records if r.completed]
+    good = [r for r in done if r.meets(slo)]
+    # a run that completed nothing has no duration; its rates are 0, not NaN (JSON has no NaN)
+    dur = duration_s if duration_s > 0 else math.inf
+    out_tokens = sum(r.output_tokens for r in done)
+    good_tokens = sum(r.output_tokens for r in good)
+    if itl_values is None:
+        itl_values = [g for r in done for g in r.itl_s]
+    n = len(records)
+    cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
+    prompt_done = sum(r.prompt_tokens for r in done)
+    return {
+        "num_requests": n,
+        "num_completed": len(done),
+        "num_failed": n - len(done),
+        "duration_s": duration_s,
+        "throughput_rps": len(done) / dur,
+        "output_tps": out_tokens / dur,
+        "input_tps": prompt_done / dur,
+        "goodput_rps": len(good) / dur,
+        "goodput_tps": good_tokens / dur,
+        "slo_attainment": len(good) / n if n else None,
+        "slo": slo.to_dict(),
+        "total_output_tokens": out_tokens,
+        "total_input_tokens": prompt_done,
+        "prefix_hit_rate": (sum(cached) / prompt_done) if cached and prompt_done else None,
+        "ttft_s": percentiles([r.ttft for r in done]),
+        "tpot_s": percentiles([t for t in (r.tpot for r in done) if t is not None]),
+        "itl_s": percentiles(itl_values),
+        "e2e_s": percentiles([r.e2e for r in done]),
+    }
+
+
+FIGURE_KEYS = (
+    "num_requests", "num_completed", "duration_s", "throughput_rps", "output_tps", "goodput_rps",
+    "goodput_tps", "slo_attainment", "ttft_s", "tpot_s", "itl_s", "e2e_s",
+)

@@ -1,0 +1,71 @@
+"""The PNG of a run: latency CDFs (TTFT, TPOT, ITL, E2E), and for a sweep over
+rates, goodput and SLO attainment against the request rate. Drawn from the
+report's `cdf` quantiles, so a plot never needs the raw samples again."""
+
+from __future__ import annotations
+
+import numpy as np
+
+_LAT = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+
+
+def plot_report(report: dict, path: str, title: str | None = None, labels: list[str] | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    runs = report.get("runs") or [report]
+    sweep = report.get("sweep")
+    ncols = 3 if sweep else 2
+    fig, axes = plt.subplots(2, ncols, figsize=(5 * ncols, 8))
+    q = np.arange(101) / 100.0
+    for i, (key, name) in enumerate(_LAT):
+        ax = axes[i // 2][i % 2]
+        for j, run in enumerate(runs):
+            xs = (run.get("cdf") or {}).get(key)
+            if not xs:
+                continue
+            rate = run.get("scaling", {}).get("rate_rps")
+            if labels:
+                label = labels[j]
+            else:
+                label = f"{rate:.2f} req/s" if (sweep and rate) else run.get("mode", "")
+            ax.plot(np.asarray(xs) * 1e3, q, label=label)
+        slo = (report.get("slo") or {}).get(key)
+        if slo:
+            ax.axvline(slo * 1e3, color="k", ls="--", lw=0.8, label="SLO")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("CDF")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels on a short log range overlap
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    if sweep:
+        rates = [s["rate_rps"] or s["rate"] for s in sweep]
+        ax = axes[0][2]
+        ax.plot(rates, [s["goodput_rps"] for s in sweep], "o-", label="goodput")
+        ax.plot(rates, [s["throughput_rps"] for s in sweep], "s--", label="throughput")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("req/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax = axes[1][2]
+        ax.plot(rates, [100 * s["slo_attainment"] for s in sweep], "o-")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel("SLO attainment (%)")
+        ax.set_ylim(0, 105)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title or f"{report.get('mode', '')}: {report.get('trace', {}).get('path', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_compare(reports: list[dict], labels: list[str], path: str) -> str:
+    """Several reports' latency CDFs on shared axes (e.g. a replay and its simulation)."""
+    first = reports[0]
+    merged = {"mode": "compare", "trace": first.get("trace", {}), "slo": first.get("slo"), "runs": reports}
+    return plot_report(merged, path, title="compare: " + " vs ".join(labels), labels=labels)

@@ -1,0 +1,168 @@
+"""`stepserve profile --url URL`: the step-latency sweep measured through a
+running server, as its clients see it.
+
+The engine-only sweep (traces/profile.py) times `Engine.step()` alone. Inside
+a server the same step costs more: the engine thread shares the process (and
+the GIL) with the HTTP event loop, and every step also pays for the async
+loop's command handling and output delivery. Measured on this machine, steps
+ran ~1.3-2x slower in the server than alone. A simulation meant to predict what
+clients observe should use a profile measured where they are:
+
+  decode   B streams started together on prompts of L tokens; once all B
+           decode in lockstep, the time per token of each stream is one step
+           with B rows (the median over streams and rounds is the point's time)
+  prefill  one request of P tokens (P <= the server's token budget: one step)
+           on an idle server, sent exactly as `stepserve replay` sends it; its
+           TTFT is the step plus the request's own way in (HTTP, validation,
+           the engine loop's pickup), which a replay's TTFT contains too. The
+           fit separates the two: a per-request overhead (its own column,
+           stored as `engine.request_overhead_s`) that the simulator charges
+           once per request, and the step, charged per step
+  mixed    TTFT of a P-token prompt sent (at a random phase) while B streams
+           decode: overhead + half a decode step of waiting + the mixed step
+
+Every request goes through the replay client itself (`Replayer`, the OpenAI
+completions route, streamed), so the profile holds the client's own costs too.
+The server must be otherwise idle while it is profiled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+
+from stepserve.scheduler.latency_model import StepFeatures
+from stepserve.traces.metrics import RequestRecord
+from stepserve.traces.request_spec import RequestSpec, Segment
+
+
+class HTTPSweep:
+    def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int):
+        self.warmup = warmup
+        self.repeats = repeats
+        self.max_batched = max_batched
+        self.rng = random.Random(seed)
+        self.raw: dict[tuple, list[tuple[StepFeatures, float]]] = {}
+        self.keys: dict[tuple, dict] = {}
+        self.terms: dict[tuple, list[tuple[float, StepFeatures]]] = {}
+
+    def _add(self, key: dict, raw: list) -> None:
+        k = tuple(sorted(key.items()))
+        self.keys[k] = key
+        self.raw.setdefault(k, []).extend(raw)
+
+    def _spec(self, plen: int, out: int) -> RequestSpec:
+        return RequestSpec(f"profile-{self.rng.random()}", 0.0, out, (Segment(f"profile:{self.rng.random()}", plen),))
+
+    async def decode(self, replayer, bs: int, ctx: int) -> None:
+        """B streams started together; each stream's time per token once all B decode in lockstep.
+        The server sends one event per step per stream, so the k-th event is the k-th token."""
+        # all B must be past their prefill (chunked over several steps) before timing
+        w = self.warmup + math.ceil(bs * ctx / self.max_batched) + 1
+        # a window of several tokens: one stream's gaps are its only samples here
+        n = w + max(8, 4 * self.repeats)
+        specs = [self._spec(ctx, n + self.warmup) for _ in range(bs)]
+        recs = [RequestRecord(s.request_id, 0.0, ctx) for s in specs]
+        t0 = time.perf_counter()
+        await asyncio.gather(*(replayer._one(s, r, t0) for s, r in zip(specs, recs)))
+        mid = ctx + (w + n) / 2
+        f = StepFeatures(bs, round(bs * mid), bs, 0.0)
+        raw = []
+        for r in recs:
+            if r.error:
+                raise RuntimeError(f"profile request failed: {r.error}")
+            gaps = r.itl_s[w - 1 : n - 1]  # gap k-1 separates tokens k and k+1
+            if len(gaps) == n - w:
+                raw.append((f, sum(gaps) / len(gaps)))
+        self._add({"scenario": "decode", "batch": bs, "context": ctx}, raw)
+
+    async def prefill(self, replayer, plen: int) -> None:
+        """TTFT on an idle server through the replay client's own path (the
+        OpenAI completions route, streamed), so it holds the same per-request
+        overhead as a replay's TTFT."""
+        raw = []
+        f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
+        for rep in range(self.warmup + self.repeats):
+            spec = self._spec(plen, 1)
+            rec = RequestRecord(spec.request_id, 0.0, plen)
+            await replayer._one(spec, rec, time.perf_counter())
+            if rec.error:
+                raise RuntimeError(f"profile request failed: {rec.error}")
+            if rep >= self.warmup:
+                raw.append((f, rec.ttft))
+        self._add({"scenario": "prefill", "prompt": plen, "from_request": True}, raw)
+
+    async def mixed(self, replayer, bs: int, ctx: int, plen: int) -> None:
+        """TTFT of a P-token prompt sent while B streams decode: the request's
+        overhead, the wait for the step in flight (half a decode step on
+        average: probes are sent at a random phase), and the mixed step with
+        B decode rows and the prompt. The fit gets all three as terms."""
+        w = self.warmup + math.ceil(bs * ctx / self.max_batched) + 1
+        # long enough for every probe (each spans a few decode steps); the streams
+        # then end on their own: cancelling them mid-stream leaves the client's
+        # connection pool with half-closed connections that fail the next request
+        out = w + 12 * (self.warmup + self.repeats) + 8
+        specs = [self._spec(ctx, out) for _ in range(bs)]
+        recs = [RequestRecord(s.request_id, 0.0, ctx) for s in specs]
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(replayer._one(s, r, t0)) for s, r in zip(specs, recs)]
+        raw = []
+        while not all(r.first_token_s is not None and len(r.itl_s) >= w - 1 for r in recs):
+            if any(t.done() for t in tasks):
+                break
+            await asyncio.sleep(0.001)
+        gen0 = statistics.median(len(r.itl_s) for r in recs)
+        for rep in range(self.warmup + self.repeats):
+            gaps = [g for r in recs for g in r.itl_s[-4:]]
+            await asyncio.sleep(self.rng.uniform(0, statistics.median(gaps) if gaps else 0.005))
+            spec = self._spec(plen, 1)
+            rec = RequestRecord(spec.request_id, 0.0, plen)
+            await replayer._one(spec, rec, time.perf_counter())
+            if rec.error:
+                raise RuntimeError(f"profile request failed: {rec.error}")
+            if any(t.done() for t in tasks):
+                break  # the batch is thinning: this probe no longer saw B decode rows
+            if rep >= self.warmup:
+                raw.append(rec.ttft)
+        gen = (gen0 + statistics.median(len(r.itl_s) for r in recs)) / 2
+        await asyncio.gather(*tasks)
+        if any(r.error for r in recs):
+            raise RuntimeError(f"profile request failed: {next(r.error for r in recs if r.error)}")
+        ctx_tokens = round(bs * (ctx + gen))
+        decode = StepFeatures(bs, ctx_tokens, bs, 0.0)
+        step = StepFeatures(bs + 1, ctx_tokens + plen, bs + plen, plen * (plen + 1) / 2)
+        key = {"scenario": "mixed", "batch": bs, "context": ctx, "prompt": plen, "from_request": True}
+        self._add(key, [(step, t) for t in raw])
+        self.terms[tuple(sorted(key.items()))] = [(0.5, decode), (1.0, step)]
+
+    def points(self) -> list[dict]:
+        out = []
+        for k, raw in self.raw.items():
+            if raw:
+                p = {**self.keys[k], "features": raw[0][0], "time": statistics.median(t for _, t in raw), "raw": raw}
+                if k in self.terms:
+                    p["terms"] = self.terms[k]
+                out.append(p)
+        return out
+
+
+async def run_http_sweep(sweep: HTTPSweep, replayer, bss: list[int], ctxs: list[int], plens: list[int],
+                         mixed: list[tuple[int, int, int]], rounds: int, log) -> list[dict]:
+    t0 = time.perf_counter()
+    await sweep.prefill(replayer, 8)  # untimed: first-use costs
+    await sweep.decode(replayer, 2, 8)
+    sweep.raw.clear()
+    for rnd in range(rounds):
+        for bs in bss:
+            for ctx in ctxs:
+                await sweep.decode(replayer, bs, ctx)
+        for p in plens:
+            await sweep.prefill(replayer, p)
+        for bs, ctx, p in mixed:
+            await sweep.mixed(replayer, bs, ctx, p)
+        log(f"round {rnd + 1}/{rounds} ({time.perf_counter() - t0:.0f} s)")
+    await replayer.client.close()
+    return sweep.points()

@@ -1,0 +1,168 @@
+"""Replay a trace against a running OpenAI-compatible server.
+
+Each request is sent at its (scaled) arrival time with the `openai` async
+client: a streamed `/v1/completions` call whose prompt is the trace's token ids
+(so shared segments are shared tokens; see request_spec), `max_tokens` = the
+trace's output length and `ignore_eos` (a vLLM-style extension the server
+accepts), so every request generates exactly its trace length. Greedy
+decoding: the cheapest sampler path, and what `stepserve profile` measures.
+
+Timing: TTFT and E2E are measured from the moment the request is sent; ITL is
+the gap between successive stream chunks of one choice. How late the client
+sent requests against their schedule is reported too (`client_lag_s`): a
+client starved of CPU shows up there instead of silently skewing the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from stepserve.traces.metrics import RequestRecord
+from stepserve.traces.request_spec import PromptBuilder, RequestSpec, Segment
+
+DEFAULT_VOCAB = 256  # safe for any model we serve; the server's own vocab_size wins when it reports one
+
+
+@dataclass
+class ServerInfo:
+    model: str
+    max_model_len: int | None
+    vocab_size: int | None
+
+
+@dataclass
+class ReplayConfig:
+    url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # served model name; None: the server's first model
+    api_key: str | None = None
+    vocab_size: int | None = None  # prompt token ids are drawn from [16, vocab_size)
+    seed: int = 0  # prompt tokens
+    temperature: float = 0.0
+    timeout_s: float = 3600.0
+    warmup: int = 1  # untimed requests first (lazy initialisation, kernel builds)
+    progress: bool = True
+
+
+def server_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> ServerInfo:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout)
+    r.raise_for_status()
+    card = r.json()["data"][0]
+    return ServerInfo(card["id"], card.get("max_model_len"), card.get("vocab_size"))
+
+
+def wait_ready(url: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url.rstrip("/") + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError as e:
+            last = e
+        time.sleep(0.2)
+    raise TimeoutError(f"server at {url} not ready after {timeout:.0f} s ({last!r})")
+
+
+class Replayer:
+    def __init__(self, cfg: ReplayConfig, info: ServerInfo):
+        from openai import AsyncOpenAI
+
+        self.cfg = cfg
+        self.info = info
+        self.model = cfg.model or info.model
+        self.builder = PromptBuilder(cfg.vocab_size or info.vocab_size or DEFAULT_VOCAB, cfg.seed)
+        self.client = AsyncOpenAI(
+            base_url=cfg.url.rstrip("/") + "/v1", api_key=cfg.api_key or "none", max_retries=0,
+            timeout=cfg.timeout_s,
+            http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+                                          timeout=cfg.timeout_s),
+        )
+
+    async def _one(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
+        clock = time.perf_counter
+        ids = self.builder.prompt(spec)
+        last: dict[int, float] = {}
+        counts: dict[int, int] = {}
+        usage = None
+        rec.start_s = clock() - t0
+        try:
+            stream = await self.client.completions.create(
+                model=self.model, prompt=ids, max_tokens=spec.output_len, n=spec.n,
+                temperature=self.cfg.temperature, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                now = clock() - t0
+                for c in chunk.choices:
+                    if rec.first_token_s is None:
+                        rec.first_token_s = now
+                    prev = last.get(c.index)
+                    if prev is not None:
+                        rec.itl_s.append(now - prev)
+                    last[c.index] = now
+                    counts[c.index] = counts.get(c.index, 0) + 1
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            rec.end_s = clock() - t0
+        except Exception as e:  # a failed request is a data point (it misses every SLO), not a crash
+            rec.error = f"{type(e).__name__}: {e}"[:500]
+            return
+        if usage is not None:
+            rec.output_tokens = usage.completion_tokens
+            details = getattr(usage, "prompt_tokens_details", None)
+            cached = getattr(details, "cached_tokens", None) if details is not None else None
+            rec.cached_tokens = cached
+        else:  # no usage: count chunks (a chunk holds at least one token)
+            rec.output_tokens = sum(counts.values())
+        rec.branch_tokens = -(-rec.output_tokens // max(1, spec.n))
+        if rec.first_token_s is None:
+            rec.error = "stream ended without a token"
+
+    async def _warmup(self) -> None:
+        for k in range(self.cfg.warmup):
+            spec = RequestSpec(f"warmup-{k}", 0.0, 4, (Segment(f"warmup:{k}", 16),))
+            rec = RequestRecord(spec.request_id, 0.0, spec.prompt_len)
+            await self._one(spec, rec, time.perf_counter())
+            if rec.error:
+                raise RuntimeError(f"warm-up request failed: {rec.error}")
+
+    async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
+        await self._warmup()
+        records = [RequestRecord(s.request_id, s.arrival_s, s.prompt_len, n=s.n) for s in specs]
+        bar = None
+        if self.cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(specs), desc="replay", unit="req", smoothing=0.1)
+        tasks = []
+        t0 = time.perf_counter()
+
+        async def tracked(spec, rec):
+            await self._one(spec, rec, t0)
+            if bar is not None:
+                bar.update(1)
+                if rec.error:
+                    bar.set_postfix_str(f"failed: {sum(1 for r in records if r.error)}")
+
+        for spec, rec in zip(specs, records):
+            delay = t0 + spec.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(tracked(spec, rec)))
+        await asyncio.gather(*tasks)
+        if bar is not None:
+            bar.close()
+        await self.client.close()
+        duration = max((r.end_s for r in records if r.end_s is not None), default=0.0)
+        return records, duration
+
+
+def replay(specs: list[RequestSpec], cfg: ReplayConfig, info: ServerInfo | None = None):
+    """(records, duration_s) of one replay of `specs` (already scaled)."""
+    info = info or server_info(cfg.url, cfg.api_key)
+    return asyncio.run(Replayer(cfg, info).run(specs))

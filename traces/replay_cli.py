@@ -1,0 +1,82 @@
+"""`stepserve replay`: replay a trace against a server, or compare reports."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from stepserve.traces.options import (
+    add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
+)
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    add_trace_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
+    g.add_argument("--served-model", default=None, help="model name to send (default: the server's)")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids come from [16, VOCAB) (default: the server's vocab_size if it says, else 256)")
+    g.add_argument("--warmup", type=int, default=1, help="untimed requests before the run")
+    g.add_argument("--request-timeout", type=float, default=3600.0)
+    p.add_argument("--compare", nargs="+", metavar="REPORT", default=None,
+                   help="print these reports side by side and exit")
+
+
+def run_replay(args) -> int:
+    if args.compare:
+        from stepserve.traces.compare import run_compare
+
+        return run_compare(args.compare, args.plot or ("compare.png" if args.plot == "" else None))
+    if not args.trace:
+        raise SystemExit("stepserve replay: --trace is required (or --compare A.json B.json ...)")
+    from stepserve.traces.load import load_trace, save_trace
+    from stepserve.traces.metrics import percentiles
+    from stepserve.traces.replay import ReplayConfig, replay, server_info
+    from stepserve.traces.report import build_report, combine_sweep, format_summary, write_report
+    from stepserve.traces.scaling import apply_scaling
+
+    info = server_info(args.url, args.api_key)
+    trace = load_trace(args.trace)
+    slo = slo_from_args(args)
+    rates = rates_from_args(args)
+    runs = []
+    for k, rate in enumerate(rates):
+        sc = dataclasses.replace(scaling_from_args(args, info.max_model_len), rate=rate)
+        specs, sinfo = apply_scaling(trace.specs, sc)
+        if args.save_trace and k == 0:
+            save_trace(specs, args.save_trace)
+        # a new seed per swept rate: the server's cache must not serve one run's prompts to the next
+        cfg = ReplayConfig(url=args.url, model=args.served_model, api_key=args.api_key, vocab_size=args.vocab_size,
+                           seed=args.seed + k, warmup=args.warmup if k == 0 else 0,
+                           timeout_s=args.request_timeout, progress=not args.no_progress)
+        print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
+              file=sys.stderr)
+        records, duration = replay(specs, cfg, info)
+        lag = [r.start_s - r.arrival_s for r in records if r.start_s is not None]
+        report = build_report(
+            mode="replay", records=records, duration_s=duration, slo=slo, trace=trace.info(),
+            scaling=sinfo.to_dict(),
+            config={"url": args.url, "model": cfg.model or info.model, "server_max_model_len": info.max_model_len,
+                    "vocab_size": cfg.vocab_size or info.vocab_size, "prompt_seed": cfg.seed,
+                    "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup},
+            extra={"client_lag_s": percentiles(lag)},
+            with_itl=not args.no_itl_records,
+        )
+        runs.append(report)
+        if len(rates) > 1:
+            print(format_summary(report), file=sys.stderr)
+    report = runs[0] if len(runs) == 1 else combine_sweep(runs, rates)
+    print(format_summary(report))
+    if args.out:
+        write_report(report, args.out)
+        print(f"report written to {args.out}")
+    path = plot_path(args)
+    if path:
+        from stepserve.traces.plot import plot_report
+
+        plot_report(report, path)
+        print(f"plot written to {path}")
+    return 0

@@ -1,0 +1,145 @@
+"""`stepserve simulate`: the real scheduler on a virtual clock over a trace."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from stepserve.traces.options import (
+    add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
+)
+
+
+def add_simulate_args(p: argparse.ArgumentParser) -> None:
+    add_trace_args(p)
+    g = p.add_argument_group("simulated engine")
+    g.add_argument("--profile", default=None,
+                   help="latency profile: a JSON from `stepserve profile`, or a built-in roofline DEVICE[xN]:MODEL "
+                        "(e.g. h100:llama3-8b, h100x8:qwen3-32b, a10x8:llama2-70b)")
+    g.add_argument("--list-profiles", action="store_true", help="list the built-in roofline profiles and exit")
+    g.add_argument("--policy", action="append", default=[],
+                   help="step policy by name (repeatable; applied in the order given); 'noop' is built in")
+    g.add_argument("--max-running", type=int, default=None, help="default: the profile's")
+    g.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
+    g.add_argument("--kv-slots", type=int, default=None, help="KV pool in tokens (default: the profile's)")
+    g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids come from [16, VOCAB) (default: the profile's model vocabulary)")
+    g.add_argument("--online-refit", action="store_true",
+                   help="also run the online latency-model refit as an observer (reports its drift)")
+    g.add_argument("--check-every", type=int, default=0, help="KV integrity check every N steps (slow)")
+    g.add_argument("--no-step-noise", action="store_true",
+                   help="predicted step times exactly (default: scattered like the profile's measured steps, seeded)")
+
+
+def make_policies(names: list[str], latency_model) -> list:
+    """Policies by name. Only 'noop' is built in here; the scheduler's policy
+    registry (`stepserve.scheduler.policies.make_policy`), where present, resolves
+    the rest and receives the latency model."""
+    from stepserve.scheduler.policy import NoopPolicy
+
+    out = []
+    for name in names:
+        if name == "noop":
+            out.append(NoopPolicy())
+            continue
+        try:
+            from stepserve.scheduler.policies import make_policy  # type: ignore[import-not-found]
+        except ImportError:
+            raise SystemExit(f"unknown policy {name!r}: this build has only 'noop' (no scheduler.policies registry)")
+        out.append(make_policy(name, latency_model=latency_model))
+    return out
+
+
+def run_simulate(args) -> int:
+    if args.list_profiles:
+        from stepserve.scheduler.roofline import builtin_names
+
+        print("\n".join(builtin_names()))
+        return 0
+    if not args.trace or not args.profile:
+        raise SystemExit("stepserve simulate: --trace and --profile are required")
+    from stepserve.scheduler.latency_model import OnlineLatencyModel, load_profile
+    from stepserve.traces.load import load_trace, save_trace
+    from stepserve.traces.report import build_report, combine_sweep, format_summary, write_report
+    from stepserve.traces.scaling import apply_scaling
+    from stepserve.traces.simulator import DEFAULT_MAX_CONTEXT, SimConfig, Simulator
+
+    prof = load_profile(args.profile)
+    cfg = SimConfig.from_profile(
+        prof.engine, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+        kv_slots=args.kv_slots, vocab_size=args.vocab_size, seed=args.seed, admission=args.admission,
+        prefix_caching=not args.no_prefix_caching, check_every=args.check_every,
+        noise=None if args.no_step_noise else prof.data.get("noise"), noise_seed=args.seed,
+    )
+    if cfg.kv_slots is None:
+        raise SystemExit("the profile records no KV pool size: pass --kv-slots")
+    trace = load_trace(args.trace)
+    slo = slo_from_args(args)
+    rates = rates_from_args(args)
+    runs = []
+    for k, rate in enumerate(rates):
+        sc = dataclasses.replace(scaling_from_args(args, cfg.max_context or DEFAULT_MAX_CONTEXT), rate=rate)
+        specs, sinfo = apply_scaling(trace.specs, sc)
+        if args.save_trace and k == 0:
+            save_trace(specs, args.save_trace)
+        policies = make_policies(args.policy, prof.model)
+        online = None
+        if args.online_refit:
+            from stepserve.scheduler.latency_model import LinearLatencyModel
+
+            base = prof.model if isinstance(prof.model, LinearLatencyModel) else None
+            online = OnlineLatencyModel(base=base)
+            policies.append(online)
+        sim = Simulator(prof.model, cfg, policies)
+        if online is not None:
+            online.clock = sim.clock  # refit periods in virtual seconds
+        bar = None
+        if not args.no_progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(specs), desc="simulate", unit="req", smoothing=0.1)
+        last = [0]
+
+        def progress(n_arrived, t):
+            if bar is not None and n_arrived != last[0]:
+                bar.update(n_arrived - last[0])
+                last[0] = n_arrived
+
+        res = sim.run(specs, progress=progress)
+        if bar is not None:
+            bar.close()
+        extra = {
+            "simulator": res.stats,
+            "profile": {"name": prof.name, "source": prof.source, "engine": prof.engine,
+                        "notes": prof.data.get("notes", [])},
+        }
+        if online is not None:
+            extra["online_refit"] = {"refits": online.num_refits,
+                                     "model": online.current().to_dict() if online.current() else None}
+        report = build_report(
+            mode="simulate", records=res.records, duration_s=res.duration_s, slo=slo, trace=trace.info(),
+            scaling=sinfo.to_dict(),
+            config={"profile": args.profile, "profile_source": prof.source, "policies": args.policy,
+                    **dataclasses.asdict(cfg)},
+            itl_values=res.itl_s, extra=extra, with_itl=False,
+        )
+        runs.append(report)
+        print(f"simulated {len(specs)} requests, {res.stats['steps']} steps, {res.duration_s:.1f} s of virtual time "
+              f"in {res.stats['cpu_s']:.1f} s CPU", file=sys.stderr)
+        if len(rates) > 1:
+            print(format_summary(report), file=sys.stderr)
+    report = runs[0] if len(runs) == 1 else combine_sweep(runs, rates)
+    print(format_summary(report))
+    if args.out:
+        write_report(report, args.out)
+        print(f"report written to {args.out}")
+    path = plot_path(args)
+    if path:
+        from stepserve.traces.plot import plot_report
+
+        plot_report(report, path)
+        print(f"plot written to {path}")
+    return 0

@@ -1,0 +1,267 @@
+"""Trace simulation: the real scheduler on a virtual clock.
+
+Everything but the model is real: `Scheduler` (admission, chunked prefill,
+retraction), `KVManager` over the slot allocator, the req->token table and
+the radix cache, and the step policies. The one fake is `SimRunner`: each step
+it returns a placeholder token per sample and moves the clock by the latency
+model's prediction for the plan's (rows, context tokens, new tokens). Requests
+decode exactly their trace output length (max_tokens = output length, EOS
+ignored), so a simulated run and a real replay of the same scaled trace do the
+same work, and their reports (traces/report.py) have the same shape.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from array import array
+from dataclasses import asdict, dataclass, field
+
+from stepserve.kvcache import ReqToTokenPool, SlotAllocator
+from stepserve.scheduler.kv_manager import KVManager
+from stepserve.scheduler.plan import StepRecord
+from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from stepserve.scheduler.sequence import Sequence, SeqStatus
+from stepserve.traces.metrics import RequestRecord
+from stepserve.traces.request_spec import PromptBuilder, RequestSpec
+
+DEFAULT_MAX_CONTEXT = 32768
+DEFAULT_VOCAB = 32000
+# Any id works: outputs never reach a tokenizer. One the prompts never use
+# (they start at MIN_TOKEN_ID) keeps an output from extending a cached prompt.
+PLACEHOLDER_TOKEN = 1
+
+
+@dataclass
+class SimConfig:
+    max_running: int = 256
+    max_batched_tokens: int = 2048
+    admission: str = "fcfs"
+    prefix_caching: bool = True
+    kv_slots: int | None = None  # None: the profile's
+    max_context: int | None = None  # None: the profile's, else DEFAULT_MAX_CONTEXT
+    vocab_size: int | None = None  # None: the profile's, else DEFAULT_VOCAB
+    seed: int = 0  # prompt tokens
+    check_every: int = 0  # run the KV integrity check every N steps (tests; slow)
+    # A request's fixed cost on its way in (HTTP, validation, the loop's pickup),
+    # from profiles measured through a server: it reaches the scheduler this much
+    # after its arrival, and its TTFT still counts from the arrival.
+    request_overhead_s: float = 0.0
+    # Step-time scatter: 101 quantiles of (measured step / model prediction) from
+    # the profile; each step's predicted time is multiplied by a seeded draw from
+    # them, so latency tails are the machine's, not a deterministic function of
+    # the batch shape. Empty: no noise (roofline profiles have none).
+    noise_quantiles: list[float] = field(default_factory=list)
+    noise_seed: int = 0
+
+    @classmethod
+    def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
+        """Engine sizing recorded in a profile; explicit (non-None) overrides win."""
+        keys = ("max_running", "max_batched_tokens", "kv_slots", "max_context", "vocab_size", "request_overhead_s")
+        kw = {k: engine[k] for k in keys if engine.get(k) is not None}
+        noise = overrides.pop("noise", None)
+        if noise and noise.get("quantiles"):
+            kw["noise_quantiles"] = list(noise["quantiles"])
+        kw.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**kw)
+
+
+class VirtualClock:
+    __slots__ = ("t",)
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class SimRunner:
+    """Stands in for the model runner: placeholder tokens, predicted time."""
+
+    def __init__(self, latency_model, noise_quantiles=(), noise_seed: int = 0):
+        self.model = latency_model
+        self.noise = list(noise_quantiles)
+        self.rng = random.Random(noise_seed)
+
+    def reset(self, noise_seed: int) -> None:
+        self.rng = random.Random(noise_seed)
+
+    def step_time(self, plan) -> tuple[float, int, int, int]:
+        ctx = new = 0
+        pairs = 0
+        for r in plan.rows:
+            n = r.num_new
+            s = r.start
+            new += n
+            ctx += s + n
+            if n > 1:
+                pairs += n * s + n * (n + 1) // 2
+        dt = self.model.predict(len(plan.rows), ctx, new, float(pairs))
+        if self.noise:
+            q = self.noise
+            dt *= q[int(self.rng.random() * (len(q) - 1) + 0.5)]
+        return dt, ctx, new, pairs
+
+    def tokens(self, plan) -> list[int]:
+        return [PLACEHOLDER_TOKEN] * len(plan.samples)
+
+
+@dataclass
+class _Live:
+    """A request in flight: its record and branches still running."""
+
+    rec: RequestRecord
+    left: int
+    cached: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    duration_s: float  # virtual: t = 0 to the last completion
+    itl_s: array  # all inter-token gaps, pooled
+    stats: dict = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(self, latency_model, cfg: SimConfig | None = None, policies=()):
+        self.cfg = cfg or SimConfig()
+        self.runner = SimRunner(latency_model, self.cfg.noise_quantiles, self.cfg.noise_seed)
+        self.policies = list(policies)
+        # virtual time; policies or observers that need "now" read this clock
+        self.clock = VirtualClock()
+
+    def kv_capacity(self) -> int:
+        return self.cfg.kv_slots
+
+    def run(self, specs: list[RequestSpec], progress=None) -> SimResult:
+        cfg = self.cfg
+        if cfg.kv_slots is None:
+            raise ValueError("SimConfig.kv_slots is not set (the profile gives none: pass --kv-slots)")
+        max_ctx = cfg.max_context or DEFAULT_MAX_CONTEXT
+        builder = PromptBuilder(cfg.vocab_size or DEFAULT_VOCAB, cfg.seed)
+        clock = self.clock
+        clock.t = 0.0
+        self.runner.reset(cfg.noise_seed)
+        kv = KVManager(
+            SlotAllocator(cfg.kv_slots + 1, "cpu"),
+            ReqToTokenPool(cfg.max_running * 2 + 8, max_ctx + 1, "cpu"),
+            cfg.prefix_caching,
+        )
+        sched = Scheduler(
+            SchedulerConfig(max_running=cfg.max_running, max_batched_tokens=cfg.max_batched_tokens,
+                            admission=cfg.admission, max_context=max_ctx, prefix_caching=cfg.prefix_caching),
+            kv, self.policies, clock=clock,
+        )
+        capacity = kv.capacity
+        specs = sorted(specs, key=lambda s: s.arrival_s)
+        records: list[RequestRecord] = []
+        itl = array("d")
+        FINISHED = SeqStatus.FINISHED
+        runner = self.runner
+        policies = self.policies
+        next_seq = 0
+        steps = 0
+        busy = 0.0
+        sum_rows = sum_new = 0
+        max_rows = 0
+        i, n = 0, len(specs)
+        oh = cfg.request_overhead_s
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        t = 0.0
+        while i < n or sched.has_work():
+            while i < n and specs[i].arrival_s + oh <= t:
+                spec = specs[i]
+                i += 1
+                at = spec.arrival_s
+                rec = RequestRecord(spec.request_id, at, spec.prompt_len, n=spec.n, start_s=at)
+                records.append(rec)
+                plen, olen = spec.prompt_len, spec.output_len
+                # the engine's own refusals (engine.add_request), as a server would answer 400
+                if plen >= max_ctx or plen + olen > max_ctx:
+                    rec.error = f"prompt ({plen}) + max_tokens ({olen}) exceeds the context of {max_ctx} tokens"
+                    continue
+                if plen + olen > capacity:
+                    rec.error = f"request needs up to {plen + olen} KV slots but the pool holds {capacity}"
+                    continue
+                ids = builder.prompt(spec)
+                live = _Live(rec, spec.n)
+                seqs = []
+                for b in range(spec.n):
+                    seqs.append(Sequence(next_seq, ids if b == 0 else list(ids), plen, olen, at + oh,
+                                         ignore_eos=True, branch=b, group=live))
+                    next_seq += 1
+                seqs[0].fork_children = seqs[1:]
+                sched.add(seqs[0])
+            if not sched.has_work():
+                t = specs[i].arrival_s + oh
+                clock.t = t
+                continue
+            plan = sched.schedule()
+            if plan.empty:
+                if i < n:  # nothing fits until more work arrives (should not happen; be safe)
+                    t = max(t, specs[i].arrival_s + oh)
+                    clock.t = t
+                    continue
+                raise RuntimeError("simulator: the scheduler made no progress with work queued")
+            for seq in plan.admitted:
+                live = seq.group
+                if seq.num_cached > live.cached:
+                    live.cached = seq.num_cached
+            dt, ctx, new, pairs = runner.step_time(plan)
+            t += dt
+            clock.t = t
+            samples = plan.samples
+            prev = [s.last_token_time for _, s in samples]
+            sched.update(plan, runner.tokens(plan))
+            for (_, s), p in zip(samples, prev):
+                if p is None:
+                    rec = s.group.rec
+                    if rec.first_token_s is None:
+                        rec.first_token_s = t
+                else:
+                    itl.append(t - p)
+                if s.status is FINISHED:
+                    live = s.group
+                    rec = live.rec
+                    k = s.num_output
+                    rec.output_tokens += k
+                    if k > rec.branch_tokens:
+                        rec.branch_tokens = k
+                    live.left -= 1
+                    if live.left == 0:
+                        rec.end_s = t
+                        rec.cached_tokens = live.cached
+            steps += 1
+            busy += dt
+            nr = len(plan.rows)
+            sum_rows += nr
+            sum_new += new
+            if nr > max_rows:
+                max_rows = nr
+            if policies:
+                srec = StepRecord(step=steps, rows=nr, decode_rows=plan.num_decode, context_tokens=ctx,
+                                  new_tokens=new, wall_s=dt, forward_s=dt, schedule_s=0.0)
+                for p in policies:
+                    p.observe(plan, srec)
+            if cfg.check_every and steps % cfg.check_every == 0:
+                sched.check()
+            if progress is not None:
+                progress(len(records), t)
+        duration = max((r.end_s for r in records if r.end_s is not None), default=0.0)
+        stats = {
+            "steps": steps,
+            "virtual_busy_s": busy,
+            "mean_rows": sum_rows / steps if steps else 0.0,
+            "max_rows": max_rows,
+            "mean_new_tokens": sum_new / steps if steps else 0.0,
+            "retractions": sched.num_retractions,
+            "prefix_hit_rate": (sched.prefix_hit_tokens / sched.prefix_queried_tokens
+                                if sched.prefix_queried_tokens else 0.0),
+            "kv_slots": capacity,
+            "cpu_s": time.process_time() - cpu0,
+            "wall_s": time.perf_counter() - wall0,
+            "config": asdict(cfg),
+        }
+        return SimResult(records, duration, itl, stats)

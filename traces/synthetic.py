@@ -1,0 +1,148 @@
+"""Synthetic workloads: arrivals, lengths, shared prefixes, conversations, branches.
+
+Arrivals: Poisson (exponential gaps), gamma (shape = `burstiness`: below 1 is
+burstier than Poisson, above 1 smoother; the mean rate stays `rate`), or
+constant. Lengths come from small named distributions ("uniform:16:96").
+
+Sharing is expressed with segments (see request_spec): a request of a prefix
+group starts with its group's system prompt; turn k of a conversation is the
+whole of turn k-1 (prompt and answer) plus a new user message. Open loop: a
+turn's arrival is fixed in advance (previous turn's arrival + a gap), and its
+"answer" segment is the trace's, not what a server generated -- so a real
+server caches the previous *prompt*, not the previous answer, exactly as the
+simulator (whose placeholder outputs differ from the answer segment too).
+
+A spec string selects all this on the command line:
+`synthetic:num=200,rate=4,burstiness=0.5,input=uniform:32:128,output=fixed:32,
+prefix_groups=4,prefix_len=64,turns=3,branch_fraction=0.2,branches=4,seed=1`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from stepserve.traces.request_spec import RequestSpec, Segment
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    kind: str  # fixed | uniform | normal | lognormal | exponential
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, s: str) -> "LengthDist":
+        parts = s.split(":")
+        kind = parts[0]
+        nums = [float(x) for x in parts[1:]]
+        want = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2, "exponential": 1}
+        if kind not in want or len(nums) != want[kind]:
+            raise ValueError(
+                f"bad length distribution {s!r}: use fixed:N, uniform:LO:HI, normal:MEAN:STD, "
+                "lognormal:MEAN:SIGMA (MEAN of the lengths, SIGMA of their log) or exponential:MEAN")
+        return cls(kind, nums[0], nums[1] if len(nums) > 1 else 0.0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        k, a, b = self.kind, self.a, self.b
+        if k == "fixed":
+            x = np.full(n, a)
+        elif k == "uniform":
+            x = rng.integers(int(a), int(b) + 1, size=n)
+        elif k == "normal":
+            x = rng.normal(a, b, size=n)
+        elif k == "lognormal":
+            # parameterised by the mean of the lengths: mu = ln(mean) - sigma^2/2
+            x = rng.lognormal(math.log(a) - b * b / 2, b, size=n)
+        else:
+            x = rng.exponential(a, size=n)
+        return np.maximum(1, np.rint(x)).astype(np.int64)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.a:g}" + (f":{self.b:g}" if self.kind in ("uniform", "normal", "lognormal") else "")
+
+
+@dataclass
+class SyntheticConfig:
+    num: int = 200  # requests (turns of conversations count one each)
+    rate: float = 2.0  # mean arrivals per second (of requests, all turns included)
+    arrival: str = "poisson"  # poisson | gamma | constant
+    burstiness: float = 1.0  # gamma shape (1 = Poisson-like; smaller = burstier)
+    input: str = "uniform:32:128"  # prompt length (per turn: the new user message)
+    output: str = "uniform:16:64"
+    prefix_groups: int = 0  # shared system prompts (0 = none)
+    prefix_len: int = 0  # tokens of each system prompt
+    turns: int = 1  # turns per conversation; > 1 makes multi-turn conversations
+    turn_gap_s: float = 5.0  # mean gap between a conversation's turns (exponential)
+    branch_fraction: float = 0.0  # share of requests that branch (n > 1)
+    branches: int = 4  # n of a branching request
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.arrival not in ("poisson", "gamma", "constant"):
+            raise ValueError(f"arrival must be poisson, gamma or constant, not {self.arrival!r}")
+        if self.rate <= 0 or self.burstiness <= 0 or self.num < 1 or self.turns < 1:
+            raise ValueError("num, rate, burstiness and turns must be positive")
+        if self.prefix_groups and self.prefix_len < 1:
+            raise ValueError("prefix_groups needs prefix_len >= 1")
+        LengthDist.parse(self.input)
+        LengthDist.parse(self.output)
+
+    @classmethod
+    def parse(cls, spec: str) -> "SyntheticConfig":
+        """'synthetic:key=value,...' (or just the part after the colon)."""
+        body = spec.split(":", 1)[1] if spec.startswith("synthetic") else spec
+        kw = {}
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        for item in filter(None, body.split(",")):
+            if "=" not in item:
+                raise ValueError(f"bad synthetic option {item!r} (want key=value)")
+            k, v = item.split("=", 1)
+            k = k.strip()
+            if k not in types:
+                raise ValueError(f"unknown synthetic option {k!r}; known: {', '.join(types)}")
+            t = types[k]
+            kw[k] = int(v) if t in ("int", int) else float(v) if t in ("float", float) else v
+        return cls(**kw)
+
+
+def _gaps(cfg: SyntheticConfig, rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    if cfg.arrival == "constant":
+        return np.full(n, 1.0 / rate)
+    if cfg.arrival == "poisson":
+        return rng.exponential(1.0 / rate, size=n)
+    k = cfg.burstiness  # gamma(shape k, scale 1/(k rate)): mean 1/rate, CV 1/sqrt(k)
+    return rng.gamma(k, 1.0 / (k * rate), size=n)
+
+
+def generate(cfg: SyntheticConfig) -> list[RequestSpec]:
+    rng = np.random.default_rng(cfg.seed)
+    tag = f"syn{cfg.seed}"
+    in_d, out_d = LengthDist.parse(cfg.input), LengthDist.parse(cfg.output)
+    n_conv = math.ceil(cfg.num / cfg.turns)
+    # conversations start at rate/turns so that all turns together arrive at ~rate
+    starts = np.cumsum(_gaps(cfg, rng, n_conv, cfg.rate / cfg.turns))
+    specs: list[RequestSpec] = []
+    for c in range(n_conv):
+        group = int(rng.integers(cfg.prefix_groups)) if cfg.prefix_groups else None
+        history: list[Segment] = []
+        if group is not None:
+            history.append(Segment(f"{tag}:sys{group}", cfg.prefix_len))
+        t = float(starts[c])
+        user = in_d.sample(rng, cfg.turns)
+        answer = out_d.sample(rng, cfg.turns)
+        for k in range(cfg.turns):
+            if k:
+                t += float(rng.exponential(cfg.turn_gap_s))
+            history.append(Segment(f"{tag}:c{c}:u{k}", int(user[k])))
+            n = cfg.branches if cfg.branch_fraction and rng.random() < cfg.branch_fraction else 1
+            meta = {"conversation": c, "turn": k}
+            if group is not None:
+                meta["group"] = group
+            specs.append(RequestSpec(f"{tag}-c{c}-t{k}", t, int(answer[k]), tuple(history), n=n, meta=meta))
+            history.append(Segment(f"{tag}:c{c}:a{k}", int(answer[k])))
+    specs.sort(key=lambda s: s.arrival_s)
+    return specs[: cfg.num]

@@ -21,6 +21,11 @@ from stepserve.engine.sampling_params import SamplingParams
 log = logging.getLogger("stepserve.async_engine")
 
 
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None, **kwargs):
         self.engine = engine or Engine(config or EngineConfig(**kwargs))
@@ -132,10 +137,25 @@ class AsyncEngine:
                     pass
                 if not eng.has_unfinished():
                     continue
+                # one wake-up per event loop per step, not one per request: each
+                # call_soon_threadsafe writes the loop's self-pipe and wakes it
+                batches: dict[asyncio.AbstractEventLoop, list] = {}
                 for req in eng.step():
                     out = req.output(delta=True)
-                    if out.outputs or out.finished:
-                        self._deliver(req.request_id, out)
+                    if not (out.outputs or out.finished):
+                        continue
+                    stream = self._streams.get(req.request_id)
+                    if stream is None:
+                        continue
+                    loop, q = stream
+                    if out.finished:
+                        self._streams.pop(req.request_id, None)
+                    batches.setdefault(loop, []).append((q, out))
+                for loop, items in batches.items():
+                    try:
+                        loop.call_soon_threadsafe(_put_all, items)
+                    except RuntimeError:  # the caller's loop is closed
+                        pass
         except BaseException as e:  # a bug in the step: fail every waiter loudly
             log.exception("engine loop died")
             self._dead = e

@@ -115,7 +115,7 @@ def run_offline(engine, specs, builder) -> dict:
             last[req.request_id] = t
             if req.finished:
                 rec.end_s = t
-                rec.output_tokens = len(req.branches[0].seq.output_ids)
+                rec.output_tokens = rec.branch_tokens = len(req.branches[0].seq.output_ids)
     engine.scheduler.kv.tree.evict(engine.scheduler.kv.tree.evictable_size())
     duration = max(r.end_s for r in records.values())
     return summarize(list(records.values()), duration, SLO())
@@ -192,7 +192,11 @@ def run(args) -> int:
     for path, rs in runs.items():
         if not rs:
             continue
-        med = lambda key, sub=None: statistics.median(r[key] if sub is None else r[key][sub] for r in rs)  # noqa: E731
+        def med(key, sub=None, rs=rs):
+            vals = [r[key] if sub is None else r[key][sub] for r in rs]
+            vals = [v for v in vals if v is not None]
+            return statistics.median(vals) if vals else None
+
         summary[path] = {"output_tps": med("output_tps"), "throughput_rps": med("throughput_rps"),
                          "ttft_p50_s": med("ttft_s", "p50"), "ttft_p90_s": med("ttft_s", "p90"),
                          "tpot_p50_s": med("tpot_s", "p50"), "itl_p50_s": med("itl_s", "p50"),

@@ -231,6 +231,7 @@ class Engine:
         t2 = time.perf_counter()
         got = sched.update(plan, out.token_ids)
         changed: dict[str, Request] = {}
+        ended: list[Request] = []
         want_lp = out.sampler.logprobs is not None
         if want_lp:
             lp_all = out.sampler.logprobs.tolist()
@@ -248,15 +249,17 @@ class Engine:
                 top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
                 branch.logprobs.append(TokenLogprob(tok, lp_all[i], top))
                 branch.cumulative_logprob += lp_all[i]
-            stop = req.append_text(branch, tok)
+            stop = req.sync_text(branch) if req.params.stop else None
             if stop is not None and not seq.finished:
                 sched.finish(seq, "stop")
             elif seq.finished:
                 if seq.finish_reason == "stop" and tok in seq.stop_token_ids:
                     branch.stop_reason = tok
                 req.flush_text(branch)
+            if stop is not None or seq.finished:
+                ended.append(req)
             changed[req.request_id] = req
-        for req in changed.values():
+        for req in ended:
             if req.finished:
                 self._mark_finished(req)
         t3 = time.perf_counter()

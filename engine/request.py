@@ -60,6 +60,7 @@ class Branch:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
     stop_reason: str | int | None = None
+    detok_pos: int = 0  # output tokens fed to the detokenizer so far
     sent_text: int = 0
     sent_tokens: int = 0
     done_reported: bool = False
@@ -93,9 +94,20 @@ class Request:
     def finished(self) -> bool:
         return all(b.seq.finished for b in self.branches)
 
-    def append_text(self, branch: Branch, token_id: int) -> str | None:
-        """Detokenizes the new token; returns the stop string it completed, if any."""
-        new = branch.detok.add(token_id)
+    def sync_text(self, branch: Branch) -> str | None:
+        """Detokenizes the output tokens not yet turned into text; returns the
+        stop string they completed, if any (the text is cut there).
+
+        Text is built lazily: the step loop syncs every step only requests
+        with stop strings (a stop must end the sequence at once); for the
+        others it happens when an output is built, so an offline batch
+        detokenizes once at the end and the step loop stays lean."""
+        ids = branch.seq.token_ids
+        start = branch.seq.prompt_len + branch.detok_pos
+        if start >= len(ids) or branch.stop_reason is not None and isinstance(branch.stop_reason, str):
+            return None
+        new = "".join(branch.detok.add(t) for t in ids[start:])
+        branch.detok_pos = len(ids) - branch.seq.prompt_len
         if not new:
             return None
         branch.text += new
@@ -116,6 +128,7 @@ class Request:
         decoding all output tokens at once."""
         if branch.stop_reason is not None and isinstance(branch.stop_reason, str):
             return  # truncated at a stop string: the tail is not part of the output
+        self.sync_text(branch)
         full = branch.detok.decode_all(branch.seq.output_ids)
         if full.startswith(branch.text) and len(full) > len(branch.text):
             branch.text = full
@@ -129,6 +142,7 @@ class Request:
         outs = []
         for i, b in enumerate(self.branches):
             seq = b.seq
+            self.sync_text(b)
             text = b.text
             if not seq.finished and self.params.stop:
                 text = text[: len(text) - partial_stop_len(text, self.params.stop)]

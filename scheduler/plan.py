@@ -66,9 +66,10 @@ class StepPlan:
         out = []
         for i, r in enumerate(self.rows):
             if r.sample:
-                out.append((i, r.seq))
-                if r.seq.num_output == 0:
-                    out.extend((i, c) for c in r.seq.fork_children)
+                seq = r.seq
+                out.append((i, seq))
+                if seq.fork_children and seq.num_output == 0:
+                    out.extend((i, c) for c in seq.fork_children)
         return out
 
 

@@ -128,18 +128,17 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, plan: StepPlan) -> int:
-        decode = sum(1 for s in self.running if s.pending == 1)
-        if self.kv.available() < decode:
-            self._retract_for(decode, plan)
-        budget = self.cfg.max_batched_tokens
-        reserved = 0
-        prefilling = []
+        # one pass over the running sequences: this runs every step
+        decoding, prefilling = [], []
         for s in self.running:
-            if s.pending == 1:
-                plan.rows.append(ScheduledRow(s, s.num_computed, 1, True))
-                reserved += 1
-            else:
-                prefilling.append(s)
+            (decoding if len(s.token_ids) - s.num_computed == 1 else prefilling).append(s)
+        if self.kv.available() < len(decoding):
+            self._retract_for(len(decoding), plan)
+            decoding = [s for s in decoding if s.status is SeqStatus.RUNNING]
+            prefilling = [s for s in prefilling if s.status is SeqStatus.RUNNING]
+        budget = self.cfg.max_batched_tokens
+        plan.rows.extend(ScheduledRow(s, s.num_computed, 1, True) for s in decoding)
+        reserved = len(decoding)
         budget -= reserved
         for s in prefilling:
             n = min(s.pending, budget, self.kv.available() - reserved)

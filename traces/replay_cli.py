@@ -35,7 +35,7 @@ def run_replay(args) -> int:
     from stepserve.traces.load import load_trace, save_trace
     from stepserve.traces.metrics import percentiles
     from stepserve.traces.replay import ReplayConfig, replay, server_info
-    from stepserve.traces.report import build_report, combine_sweep, format_summary, write_report
+    from stepserve.traces.report import build_report, finish_runs, format_summary
     from stepserve.traces.scaling import apply_scaling
 
     info = server_info(args.url, args.api_key)
@@ -68,15 +68,5 @@ def run_replay(args) -> int:
         runs.append(report)
         if len(rates) > 1:
             print(format_summary(report), file=sys.stderr)
-    report = runs[0] if len(runs) == 1 else combine_sweep(runs, rates)
-    print(format_summary(report))
-    if args.out:
-        write_report(report, args.out)
-        print(f"report written to {args.out}")
-    path = plot_path(args)
-    if path:
-        from stepserve.traces.plot import plot_report
-
-        plot_report(report, path)
-        print(f"plot written to {path}")
+    finish_runs(runs, rates, args.out, plot_path(args))
     return 0

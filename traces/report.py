@@ -136,3 +136,18 @@ def format_summary(r: dict) -> str:
             lines.append(f"  {'-' if rr is None else f'{rr:8.3f}':>8s} {s['throughput_rps']:8.3f} {s['goodput_rps']:8.3f} "
                          f"{s['slo_attainment']:7.1%} {_ms(s['ttft_p90_s']):>8s} {_ms(s['tpot_p90_s']):>8s}")
     return "\n".join(lines)
+
+
+def finish_runs(runs: list[dict], rates: list[float], out: str | None, plot: str | None) -> dict:
+    """One run's report, or a rate sweep combined; printed, written, plotted."""
+    report = runs[0] if len(runs) == 1 else combine_sweep(runs, rates)
+    print(format_summary(report))
+    if out:
+        write_report(report, out)
+        print(f"report written to {out}")
+    if plot:
+        from stepserve.traces.plot import plot_report
+
+        plot_report(report, plot)
+        print(f"plot written to {plot}")
+    return report

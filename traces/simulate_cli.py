@@ -63,7 +63,7 @@ def run_simulate(args) -> int:
         raise SystemExit("stepserve simulate: --trace and --profile are required")
     from stepserve.scheduler.latency_model import OnlineLatencyModel, load_profile
     from stepserve.traces.load import load_trace, save_trace
-    from stepserve.traces.report import build_report, combine_sweep, format_summary, write_report
+    from stepserve.traces.report import build_report, finish_runs, format_summary
     from stepserve.traces.scaling import apply_scaling
     from stepserve.traces.simulator import DEFAULT_MAX_CONTEXT, SimConfig, Simulator
 
@@ -131,15 +131,5 @@ def run_simulate(args) -> int:
               f"in {res.stats['cpu_s']:.1f} s CPU", file=sys.stderr)
         if len(rates) > 1:
             print(format_summary(report), file=sys.stderr)
-    report = runs[0] if len(runs) == 1 else combine_sweep(runs, rates)
-    print(format_summary(report))
-    if args.out:
-        write_report(report, args.out)
-        print(f"report written to {args.out}")
-    path = plot_path(args)
-    if path:
-        from stepserve.traces.plot import plot_report
-
-        plot_report(report, path)
-        print(f"plot written to {path}")
+    finish_runs(runs, rates, args.out, plot_path(args))
     return 0

@@ -18,6 +18,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator
+from stepserve.scheduler.latency_model import plan_features
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.plan import StepRecord
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -87,17 +88,10 @@ class SimRunner:
     def reset(self, noise_seed: int) -> None:
         self.rng = random.Random(noise_seed)
 
-    def step_time(self, plan) -> tuple[float, int, int, int]:
-        ctx = new = 0
-        pairs = 0
-        for r in plan.rows:
-            n = r.num_new
-            s = r.start
-            new += n
-            ctx += s + n
-            if n > 1:
-                pairs += n * s + n * (n + 1) // 2
-        dt = self.model.predict(len(plan.rows), ctx, new, float(pairs))
+    def step_time(self, plan) -> tuple[float, int, int, float]:
+        f = plan_features(plan)
+        ctx, new, pairs = f.context_tokens, f.new_tokens, f.prefill_pairs
+        dt = self.model.predict(f.rows, ctx, new, pairs)
         if self.noise:
             q = self.noise
             dt *= q[int(self.rng.random() * (len(q) - 1) + 0.5)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 __all__ = ["SamplingParams", "MAX_LOGPROBS", "GREEDY_TEMPERATURE_EPS"]

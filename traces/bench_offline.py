@@ -21,13 +21,14 @@ time per step (everything in a step but the model forward and sampling) with
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 
 import torch
+
+from stepserve.traces.report import write_report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -279,8 +280,7 @@ def run(args) -> int:
           f"outside the forward {overhead['outside_forward_ms_median']:.2f} ms; forward+sample "
           f"{overhead['forward_ms_median']:.2f} ms")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.out)
         print(f"report written to {args.out}")
     return 0
 

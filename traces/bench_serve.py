@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
-import os
 import socket
 import statistics
 import subprocess
@@ -30,7 +28,7 @@ import numpy as np
 
 from stepserve.traces.metrics import SLO, RequestRecord, summarize
 from stepserve.traces.replay import ReplayConfig, Replayer, server_info, wait_ready
-from stepserve.traces.report import command_line, versions
+from stepserve.traces.report import command_line, versions, write_report
 from stepserve.traces.request_spec import RequestSpec, Segment
 
 
@@ -214,8 +212,7 @@ def run(args) -> int:
         print(f"HTTP path throughput vs offline: {-100 * report['http_overhead']:+.1f}% "
               f"(overhead {100 * report['http_overhead']:.1f}%)")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_report(report, args.out)
         print(f"report written to {args.out}")
     return 0
 

@@ -33,7 +33,3 @@ class ForwardBatch:
     # trailing padding tokens (id 0, position 0, written to the padding slot 0)
     # that round the token count up to a shape bucket; no row reads them
     num_padding: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from stepserve.traces.report import write_report
+from stepserve.traces.report import command_line, versions, write_report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -256,10 +256,9 @@ def run(args) -> int:
     _progress(f"measuring scheduler overhead at {args.overhead_rows} running sequences ...")
     overhead = measure_overhead(engine_config(args), args.overhead_rows, args.overhead_steps, vocab, args.bench_seed)
     report = {
-        "command": " ".join(["stepserve"] + sys.argv[1:]),
+        "command": command_line(),
         "model": model_dir,
-        "versions": {"torch": torch.__version__, "python": platform.python_version(),
-                     "transformers": _version("transformers"), "stepserve": _version("stepserve")},
+        "versions": versions(),
         "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
         "workload": {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
                      "input_len": [args.input_len_min, args.input_len_max], "output_len_mean": args.output_len,
@@ -283,15 +282,6 @@ def run(args) -> int:
         write_report(report, args.out)
         print(f"report written to {args.out}")
     return 0
-
-
-def _version(pkg: str) -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version(pkg)
-    except Exception:
-        return None
 
 
 if __name__ == "__main__":

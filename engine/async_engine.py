@@ -1,44 +1,130 @@
-"""`AsyncEngine`: the engine's step loop on a background thread, for asyncio callers.
+"""`AsyncEngine`: the engine's step loop for asyncio callers, on a background
+thread or in a process of its own.
 
-Requests and aborts cross into the loop through a thread-safe queue; each
-request's output deltas come back on its own asyncio queue. Errors raised while
-adding a request (bad parameters, prompt too long) reach the caller's `await`.
+The loop (`EngineLoop`) is the same either way: between steps it takes the
+commands that queued up (add, abort, call, pause, resume, stop), then runs one
+step and hands every request's output delta of that step, in one batch, to the
+transport. The front end (`AsyncEngine`) routes each delta to its request's
+asyncio queue, with one wake-up per event loop per step, not one per request.
+
+- `process=False` (the default): the loop is a thread of this process. Policies
+  and logits processors may be any Python object, and the `Engine` is at hand
+  (`AsyncEngine.engine`), but the loop shares the GIL with the caller.
+- `process=True`: the loop runs in a child process (`engine_process`), so its
+  Python work (scheduling, op dispatch) runs beside the server's instead of
+  taking turns with it. Commands and output batches cross a pipe; `call`
+  takes a module-level function, and everything sent must pickle.
+
+Errors raised while adding a request (bad parameters, prompt too long) reach
+the caller as the first item of its stream.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Callable, Sequence
 
-from stepserve.engine.engine import Engine, EngineConfig
+from stepserve.engine.engine import Engine, EngineConfig, EngineInfo, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("stepserve.async_engine")
 
+# one iteration's results: (request id, delta or the error adding it raised), and
+# (call id, ok, result or error) for calls
+Outputs = list[tuple[str, Any]]
+Replies = list[tuple[int, bool, Any]]
 
-def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+
+class EngineLoop:
+    """Commands in, steps, output batches out; transport-agnostic.
+
+    `poll(timeout)` returns the commands queued so far, waiting up to `timeout`
+    seconds for one when there are none (None: wait indefinitely); `emit(outputs,
+    replies)` is called once per iteration that produced anything.
+    """
+
+    def __init__(self, engine: Engine, poll: Callable[[float | None], list], emit: Callable[[Outputs, Replies], None]):
+        self.engine = engine
+        self.poll = poll
+        self.emit = emit
+        self.paused = False
+        self.stopped = False
+
+    def handle(self, cmd: tuple, outputs: Outputs, replies: Replies) -> None:
+        kind = cmd[0]
+        eng = self.engine
+        if kind == "add":
+            _, rid, prompt, params = cmd
+            try:
+                eng.add_request(prompt, params, rid)
+            except Exception as e:  # validation errors go back to the caller
+                outputs.append((rid, e))
+        elif kind == "abort":
+            req = eng.abort_request(cmd[1])
+            if req is not None:
+                outputs.append((req.request_id, req.output(delta=True)))
+        elif kind == "call":
+            _, call_id, fn, args = cmd
+            try:
+                replies.append((call_id, True, fn(eng, *args)))
+            except Exception as e:
+                replies.append((call_id, False, e))
+        elif kind == "pause":
+            self.paused = True
+        elif kind == "resume":
+            self.paused = False
+        elif kind == "stop":
+            self.stopped = True
+        else:
+            raise ValueError(f"unknown engine command {kind!r}")
+
+    def run(self) -> None:
+        eng = self.engine
+        while not self.stopped:
+            outputs: Outputs = []
+            replies: Replies = []
+            idle = self.paused or not eng.has_unfinished()
+            for cmd in self.poll(None if idle else 0.0):
+                self.handle(cmd, outputs, replies)
+            if not self.paused and not self.stopped and eng.has_unfinished():
+                for req in eng.step():
+                    out = req.output(delta=True)
+                    if out.outputs or out.finished:
+                        outputs.append((req.request_id, out))
+            if outputs or replies:
+                self.emit(outputs, replies)
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None, **kwargs):
-        self.engine = engine or Engine(config or EngineConfig(**kwargs))
-        self._cmds: queue.Queue = queue.Queue()
+    def __init__(self, config: EngineConfig | None = None, engine: Engine | None = None, *, process: bool = False,
+                 **kwargs):
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._stop = threading.Event()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._req_ids = itertools.count()
         self._dead: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="stepserve-engine", daemon=True)
-        self._thread.start()
+        if process:
+            from stepserve.engine.engine_process import EngineProcess
 
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+            if engine is not None:
+                raise ValueError("process=True builds its engine in the child; pass a config")
+            self._core = EngineProcess(config or EngineConfig(**kwargs), self._dispatch, self._died)
+            self.engine = None
+            self.info = self._core.info
+            from stepserve.engine.engine import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.info.tokenizer)
+        else:
+            self.engine = engine or Engine(config or EngineConfig(**kwargs))
+            self.info = self.engine.info()
+            self.tokenizer = self.engine.tokenizer
+            self._core = _EngineThread(self.engine, self._dispatch, self._died)
 
     # -- caller side (any thread, asyncio) ------------------------------------
     async def generate(
@@ -49,20 +135,28 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields output deltas (new text/tokens per branch) until the request ends.
 
-        Leaving the iteration early (client gone, task cancelled) aborts it.
+        Deltas that queued up while the caller was busy come as one (merged),
+        so a slow consumer does less work per token, not more. Leaving the
+        iteration early (client gone, task cancelled) aborts it.
         """
         if self._dead is not None:
             raise RuntimeError(f"engine loop died: {self._dead!r}")
-        loop = asyncio.get_running_loop()
+        if request_id is None:
+            request_id = f"areq-{next(self._req_ids)}"
+        elif request_id in self._streams:
+            raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue = asyncio.Queue()
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("add", (prompt, params, request_id, loop, q), fut))
-        request_id = await asyncio.wrap_future(fut)
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._core.send(("add", request_id, prompt, params or SamplingParams()))
         finished = False
         try:
             while True:
                 item = await q.get()
+                while not q.empty() and not isinstance(item, BaseException):
+                    nxt = q.get_nowait()
+                    item = nxt if isinstance(nxt, BaseException) else item.merge(nxt)
                 if isinstance(item, BaseException):
+                    finished = True  # never added, or the loop died: nothing to abort
                     raise item
                 yield item
                 if item.finished:
@@ -73,91 +167,110 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._cmds.put(("abort", request_id, None))
+        self._core.send(("abort", request_id))
 
-    def call(self, fn):
-        """Runs fn(engine) on the loop thread; returns a concurrent Future."""
+    def call(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Runs fn(engine, *args) on the loop, between steps; returns a
+        concurrent Future of its result. With process=True, fn must be a
+        module-level function and args and result must pickle."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("call", fn, fut))
+        if self._dead is not None:
+            fut.set_exception(RuntimeError(f"engine loop died: {self._dead!r}"))
+            return fut
+        call_id = next(self._call_ids)
+        self._calls[call_id] = fut
+        self._core.send(("call", call_id, fn, args))
         return fut
 
+    async def stats(self, since_step: int = -1) -> EngineStats:
+        return await asyncio.wrap_future(self.call(Engine.stats, since_step))
+
+    async def kv_report(self) -> KVReport:
+        """Runs the KV integrity check on the loop (an AssertionError if it fails)."""
+        return await asyncio.wrap_future(self.call(Engine.kv_report))
+
+    def pause(self) -> None:
+        """Stops stepping after the current step; adds and aborts still go through."""
+        self._core.send(("pause",))
+
+    def resume(self) -> None:
+        self._core.send(("resume",))
+
+    def is_alive(self) -> bool:
+        return self._dead is None and self._core.is_alive()
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._cmds.put(("wake", None, None))
-        self._thread.join(timeout)
+        self._core.shutdown(timeout)
 
-    # -- loop thread -----------------------------------------------------------
-    def _handle(self, cmd) -> None:
-        kind, arg, fut = cmd
-        eng = self.engine
-        if fut is not None and not fut.set_running_or_notify_cancel():
-            return  # the caller gave up (client gone) before the loop got here
-        if kind == "add":
-            prompt, params, rid, loop, q = arg
+    # -- loop side (the loop thread, or the thread reading the child's pipe) ---
+    def _dispatch(self, outputs: Outputs, replies: Replies) -> None:
+        for call_id, ok, value in replies:
+            fut = self._calls.pop(call_id, None)
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_result(value) if ok else fut.set_exception(value)
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        streams = self._streams
+        for rid, item in outputs:
+            stream = streams.get(rid)
+            if stream is None:
+                continue
+            loop, q = stream
+            if isinstance(item, BaseException) or item.finished:
+                del streams[rid]
+            batches.setdefault(loop, []).append((q, item))
+        for loop, items in batches.items():
             try:
-                req = eng.add_request(prompt, params, rid)
-            except Exception as e:  # validation errors go back to the caller
-                fut.set_exception(e)
-                return
-            self._streams[req.request_id] = (loop, q)
-            fut.set_result(req.request_id)
-        elif kind == "abort":
-            req = eng.abort_request(arg)
-            if req is not None:
-                self._deliver(req.request_id, req.output(delta=True))
-        elif kind == "call":
-            try:
-                fut.set_result(arg(eng))
-            except Exception as e:
-                fut.set_exception(e)
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed
+                pass
 
-    def _deliver(self, rid: str, item) -> None:
-        stream = self._streams.get(rid)
-        if stream is None:
-            return
-        loop, q = stream
-        if isinstance(item, BaseException) or item.finished:
-            self._streams.pop(rid, None)
+    def _died(self, err: BaseException) -> None:
+        """The loop is gone: fail every waiter loudly."""
+        self._dead = err
+        exc = RuntimeError(f"engine loop died: {err!r}")
+        self._dispatch([(rid, exc) for rid in list(self._streams)],
+                       [(cid, False, exc) for cid in list(self._calls)])
+
+
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+class _EngineThread:
+    """The loop on a daemon thread of this process; outputs are dispatched
+    from that thread directly."""
+
+    def __init__(self, engine: Engine, dispatch, died):
+        self._cmds: queue.Queue = queue.Queue()
+        self._loop = EngineLoop(engine, self._poll, dispatch)
+        self._died = died
+        self._thread = threading.Thread(target=self._run, name="stepserve-engine", daemon=True)
+        self._thread.start()
+
+    def _poll(self, timeout: float | None) -> list:
+        cmds = []
         try:
-            loop.call_soon_threadsafe(q.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed
+            cmds.append(self._cmds.get(timeout=timeout) if timeout != 0.0 else self._cmds.get_nowait())
+            while True:
+                cmds.append(self._cmds.get_nowait())
+        except queue.Empty:
             pass
+        return cmds
 
-    def _loop(self) -> None:
-        eng = self.engine
+    def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                block = not eng.has_unfinished()
-                try:
-                    cmd = self._cmds.get(block=block, timeout=0.5 if block else None)
-                    self._handle(cmd)
-                    while True:  # drain everything that queued up during the step
-                        self._handle(self._cmds.get_nowait())
-                except queue.Empty:
-                    pass
-                if not eng.has_unfinished():
-                    continue
-                # one wake-up per event loop per step, not one per request: each
-                # call_soon_threadsafe writes the loop's self-pipe and wakes it
-                batches: dict[asyncio.AbstractEventLoop, list] = {}
-                for req in eng.step():
-                    out = req.output(delta=True)
-                    if not (out.outputs or out.finished):
-                        continue
-                    stream = self._streams.get(req.request_id)
-                    if stream is None:
-                        continue
-                    loop, q = stream
-                    if out.finished:
-                        self._streams.pop(req.request_id, None)
-                    batches.setdefault(loop, []).append((q, out))
-                for loop, items in batches.items():
-                    try:
-                        loop.call_soon_threadsafe(_put_all, items)
-                    except RuntimeError:  # the caller's loop is closed
-                        pass
-        except BaseException as e:  # a bug in the step: fail every waiter loudly
+            self._loop.run()
+        except BaseException as e:
             log.exception("engine loop died")
-            self._dead = e
-            for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine loop died: {e!r}"))
+            self._died(e)
+
+    def send(self, cmd: tuple) -> None:
+        self._cmds.put(cmd)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float) -> None:
+        self._cmds.put(("stop",))
+        self._thread.join(timeout)

@@ -46,12 +46,58 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (native CPU decode kernel when it builds) | torch (pure reference)
     seed: int = 0  # seeds the per-request seeds of requests that give none
     check_invariants: bool = False  # run the KV integrity check after every step
+    cpu_threads: int | None = None  # torch intra-op threads, process-wide (None: leave torch's setting)
     policies: list[StepPolicy] = field(default_factory=list)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a front end needs to know of an engine it cannot touch (one in
+    another process): limits for request checks, and where the tokenizer is."""
+
+    model: str
+    tokenizer: str  # directory the tokenizer loads from
+    max_model_len: int
+    vocab_size: int
+    kv_capacity: int
+    max_running: int
+    eos_token_ids: tuple[int, ...]
+    dtype: str
+    device: str
+
+
+@dataclass
+class EngineStats:
+    """Totals and gauges for metrics, plus the wall times of the steps taken
+    since `Engine.stats(since_step)`'s argument."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    finished: dict = field(default_factory=dict)  # finish reason -> sequences
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    retractions: int = 0
+    running: int = 0  # requests with a running sequence
+    waiting: int = 0  # requests with nothing running, queued
+    kv_used: int = 0
+    kv_capacity: int = 1
+    step_times: list = field(default_factory=list)  # wall_s of steps after since_step
+    last_step: int = -1
+
+
+@dataclass
+class KVReport:
+    """`Engine.kv_report()`: the integrity check passed, and these sizes."""
+
+    busy: bool  # requests still running or waiting
+    protected: int  # cached slots locked by running requests
+    accounted: int  # free + cached slots; equals capacity when nothing runs
+    capacity: int
 
 
 def load_tokenizer(path: str):
@@ -73,12 +119,18 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         config = config or EngineConfig(**kwargs)
         self.config = config
+        if config.cpu_threads is not None:
+            if config.cpu_threads < 1:
+                raise ValueError(f"cpu_threads must be at least 1, got {config.cpu_threads}")
+            torch.set_num_threads(config.cpu_threads)
         model_dir = config.model or DEFAULT_MODEL
         self.device = config.resolved_device()
+        self.model_dir = model_dir
+        self.tokenizer_dir = config.tokenizer or model_dir
         self.model_config, self.model = load_model(model_dir, config.dtype, self.device)
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
-        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         eos = set(mc.eos_token_ids) | set(_generation_eos(model_dir))
         if self.tokenizer.eos_token_id is not None:
@@ -118,7 +170,7 @@ class Engine:
         self.step_id = 0
         self.records: list[StepRecord] = []  # ring buffer of recent steps
         self.max_records = 4096
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": {}}
+        self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": {}}
 
     # -- requests -------------------------------------------------------------
     @property
@@ -200,7 +252,7 @@ class Engine:
         seqs[0].fork_children = seqs[1:]
         self.requests[request_id] = req
         self.scheduler.add(seqs[0])
-        self.stats["prompt_tokens"] += plen
+        self.totals["prompt_tokens"] += plen
         return req
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -238,7 +290,7 @@ class Engine:
             top_ids = out.sampler.top_ids.tolist() if out.sampler.top_ids is not None else None
             top_lps = out.sampler.top_logprobs.tolist() if out.sampler.top_logprobs is not None else None
         index = {id(s): i for i, s in enumerate(out.seqs)} if want_lp else None
-        self.stats["generation_tokens"] += len(got)
+        self.totals["generation_tokens"] += len(got)
         for seq in got:
             req: Request = seq.group
             branch = req.branches[seq.branch]
@@ -289,8 +341,49 @@ class Engine:
             req.finished_time = time.monotonic()
             for seq in req.seqs:
                 r = seq.finish_reason or "abort"
-                self.stats["finished"][r] = self.stats["finished"].get(r, 0) + 1
+                self.totals["finished"][r] = self.totals["finished"].get(r, 0) + 1
         self.requests.pop(req.request_id, None)
 
     def check(self) -> None:
         self.scheduler.check()
+
+    # -- introspection (plain data, so it can cross a process boundary) ---------
+    def info(self) -> EngineInfo:
+        return EngineInfo(
+            model=self.model_dir, tokenizer=self.tokenizer_dir, max_model_len=self.max_model_len,
+            vocab_size=self.model_config.vocab_size, kv_capacity=self.kv_capacity,
+            max_running=self.config.max_running, eos_token_ids=tuple(sorted(self.eos_token_ids)),
+            dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+        )
+
+    def stats(self, since_step: int = -1) -> EngineStats:
+        sched = self.scheduler
+        running = {id(s.group) for s in sched.running}
+        waiting = {id(s.group) for s in sched.waiting} - running
+        new = []
+        for rec in reversed(self.records):
+            if rec.step <= since_step:
+                break
+            new.append(rec.wall_s)
+        new.reverse()
+        return EngineStats(
+            prompt_tokens=self.totals["prompt_tokens"],
+            generation_tokens=self.totals["generation_tokens"],
+            finished=dict(self.totals["finished"]),
+            prefix_queried_tokens=sched.prefix_queried_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            retractions=sched.num_retractions,
+            running=len(running),
+            waiting=len(waiting),
+            kv_used=sched.kv.used(),
+            kv_capacity=max(sched.kv.capacity, 1),
+            step_times=new,
+            last_step=self.step_id - 1,
+        )
+
+    def kv_report(self) -> KVReport:
+        """Runs the KV integrity check (raises on a violation) and reports sizes."""
+        self.check()
+        kv = self.scheduler.kv
+        return KVReport(busy=self.has_unfinished() or bool(self.requests), protected=kv.tree.protected_size(),
+                        accounted=kv.allocator.available() + kv.tree.total_size(), capacity=kv.capacity)

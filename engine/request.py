@@ -49,6 +49,30 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
 
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """Folds the delta that came after this one into it: the result is one
+        delta covering both (text and tokens joined per choice, the later
+        finish state). A streaming consumer that fell behind sends one chunk
+        instead of several."""
+        by_index = {o.index: o for o in self.outputs}
+        for o in later.outputs:
+            mine = by_index.get(o.index)
+            if mine is None:
+                by_index[o.index] = o
+                self.outputs.append(o)
+                continue
+            mine.text += o.text
+            mine.token_ids += o.token_ids
+            if o.logprobs is not None:
+                mine.logprobs = (mine.logprobs or []) + o.logprobs
+            mine.finish_reason, mine.stop_reason = o.finish_reason, o.stop_reason
+            mine.cumulative_logprob = o.cumulative_logprob
+        self.outputs.sort(key=lambda o: o.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
+        return self
+
 
 @dataclass(eq=False)
 class Branch:

@@ -81,9 +81,7 @@ def create_app(async_engine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        eng = async_engine
-        alive = getattr(eng, "_dead", None) is None and eng._thread.is_alive()
-        if not alive:
+        if not async_engine.is_alive():
             return SafeJSONResponse({"status": "engine_dead"}, status_code=503)
         if client.admission.draining:
             return SafeJSONResponse({"status": "draining"}, status_code=503)

@@ -1,9 +1,14 @@
 """`stepserve serve`: the engine behind uvicorn, with a graceful SIGTERM.
 
+The engine loop runs in a child process (`AsyncEngine(process=True)`), so the
+HTTP work and the step loop do not take turns on one GIL; unless
+`--cpu-threads` says otherwise, it gets one torch thread per core but one, and
+the front end the core left.
+
 SIGTERM (or Ctrl-C): the listening socket closes and new requests on open
 connections get 503; running requests get `--shutdown-timeout` seconds to
 finish, then uvicorn cancels them (which aborts them in the engine); the engine
-loop stops and the process exits 0.
+process stops and the server exits 0.
 
 Also runnable alone: `python -m stepserve.server.cli --model DIR`.
 """
@@ -33,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    g.add_argument("--engine-thread", action="store_true",
+                   help="run the engine loop as a thread of the server process instead of a process of its own "
+                        "(it then shares the GIL with the HTTP work: slower under load)")
 
 
 def served_model_name(args) -> str:
@@ -52,7 +60,12 @@ def run_serve(args) -> int:
     from stepserve.server.serving import ServerSettings
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = AsyncEngine(engine_config(args))
+    engine_cfg = engine_config(args)
+    if not args.engine_thread and engine_cfg.cpu_threads is None:
+        # the engine process would otherwise take every core for its GEMMs and
+        # starve the HTTP front end, which needs one
+        engine_cfg.cpu_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+    engine = AsyncEngine(engine_cfg, process=not args.engine_thread)
     settings = ServerSettings(
         served_model_name=served_model_name(args),
         api_key=args.api_key or None,

@@ -2,7 +2,7 @@
 
 Engine-side totals (tokens, finished sequences, prefix-cache counters,
 retractions, queue sizes, KV usage) live in the engine; they are read with one
-`AsyncEngine.call` per scrape and exported by a custom collector, so the engine
+`AsyncEngine.stats` per scrape and exported by a custom collector, so the engine
 hot path does no extra work. Step times come from the engine's `records` ring,
 pulled on every scrape and by a background task once a second (so the ring's
 trimming never drops unseen steps under load). Per-request latencies (TTFT,
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from stepserve.engine.engine import EngineStats
 
 log = logging.getLogger("stepserve.server")
 
@@ -26,49 +27,6 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.1
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                  0.2, 0.3, 0.5, 1.0, 2.0)
-
-
-@dataclass
-class EngineSnapshot:
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    finished: dict = field(default_factory=dict)  # finish reason -> sequences
-    prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
-    retractions: int = 0
-    running: int = 0  # requests with a running sequence
-    waiting: int = 0  # requests with nothing running, queued
-    kv_used: int = 0
-    kv_capacity: int = 1
-    step_times: list = field(default_factory=list)  # wall_s of steps not seen before
-    last_step: int = -1
-
-
-def take_snapshot(engine, last_step: int) -> EngineSnapshot:
-    """Runs on the engine thread (via AsyncEngine.call)."""
-    sched = engine.scheduler
-    running = {id(s.group) for s in sched.running}
-    waiting = {id(s.group) for s in sched.waiting} - running
-    new = []
-    for rec in reversed(engine.records):
-        if rec.step <= last_step:
-            break
-        new.append(rec.wall_s)
-    new.reverse()
-    return EngineSnapshot(
-        prompt_tokens=engine.stats["prompt_tokens"],
-        generation_tokens=engine.stats["generation_tokens"],
-        finished=dict(engine.stats["finished"]),
-        prefix_queried_tokens=sched.prefix_queried_tokens,
-        prefix_hit_tokens=sched.prefix_hit_tokens,
-        retractions=sched.num_retractions,
-        running=len(running),
-        waiting=len(waiting),
-        kv_used=sched.kv.used(),
-        kv_capacity=max(sched.kv.capacity, 1),
-        step_times=new,
-        last_step=engine.step_id - 1,
-    )
 
 
 class _EngineCollector:
@@ -117,14 +75,13 @@ class ServerMetrics:
                                    buckets=_STEP_BUCKETS)
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 429 (admission queue full)",
                                 registry=r)
-        self.snapshot = EngineSnapshot()
+        self.snapshot = EngineStats()
         self._lock = asyncio.Lock()
         r.register(_EngineCollector(self))
 
     async def refresh(self, timeout: float = 5.0) -> None:
         async with self._lock:  # one pull at a time, so no step is counted twice
-            fut = self.engine.call(lambda eng: take_snapshot(eng, self.snapshot.last_step))
-            snap = await asyncio.wait_for(asyncio.wrap_future(fut), timeout)
+            snap = await asyncio.wait_for(self.engine.stats(self.snapshot.last_step), timeout)
             for t in snap.step_times:
                 self.step_time.observe(t)
             self.snapshot = snap

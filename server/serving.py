@@ -257,16 +257,16 @@ class EngineClient:
 
     def __init__(self, async_engine, settings: ServerSettings, metrics: ServerMetrics):
         self.async_engine = async_engine
-        eng = async_engine.engine
+        info = async_engine.info
         self.settings = settings
         self.metrics = metrics
-        self.tokenizer = eng.tokenizer
-        self.max_model_len = eng.max_model_len
-        self.vocab_size = eng.model_config.vocab_size
-        self.kv_capacity = eng.kv_capacity
-        self.admission = Admission(eng.config.max_running, settings.max_queued_requests, settings.retry_after_s)
+        self.tokenizer = async_engine.tokenizer
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.kv_capacity = info.kv_capacity
+        self.admission = Admission(info.max_running, settings.max_queued_requests, settings.retry_after_s)
         self.texts = TokenTexts(self.tokenizer)
-        self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, eng.eos_token_ids)
+        self.grammar = GrammarCompiler(self.tokenizer, info.tokenizer, self.vocab_size, info.eos_token_ids)
 
     # -- checks ---------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

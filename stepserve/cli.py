@@ -21,6 +21,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads of the engine's process (default: torch's, one per core)")
 
 
 def engine_config(args):
@@ -39,6 +41,7 @@ def engine_config(args):
         admission=args.admission,
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
+        cpu_threads=args.cpu_threads,
     )
 
 

@@ -28,12 +28,15 @@ def free_port() -> int:
 
 
 class ServerThread:
-    """`with ServerThread(ckpt, api_key=...) as srv:` -> srv.url, srv.engine, srv.app."""
+    """`with ServerThread(ckpt, api_key=...) as srv:` -> srv.url, srv.engine, srv.app.
+
+    The engine runs in its own process, as under `stepserve serve`
+    (`engine_process=False`: a thread of this process)."""
 
     def __init__(self, model: str, served_model_name: str = "test-model", api_key: str | None = None,
-                 max_queued_requests: int = 1024, **engine_kwargs):
+                 max_queued_requests: int = 1024, engine_process: bool = True, **engine_kwargs):
         engine_kwargs.setdefault("check_invariants", True)
-        self.engine = AsyncEngine(EngineConfig(model=model, **engine_kwargs))
+        self.engine = AsyncEngine(EngineConfig(model=model, **engine_kwargs), process=engine_process)
         self.settings = ServerSettings(served_model_name=served_model_name, api_key=api_key,
                                        max_queued_requests=max_queued_requests, metrics_poll_s=0.2)
         self.app = create_app(self.engine, self.settings)
@@ -61,35 +64,32 @@ class ServerThread:
     def headers(self) -> dict:
         return {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
 
-    def engine_call(self, fn, timeout: float = 30):
+    def kv_report(self, timeout: float = 30):
+        """The engine's KV check, run on its loop (raises if the check fails)."""
         import concurrent.futures
 
+        from stepserve.engine.engine import Engine
+
         try:
-            return self.engine.call(fn).result(timeout=timeout)
+            return self.engine.call(Engine.kv_report).result(timeout=timeout)
         except concurrent.futures.TimeoutError:
-            raise AssertionError(f"engine loop did not answer (dead: {self.engine._dead!r})") from None
+            raise AssertionError(f"engine loop did not answer (alive: {self.engine.is_alive()})") from None
 
     def wait_idle(self, timeout: float = 30) -> None:
         """Until the engine has nothing running or waiting and the server holds
         no admitted request (aborts cross threads asynchronously)."""
         deadline = time.monotonic() + timeout
         while True:
-            busy = self.engine_call(lambda e: e.has_unfinished() or bool(e.requests))
-            if not busy and self.app.state.client.admission.in_flight == 0:
+            if not self.kv_report().busy and self.app.state.client.admission.in_flight == 0:
                 return
             if time.monotonic() > deadline:
                 raise AssertionError("server did not become idle")
             time.sleep(0.02)
 
     def assert_kv_clean(self) -> None:
-        def check(e):
-            e.check()
-            kv = e.scheduler.kv
-            return kv.tree.protected_size(), kv.allocator.available() + kv.tree.total_size(), kv.capacity
-
-        protected, accounted, capacity = self.engine_call(check)
-        assert protected == 0
-        assert accounted == capacity
+        r = self.kv_report()
+        assert r.protected == 0
+        assert r.accounted == r.capacity
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics", headers=self.headers(), timeout=30).text)

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from stepserve import LLM, AsyncEngine, SamplingParams
+from stepserve import LLM, SamplingParams
 from stepserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -167,51 +167,6 @@ def test_validation_errors_leave_engine_serving(llm):
         llm.generate(["hi"], SamplingParams(max_tokens=0))
     assert llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].finish_reason == "length"
     assert_idle(eng)
-
-
-def test_async_stream_equals_offline_and_abort_frees_kv(llama_ckpt):
-    engine = AsyncEngine(model=llama_ckpt, check_invariants=True)
-    params = SamplingParams(max_tokens=25, temperature=1.0, seed=11, ignore_eos=True, stop=["zz"])
-
-    async def collect(prompt, p):
-        text, toks, reasons = "", [], []
-        async for out in engine.generate(prompt, p):
-            for o in out.outputs:
-                text += o.text
-                toks += o.token_ids
-                if o.finish_reason:
-                    reasons.append(o.finish_reason)
-        return text, toks, reasons
-
-    async def abort_midway():
-        n = 0
-        async for out in engine.generate("abort me", SamplingParams(max_tokens=400, ignore_eos=True)):
-            n += len(out.outputs[0].token_ids) if out.outputs else 0
-            if n >= 3:
-                break  # leaving the iterator aborts the request
-        return n
-
-    async def main():
-        res = await asyncio.gather(collect("In the beginning", params), abort_midway(),
-                                   *[collect(f"prompt {i}", SamplingParams(max_tokens=5, ignore_eos=True))
-                                     for i in range(6)])
-        with pytest.raises(ValueError):
-            async for _ in engine.generate([], SamplingParams()):
-                pass
-        return res
-
-    try:
-        res = asyncio.run(main())
-        text, toks, reasons = res[0]
-        assert reasons == ["length"] and len(toks) == 25
-        assert all(r[2] == ["length"] and len(r[1]) == 5 for r in res[2:])
-        offline = LLM(llama_ckpt).generate(["In the beginning"], params)[0].outputs[0]
-        assert toks == offline.token_ids and text == offline.text
-        idle = engine.call(lambda e: (e.has_unfinished(), e.check())).result(timeout=10)
-        assert idle[0] is False
-        assert_idle(engine.engine)
-    finally:
-        engine.shutdown()
 
 
 def test_step_policy_hook_sees_every_step(llama_ckpt):

@@ -388,12 +388,10 @@ def test_cancel_many_streams_then_prompt_answer(srv):
 
 
 def test_non_streaming_disconnect_releases_the_request(srv):
-    import threading
     import time
 
     m0 = srv.metrics()
-    gate = threading.Event()
-    srv.engine.call(lambda e: gate.wait(60))  # hold the engine: the request cannot finish first
+    srv.engine.pause()  # hold the engine: the request cannot finish first
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/completions", headers=srv.headers(), timeout=httpx.Timeout(60, read=1.0),
@@ -402,7 +400,7 @@ def test_non_streaming_disconnect_releases_the_request(srv):
         while srv.app.state.client.admission.in_flight:
             time.sleep(0.01)
     finally:
-        gate.set()
+        srv.engine.resume()
     srv.wait_idle()
     srv.assert_kv_clean()
     m1 = srv.metrics()

@@ -4,7 +4,6 @@ is full, with nothing accepted lost."""
 
 import asyncio
 import json
-import threading
 
 import httpx
 import openai
@@ -184,8 +183,7 @@ def test_429_when_the_queue_is_full_and_nothing_accepted_is_lost(srv, client):
     old_limit = adm.limit
     adm.limit = 4  # as if started with --max-running 2 --max-queued-requests 2
     rejected0 = srv.metrics()["stepserve:requests_rejected_total"]
-    gate = threading.Event()
-    srv.engine.call(lambda e: gate.wait(60))  # hold the engine so accepted requests stay in flight
+    srv.engine.pause()  # hold the engine so accepted requests stay in flight
 
     async def go():
         async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
@@ -199,13 +197,13 @@ def test_429_when_the_queue_is_full_and_nothing_accepted_is_lost(srv, client):
                 with pytest.raises(openai.RateLimitError) as e:
                     await c.completions.create(model=MODEL, prompt="one too many", max_tokens=8)
                 refused.append(e.value)
-            gate.set()
+            srv.engine.resume()
             return await asyncio.gather(*accepted), refused
 
     try:
         done, refused = asyncio.run(go())
     finally:
-        gate.set()
+        srv.engine.resume()
         adm.limit = old_limit
     for e in refused:
         assert e.status_code == 429 and e.response.headers["retry-after"] == "1"

@@ -129,7 +129,8 @@ def _engine_argv(args) -> list[str]:
     out = []
     for flag, val in [("--model", args.model), ("--dtype", args.dtype), ("--max-model-len", args.max_model_len),
                       ("--max-batched-tokens", args.max_batched_tokens), ("--kv-slots", args.kv_slots),
-                      ("--kv-memory-gb", args.kv_memory_gb), ("--admission", args.admission), ("--seed", args.seed)]:
+                      ("--kv-memory-gb", args.kv_memory_gb), ("--admission", args.admission), ("--seed", args.seed),
+                      ("--cpu-threads", args.cpu_threads)]:
         if val is not None:
             out += [flag, str(val)]
     if args.no_prefix_caching:

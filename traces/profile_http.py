@@ -21,7 +21,7 @@ clients observe should use a profile measured where they are:
   mixed    TTFT of a P-token prompt sent (at a random phase) while B streams
            decode: overhead + half a decode step of waiting + the mixed step
 
-Every request goes through the replay client itself (`Replayer`, the OpenAI
+Every request goes through the replay client itself (`Replayer`, the
 completions route, streamed), so the profile holds the client's own costs too.
 The server must be otherwise idle while it is profiled.
 """
@@ -164,5 +164,5 @@ async def run_http_sweep(sweep: HTTPSweep, replayer, bss: list[int], ctxs: list[
         for bs, ctx, p in mixed:
             await sweep.mixed(replayer, bs, ctx, p)
         log(f"round {rnd + 1}/{rounds} ({time.perf_counter() - t0:.0f} s)")
-    await replayer.client.close()
+    await replayer.close()
     return sweep.points()

@@ -1,0 +1,205 @@
+"""The engine loop in a child process: `AsyncEngine(process=True)`.
+
+The child (started with `spawn`, so no lock or CUDA state is inherited) builds
+the `Engine`, reports its `EngineInfo`, then runs the same `EngineLoop` as the
+thread transport. One duplex pipe carries commands in and, once per step, one
+pickled batch of output deltas (and call replies) out. A delta carries its
+prompt and prompt ids only the first time; the parent fills them in after.
+
+In the parent a sender thread writes commands (so a long prompt never blocks
+the event loop on a full pipe) and a receiver thread reads batches and hands
+them to the front end; both block in system calls, outside the GIL.
+
+The child ignores SIGINT and SIGTERM: the parent decides when it stops (after
+draining) and sends "stop". If the parent dies, the pipe reaches EOF and the
+child exits at its next poll.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import threading
+import traceback
+
+from stepserve.engine.engine import EngineConfig, EngineInfo
+
+log = logging.getLogger("stepserve.engine_process")
+
+_PROTO = pickle.HIGHEST_PROTOCOL
+
+
+def _try_pickle(v) -> bool:
+    try:
+        pickle.dumps(v, _PROTO)
+        return True
+    except Exception:
+        return False
+
+
+def _picklable(err: BaseException) -> BaseException:
+    return err if _try_pickle(err) else RuntimeError(repr(err))
+
+
+def _child_main(config: EngineConfig, conn, log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s")
+    from stepserve.engine.async_engine import EngineLoop
+    from stepserve.engine.engine import Engine
+
+    try:
+        engine = Engine(config)
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+        return
+    conn.send(("ready", engine.info()))
+
+    def poll(timeout: float | None) -> list:
+        cmds = []
+        try:
+            if conn.poll(timeout):
+                cmds.append(conn.recv())
+                while conn.poll():
+                    cmds.append(conn.recv())
+        except (EOFError, OSError):  # the parent is gone
+            cmds.append(("stop",))
+        return cmds
+
+    announced: set[str] = set()  # requests whose prompt the parent has
+
+    def emit(outputs, replies) -> None:
+        for rid, out in outputs:
+            if isinstance(out, BaseException):
+                continue
+            if rid in announced:
+                out.prompt = out.prompt_token_ids = None
+            if out.finished:
+                announced.discard(rid)
+            elif out.prompt_token_ids is not None:
+                announced.add(rid)
+        outputs = [(rid, _picklable(o) if isinstance(o, BaseException) else o) for rid, o in outputs]
+        try:
+            buf = pickle.dumps(("out", outputs, replies), _PROTO)
+        except Exception:  # a call returned or raised something that does not pickle
+            replies = [r if _try_pickle(r[2]) else (r[0], False, RuntimeError(f"engine call result does not "
+                       f"pickle: {r[2]!r}"[:500])) for r in replies]
+            buf = pickle.dumps(("out", outputs, replies), _PROTO)
+        conn.send_bytes(buf)
+
+    loop = EngineLoop(engine, poll, emit)
+    try:
+        loop.run()
+    except BaseException:
+        log.exception("engine loop died")
+        try:
+            conn.send_bytes(pickle.dumps(("dead", traceback.format_exc()), _PROTO))
+        except OSError:
+            pass
+
+
+class EngineProcess:
+    """The parent's side: starts the child, waits for its `EngineInfo`, then
+    moves commands and output batches across the pipe."""
+
+    def __init__(self, config: EngineConfig, dispatch, died, start_timeout: float = 900.0):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe(duplex=True)
+        self._proc = ctx.Process(target=_child_main, args=(config, child_conn, logging.getLogger().level),
+                                 name="stepserve-engine", daemon=True)
+        self._proc.start()
+        child_conn.close()
+        self._dispatch = dispatch
+        self._died = died
+        self._closing = False
+        try:
+            if not self._conn.poll(start_timeout):
+                raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
+            kind, payload = self._conn.recv()
+        except EOFError:
+            kind, payload = "failed", f"the engine process exited with code {self._proc.exitcode}"
+        except BaseException:
+            self._proc.kill()
+            raise
+        if kind != "ready":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process failed to start:\n{payload}")
+        self.info: EngineInfo = payload
+        self._prompts: dict[str, tuple] = {}  # request id -> (prompt, prompt ids), from its first delta
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="stepserve-engine-send", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name="stepserve-engine-recv", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    def send(self, cmd: tuple) -> None:
+        self._cmds.put(cmd)
+
+    def _send_loop(self) -> None:
+        while True:
+            cmd = self._cmds.get()
+            if cmd is None:
+                return
+            try:
+                self._conn.send(cmd)
+            except (OSError, EOFError):  # the child is gone; the receiver reports it
+                return
+            except Exception as e:  # a command that does not pickle: fail its caller, not the pipe
+                self._fail_command(cmd, e)
+
+    def _fail_command(self, cmd: tuple, err: Exception) -> None:
+        msg = RuntimeError(f"cannot send {cmd[0]!r} to the engine process: {err!r}")
+        if cmd[0] == "add":
+            self._dispatch([(cmd[1], ValueError(str(msg)))], [])
+        elif cmd[0] == "call":
+            self._dispatch([], [(cmd[1], False, msg)])
+        else:
+            log.error("%s", msg)
+
+    def _recv_loop(self) -> None:
+        prompts = self._prompts
+        try:
+            while True:
+                msg = pickle.loads(self._conn.recv_bytes())
+                if msg[0] == "dead":
+                    raise RuntimeError(f"engine loop died in its process:\n{msg[1]}")
+                _, outputs, replies = msg
+                for rid, out in outputs:
+                    if isinstance(out, BaseException):
+                        continue
+                    if out.prompt_token_ids is None:
+                        out.prompt, out.prompt_token_ids = prompts.get(rid, (None, []))
+                    elif not out.finished:
+                        prompts[rid] = (out.prompt, out.prompt_token_ids)
+                    if out.finished:
+                        prompts.pop(rid, None)
+                self._dispatch(outputs, replies)
+        except (EOFError, OSError) as e:
+            err: BaseException = RuntimeError("the engine process was shut down") if self._closing else \
+                RuntimeError(f"the engine process exited (code {self._proc.exitcode}): {e!r}")
+        except BaseException as e:
+            err = e
+        if not self._closing:
+            log.error("%s", err)
+        self._died(err)
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive() and self._receiver.is_alive()
+
+    def shutdown(self, timeout: float) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        self._cmds.put(("stop",))
+        self._cmds.put(None)
+        self._sender.join(timeout)
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout)
+            self._proc.kill()
+            self._proc.join(5)
+        self._receiver.join(5)
+        self._conn.close()

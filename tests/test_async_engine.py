@@ -1,0 +1,147 @@
+"""`AsyncEngine` on a thread and in its own process: the same streams as the
+offline engine, errors back to the caller, aborts that free KV, calls, pause,
+merged deltas for slow consumers, and a dead engine process failing loudly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from stepserve import LLM, AsyncEngine, SamplingParams
+from stepserve.engine.engine import Engine
+from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+
+
+async def collect(engine, prompt, params, pause_s: float = 0.0):
+    """(text, tokens, finish reasons, number of deltas) of one request."""
+    text, toks, reasons, deltas = "", [], [], 0
+    async for out in engine.generate(prompt, params):
+        deltas += 1
+        for o in out.outputs:
+            text += o.text
+            toks += o.token_ids
+            if o.finish_reason:
+                reasons.append(o.finish_reason)
+        if pause_s:
+            await asyncio.sleep(pause_s)  # a slow consumer: deltas queue up meanwhile
+    return text, toks, reasons, deltas
+
+
+def engine_report(engine: AsyncEngine):
+    return engine.call(Engine.kv_report).result(timeout=30)
+
+
+def assert_clean(engine: AsyncEngine):
+    r = engine_report(engine)
+    assert not r.busy and r.protected == 0 and r.accounted == r.capacity
+
+
+def _count_requests(engine, extra):
+    return len(engine.requests) + extra
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["thread", "process"])
+def aengine(request, llama_ckpt):
+    engine = AsyncEngine(model=llama_ckpt, check_invariants=True, process=request.param)
+    yield engine
+    engine.shutdown()
+
+
+def test_stream_equals_offline_and_abort_frees_kv(aengine, llama_ckpt):
+    params = SamplingParams(max_tokens=25, temperature=1.0, seed=11, ignore_eos=True, stop=["zz"])
+
+    async def abort_midway():
+        n = 0
+        async for out in aengine.generate("abort me", SamplingParams(max_tokens=400, ignore_eos=True)):
+            n += len(out.outputs[0].token_ids) if out.outputs else 0
+            if n >= 3:
+                break  # leaving the iterator aborts the request
+        return n
+
+    async def main():
+        res = await asyncio.gather(collect(aengine, "In the beginning", params), abort_midway(),
+                                   *[collect(aengine, f"prompt {i}", SamplingParams(max_tokens=5, ignore_eos=True))
+                                     for i in range(6)])
+        with pytest.raises(ValueError, match="empty"):  # the engine's own check, raised in the caller
+            async for _ in aengine.generate([], SamplingParams()):
+                pass
+        return res
+
+    res = asyncio.run(main())
+    text, toks, reasons, _ = res[0]
+    assert reasons == ["length"] and len(toks) == 25
+    assert all(r[2] == ["length"] and len(r[1]) == 5 for r in res[2:])
+    offline = LLM(llama_ckpt).generate(["In the beginning"], params)[0].outputs[0]
+    assert toks == offline.token_ids and text == offline.text
+    assert_clean(aengine)
+
+
+def test_slow_consumer_gets_merged_deltas_with_the_same_text(aengine, llama_ckpt):
+    params = SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)
+    fast = asyncio.run(collect(aengine, "And God said", params))
+    slow = asyncio.run(collect(aengine, "And God said", params, pause_s=0.05))
+    assert slow[:3] == fast[:3] and len(slow[1]) == 40
+    assert slow[3] < fast[3]  # fewer, bigger deltas
+
+
+def test_call_pause_resume_and_bad_calls(aengine):
+    assert engine_report(aengine).capacity == aengine.info.kv_capacity
+    assert aengine.call(_count_requests, 2).result(timeout=30) == 2
+    # a lambda does not pickle into a process; a raising function raises in the caller; the loop lives on
+    with pytest.raises(Exception):
+        aengine.call(lambda e: 1 / 0).result(timeout=30)
+    assert aengine.is_alive()
+
+    async def paused():
+        aengine.pause()
+        task = asyncio.ensure_future(collect(aengine, "held", SamplingParams(max_tokens=4, ignore_eos=True)))
+        await asyncio.sleep(0.5)
+        assert not task.done()  # added but not stepped
+        stats = await aengine.stats()
+        assert stats.waiting + stats.running == 1
+        aengine.resume()
+        return await task
+
+    assert asyncio.run(paused())[2] == ["length"]
+    assert_clean(aengine)
+
+
+def test_request_output_merge_joins_per_choice():
+    m = RequestMetrics(0.0)
+    a = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [1, 2]), CompletionOutput(1, "x", [7])], False, 0, m)
+    b = RequestOutput("r", None, [1], [CompletionOutput(1, "y", [8], finish_reason="length"),
+                                       CompletionOutput(2, "q", [9])], True, 1, m)
+    a.merge(b)
+    assert [(o.index, o.text, o.token_ids, o.finish_reason) for o in a.outputs] == [
+        (0, "ab", [1, 2], None), (1, "xy", [7, 8], "length"), (2, "q", [9], None)]
+    assert a.finished and a.num_cached_tokens == 1
+
+
+def test_engine_process_death_fails_waiters_and_new_requests(llama_ckpt):
+    engine = AsyncEngine(model=llama_ckpt, process=True)
+    try:
+        async def main():
+            task = asyncio.ensure_future(collect(engine, "doomed", SamplingParams(max_tokens=200, ignore_eos=True),
+                                                 pause_s=0.01))
+            await asyncio.sleep(0.3)
+            os.kill(engine._core._proc.pid, signal.SIGKILL)
+            with pytest.raises(RuntimeError, match="engine"):
+                await asyncio.wait_for(task, 30)
+            with pytest.raises(RuntimeError, match="engine loop died"):
+                async for _ in engine.generate("after", SamplingParams(max_tokens=2)):
+                    pass
+
+        asyncio.run(main())
+        assert not engine.is_alive()
+        with pytest.raises(RuntimeError):
+            engine.call(Engine.kv_report).result(timeout=5)
+    finally:
+        engine.shutdown()
+
+
+def test_engine_process_start_failure_is_reported(tmp_path):
+    with pytest.raises(RuntimeError, match="failed to start"):
+        AsyncEngine(model=str(tmp_path), process=True)  # no config.json there

@@ -29,7 +29,7 @@ import queue
 import threading
 from typing import Any, AsyncIterator, Callable, Sequence
 
-from stepserve.engine.engine import Engine, EngineConfig, EngineInfo, EngineStats, KVReport
+from stepserve.engine.engine import Engine, EngineConfig, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
 

@@ -43,6 +43,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "(it then shares the GIL with the HTTP work: slower under load)")
 
 
+def default_engine_threads() -> int:
+    """torch threads for an engine in its own process: a core per thread but
+    one, which the HTTP front end needs (more engine threads than that starve
+    it, and the engine's second thread on small models mostly spins)."""
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
 def served_model_name(args) -> str:
     if args.served_model_name:
         return args.served_model_name
@@ -62,9 +69,7 @@ def run_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_cfg = engine_config(args)
     if not args.engine_thread and engine_cfg.cpu_threads is None:
-        # the engine process would otherwise take every core for its GEMMs and
-        # starve the HTTP front end, which needs one
-        engine_cfg.cpu_threads = max(1, len(os.sched_getaffinity(0)) - 1)
+        engine_cfg.cpu_threads = default_engine_threads()
     engine = AsyncEngine(engine_cfg, process=not args.engine_thread)
     settings = ServerSettings(
         served_model_name=served_model_name(args),

@@ -1,7 +1,6 @@
 """Engine behaviour through the Python API: seeds, branches, stops, logprobs,
 text, streaming, aborts, validation."""
 
-import asyncio
 
 import pytest
 

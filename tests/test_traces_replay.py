@@ -133,3 +133,34 @@ def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, t
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]
     assert load_profile(str(out)).model.predict(2, 100, 2) > 0
+
+
+def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, tmp_path, capsys):
+    """`stepserve bench serve` starts its own server (engine in a child
+    process), streams every prompt through it and through the offline engine,
+    and reports each path, the overhead against each offline path and the
+    server's CPU per request."""
+    import torch
+
+    from stepserve.cli import main
+
+    out = tmp_path / "serve.json"
+    threads = torch.get_num_threads()
+    try:
+        rc = main(["bench", "serve", "--model", llama_ckpt, "--num-prompts", "12", "--max-concurrency", "4",
+                   "--output-len", "6", "--input-len-min", "4", "--input-len-max", "12", "--repeats", "1",
+                   "--kv-slots", "4096", "--cpu-threads", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the offline engine set it for this whole process
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["runs"]) == {"http", "offline"}  # --cpu-threads 1: the server's engine runs as offline does
+    assert rep["offline_threads"] == {"offline": 1}
+    for path, runs in rep["runs"].items():
+        (r,) = runs
+        assert r["num_failed"] == 0 and r["num_completed"] == 12, path
+        assert r["output_tps"] > 0
+    assert set(rep["http_overhead"]) == {"offline"}
+    cpu = rep["server_cpu_ms_per_request"]
+    assert cpu["frontend"] > 0 and cpu["engine"] > 0
+    assert "HTTP path throughput vs offline" in capsys.readouterr().out

@@ -7,10 +7,18 @@ free loopback port with the engine options given, so that the offline path
 (an `Engine` in this process, `--max-running` = C) runs the identical
 configuration. Requests are streamed completions (TTFT and ITL measured per
 chunk) sent at `--request-rate` (Poisson; `inf` = all at once) with at most C
-in flight. Repeats are interleaved (HTTP, offline, HTTP, ...) and medians are
-reported, so load drift on the machine hits both paths alike. The client runs
-on the same machine as the server and its CPU time is part of what is
-measured, as it is for any user of this machine.
+in flight, on both paths. Repeats are interleaved (HTTP, offline, HTTP, ...)
+and medians are reported, so load drift on the machine hits both paths alike.
+The client runs on the same machine as the server and its CPU time is part of
+what is measured, as it is for any user of this machine.
+
+Two offline paths: `offline` with torch's own thread count (every core: the
+best the engine alone does here), and, when it differs, `offline@Nt` with the
+N torch threads the server gives its engine process (one core is left to the
+HTTP front end). Against the first, the overhead is what serving costs on this
+machine; against the second, what the front end costs given its core. The
+server's CPU time per request (front-end process, engine process) is reported
+as well.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import socket
 import statistics
 import subprocess
@@ -83,8 +92,9 @@ def run_http(url: str, specs, limit: int, vocab: int | None) -> dict:
     return summarize(records, duration, SLO())
 
 
-def run_offline(engine, specs, builder) -> dict:
-    """The same requests straight into the engine, arriving on the same schedule."""
+def run_offline(engine, specs, builder, limit: int) -> dict:
+    """The same requests straight into the engine, arriving on the same
+    schedule, with at most `limit` in flight (as the HTTP client has)."""
     from stepserve.engine.sampling_params import SamplingParams
 
     pending = sorted(specs, key=lambda s: s.arrival_s)
@@ -92,14 +102,16 @@ def run_offline(engine, specs, builder) -> dict:
     last: dict[str, float] = {}
     t0 = time.perf_counter()
     i = 0
+    in_flight = 0
     while i < len(pending) or engine.has_unfinished():
         now = time.perf_counter() - t0
-        while i < len(pending) and pending[i].arrival_s <= now:
+        while i < len(pending) and pending[i].arrival_s <= now and in_flight < limit:
             s = pending[i]
             p = SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True)
             engine.add_request(builder.prompt(s), p, request_id=s.request_id)
             records[s.request_id].start_s = now
             i += 1
+            in_flight += 1
         if not engine.has_unfinished():
             time.sleep(max(0.0, pending[i].arrival_s - now))
             continue
@@ -112,6 +124,8 @@ def run_offline(engine, specs, builder) -> dict:
                 rec.itl_s.append(t - last[req.request_id])
             last[req.request_id] = t
             if req.finished:
+                req.output(delta=False)  # the text, as an offline caller gets it
+                in_flight -= 1
                 rec.end_s = t
                 rec.output_tokens = rec.branch_tokens = len(req.branches[0].seq.output_ids)
     engine.scheduler.kv.tree.evict(engine.scheduler.kv.tree.evictable_size())
@@ -138,15 +152,38 @@ def _engine_argv(args) -> list[str]:
     return out
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _server_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds of the server (front end) and of its child processes (the engine)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+        return {"frontend": _cpu_seconds(pid), "engine": sum(_cpu_seconds(c) for c in children)}
+    except (OSError, ValueError):
+        return {}
+
+
 def run(args) -> int:
+    import torch
+
     from stepserve.cli import engine_config
     from stepserve.engine.engine import Engine
+    from stepserve.server.cli import default_engine_threads
     from stepserve.traces.request_spec import PromptBuilder
 
     specs = make_specs(args)
     server = None
     url = args.url
     engine = None
+    limit = args.max_concurrency
+    offline_threads: dict[str, int] = {}
+    cpu: dict[str, float] = {}
     try:
         if url is None:
             port = _free_port()
@@ -158,18 +195,29 @@ def run(args) -> int:
             cfg = engine_config(args)
             cfg.max_running = args.max_concurrency
             engine = Engine(cfg)
+            offline_threads["offline"] = torch.get_num_threads()
+            served = args.cpu_threads or default_engine_threads()
+            if served != offline_threads["offline"]:
+                offline_threads[f"offline@{served}t"] = served
         vocab = server_info(url).vocab_size
         builder = PromptBuilder(vocab or 256, 0)  # the replay client's default seed: same prompts
-        runs: dict[str, list[dict]] = {"http": [], "offline": []}
+        runs: dict[str, list[dict]] = {"http": [], **{k: [] for k in offline_threads}}
         if engine is not None:  # warm-up: one untimed pass (kernel builds, shape caches)
-            run_offline(engine, specs, builder)
-            run_http(url, specs, args.max_concurrency, vocab)
+            for n in offline_threads.values():
+                torch.set_num_threads(n)
+                run_offline(engine, specs, builder, limit)
+            run_http(url, specs, limit, vocab)
         for rep in range(args.repeats):
-            runs["http"].append(run_http(url, specs, args.max_concurrency, vocab))
-            _say(f"[{rep + 1}/{args.repeats}] http    {runs['http'][-1]['output_tps']:8.1f} tok/s")
-            if engine is not None:
-                runs["offline"].append(run_offline(engine, specs, builder))
-                _say(f"[{rep + 1}/{args.repeats}] offline {runs['offline'][-1]['output_tps']:8.1f} tok/s")
+            before = _server_cpu(server.pid) if server is not None else {}
+            runs["http"].append(run_http(url, specs, limit, vocab))
+            after = _server_cpu(server.pid) if server is not None else {}
+            for k in after:
+                cpu[k] = cpu.get(k, 0.0) + after[k] - before.get(k, 0.0)
+            _say(f"[{rep + 1}/{args.repeats}] {'http':12s} {runs['http'][-1]['output_tps']:8.1f} tok/s")
+            for path, n in offline_threads.items():
+                torch.set_num_threads(n)
+                runs[path].append(run_offline(engine, specs, builder, limit))
+                _say(f"[{rep + 1}/{args.repeats}] {path:12s} {runs[path][-1]['output_tps']:8.1f} tok/s")
     finally:
         if server is not None:
             server.terminate()
@@ -185,8 +233,12 @@ def run(args) -> int:
                      "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
                      "input_len": [args.input_len_min, args.input_len_max], "output_len": args.output_len,
                      "repeats": args.repeats},
+        "offline_threads": offline_threads,
         "runs": runs,
     }
+    if cpu:  # includes the warm-up requests of each repeat (2 tiny ones)
+        n_req = args.repeats * len(specs)
+        report["server_cpu_ms_per_request"] = {k: 1e3 * v / n_req for k, v in cpu.items()}
     summary = {}
     for path, rs in runs.items():
         if not rs:
@@ -201,17 +253,18 @@ def run(args) -> int:
                          "tpot_p50_s": med("tpot_s", "p50"), "itl_p50_s": med("itl_s", "p50"),
                          "e2e_p50_s": med("e2e_s", "p50"), "e2e_p90_s": med("e2e_s", "p90")}
     report["summary"] = summary
-    if "offline" in summary:
-        report["http_overhead"] = 1.0 - summary["http"]["output_tps"] / summary["offline"]["output_tps"]
-    print(f"\n{'path':8s} {'tok/s':>9s} {'req/s':>7s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} "
+    report["http_overhead"] = {path: 1.0 - summary["http"]["output_tps"] / s["output_tps"]
+                               for path, s in summary.items() if path != "http"}
+    print(f"\n{'path':12s} {'tok/s':>9s} {'req/s':>7s} {'TTFT p50':>9s} {'TTFT p90':>9s} {'TPOT p50':>9s} "
           f"{'ITL p50':>8s} {'E2E p50':>8s} {'E2E p90':>8s}")
     for path, s in summary.items():
-        print(f"{path:8s} {s['output_tps']:9.1f} {s['throughput_rps']:7.2f} {_ms(s['ttft_p50_s'])} "
+        print(f"{path:12s} {s['output_tps']:9.1f} {s['throughput_rps']:7.2f} {_ms(s['ttft_p50_s'])} "
               f"{_ms(s['ttft_p90_s'])} {_ms(s['tpot_p50_s'])} {_ms(s['itl_p50_s'], 8)} {_ms(s['e2e_p50_s'], 8)} "
               f"{_ms(s['e2e_p90_s'], 8)}")
-    if "http_overhead" in report:
-        print(f"HTTP path throughput vs offline: {-100 * report['http_overhead']:+.1f}% "
-              f"(overhead {100 * report['http_overhead']:.1f}%)")
+    for path, o in report["http_overhead"].items():
+        print(f"HTTP path throughput vs {path}: {-100 * o:+.1f}% (overhead {100 * o:.1f}%)")
+    for k, v in report.get("server_cpu_ms_per_request", {}).items():
+        print(f"server CPU per request, {k}: {v:.1f} ms")
     if args.out:
         write_report(report, args.out)
         print(f"report written to {args.out}")

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from stepserve.server.auth import APIKeyMiddleware
+from stepserve.server.body_limit import BodyLimitMiddleware
 from stepserve.server.errors import SafeJSONResponse, install_error_handlers
 from stepserve.server.metrics import ServerMetrics
 from stepserve.server.native import generate
@@ -51,7 +52,9 @@ def create_app(async_engine, settings: ServerSettings) -> FastAPI:
     async def _gone(request: Request, exc: ClientDisconnected):
         return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
 
-    if settings.api_key:
+    if settings.max_request_bytes is not None:
+        app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:  # added last: runs first, so an unauthenticated client learns nothing else
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
 
     def model_card() -> dict:

@@ -34,6 +34,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name clients use (default: the model directory's name)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests accepted beyond --max-running before answering 429")
+    g.add_argument("--max-request-bytes", type=int, default=32 << 20,
+                   help="request bodies larger than this get 413 (default 32 MiB)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -75,6 +77,7 @@ def run_serve(args) -> int:
         served_model_name=served_model_name(args),
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
+        max_request_bytes=args.max_request_bytes,
     )
     app = create_app(engine, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -105,7 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             detail = f"Method {request.method} not allowed on {request.url.path}"
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return SafeJSONResponse(error_body(detail, err_type), status_code=exc.status_code, headers=exc.headers)
+        return SafeJSONResponse(error_body(detail, err_type, None, getattr(exc, "code", None)),
+                                status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

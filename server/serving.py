@@ -39,6 +39,7 @@ class ServerSettings:
     api_key: str | None = None
     max_queued_requests: int = 1024  # accepted beyond the engine's max_running, then 429
     retry_after_s: int = 1
+    max_request_bytes: int | None = 32 << 20  # larger bodies get 413 before they are parsed
     metrics_poll_s: float = 1.0
 
 

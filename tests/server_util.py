@@ -34,11 +34,13 @@ class ServerThread:
     (`engine_process=False`: a thread of this process)."""
 
     def __init__(self, model: str, served_model_name: str = "test-model", api_key: str | None = None,
-                 max_queued_requests: int = 1024, engine_process: bool = True, **engine_kwargs):
+                 max_queued_requests: int = 1024, engine_process: bool = True,
+                 max_request_bytes: int | None = 32 << 20, **engine_kwargs):
         engine_kwargs.setdefault("check_invariants", True)
         self.engine = AsyncEngine(EngineConfig(model=model, **engine_kwargs), process=engine_process)
         self.settings = ServerSettings(served_model_name=served_model_name, api_key=api_key,
-                                       max_queued_requests=max_queued_requests, metrics_poll_s=0.2)
+                                       max_queued_requests=max_queued_requests, metrics_poll_s=0.2,
+                                       max_request_bytes=max_request_bytes)
         self.app = create_app(self.engine, self.settings)
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"
@@ -108,14 +110,14 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def server_fixtures(model: str, api_key: str, **engine_kwargs):
+def server_fixtures(model: str, api_key: str, **kwargs):
     """Module-scoped `srv` (a ServerThread on the llama test checkpoint) and
     `client` (a sync openai client for it) fixtures:
     `srv, client = server_fixtures(MODEL, KEY, kv_slots=..., max_running=...)`."""
 
     @pytest.fixture(scope="module")
     def srv(llama_ckpt):
-        with ServerThread(llama_ckpt, served_model_name=model, api_key=api_key, **engine_kwargs) as s:
+        with ServerThread(llama_ckpt, served_model_name=model, api_key=api_key, **kwargs) as s:
             yield s
 
     @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ MODEL = "err-model"
 KEY = "sk-errors"
 
 
-srv, client = server_fixtures(MODEL, KEY, kv_slots=8192, max_running=16)
+MAX_BODY = 256 << 10
+srv, client = server_fixtures(MODEL, KEY, kv_slots=8192, max_running=16, max_request_bytes=MAX_BODY)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +157,24 @@ def test_errors_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True, stop=[""])
     assert e.value.body["param"] == "stop"
+
+
+def test_oversized_bodies_get_413_and_the_server_keeps_serving(http, client):
+    big = json.dumps({"model": MODEL, "prompt": "x" * (MAX_BODY + 10), "max_tokens": 2}).encode()
+    assert_error(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413)
+
+    def chunks():  # no Content-Length: the limit is enforced while reading
+        for i in range(0, len(big), 4096):
+            yield big[i:i + 4096]
+
+    resp = http.post("/v1/chat/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert_error(resp, 413)
+    assert resp.json()["error"]["code"] == "request_too_large"
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=MODEL, prompt=[7] * (MAX_BODY // 2), max_tokens=2)
+    assert e.value.status_code == 413
+    r = client.completions.create(model=MODEL, prompt="still serving", max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
 
 
 def test_unknown_route_and_method(http):

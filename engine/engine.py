@@ -250,6 +250,9 @@ class Engine:
             if params.logits_processor_factory is not None:
                 req.branches[-1].logits_processor = params.logits_processor_factory()
         seqs[0].fork_children = seqs[1:]
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * plen  # the first prompt token has no logprob
+            seqs[0].full_prefill = plen > 1
         self.requests[request_id] = req
         self.scheduler.add(seqs[0])
         self.totals["prompt_tokens"] += plen
@@ -281,6 +284,12 @@ class Engine:
         t1 = time.perf_counter()
         out = self.runner.run(plan)
         t2 = time.perf_counter()
+        for pl in out.prompt_logprobs:
+            store = pl.seq.group.prompt_logprobs
+            for j, (tok, lp, top) in enumerate(zip(pl.token_ids, pl.logprobs, pl.top)):
+                store[pl.first + j] = TokenLogprob(tok, lp, top)
+            if pl.first + len(pl.token_ids) >= pl.seq.prompt_len:
+                pl.seq.full_prefill = False  # scored to the end: a retraction may reuse the cache now
         got = sched.update(plan, out.token_ids)
         changed: dict[str, Request] = {}
         ended: list[Request] = []

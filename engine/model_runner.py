@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,11 +17,28 @@ from stepserve.scheduler.sequence import Sequence
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens `first, first + 1, ...` of `seq` (each given
+    the tokens before it), computed by this step's chunk of its prefill."""
+
+    seq: Sequence
+    first: int  # prompt position of the first token scored
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[list[tuple[int, float]]]  # per token, the k most likely alternatives
+
+
+@dataclass
 class StepOutput:
     seqs: list[Sequence]  # one per sampled token, in `plan.sampling()` order
     token_ids: list[int]
     sampler: SamplerOutput
     prep_s: float = 0.0  # CPU time building the batch tensors (outside the model)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+# prompt positions whose full-vocabulary logits are materialised at once
+_PROMPT_LOGPROBS_CHUNK = 256
 
 
 class ModelRunner:
@@ -47,6 +64,8 @@ class ModelRunner:
         self.pad_tokens = device.type == "cpu" and dtype == torch.bfloat16
 
     def build_batch(self, plan: StepPlan) -> ForwardBatch:
+        """The flat batch of `plan`; `self.prompt_rows` lists, for rows that
+        want prompt logprobs, (sequence, first position, count, flat index)."""
         dev = self.device
         rows = plan.rows
         nd = plan.num_decode
@@ -56,8 +75,13 @@ class ModelRunner:
         last_index: list[int] = list(range(nd))
         extend_meta = []
         table = self.req_pool.table
+        self.prompt_rows = prompt_rows = []
         for r in rows[nd:]:
             first = len(ids)
+            if r.seq.full_prefill:  # positions p < prompt_len - 1 score the prompt token at p + 1
+                k = min(r.start + r.num_new, r.seq.prompt_len - 1) - r.start
+                if k > 0:
+                    prompt_rows.append((r.seq, r.start, k, first))
             ids.extend(r.seq.token_ids[r.start : r.start + r.num_new])
             pos.extend(range(r.start, r.start + r.num_new))
             last_index.append(len(ids) - 1)
@@ -82,6 +106,8 @@ class ModelRunner:
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
             logits_indices=torch.tensor([last_index[i] for i, _ in plan.samples], dtype=torch.long, device=dev),
+            hidden_indices=torch.cat([torch.arange(f, f + k) for _, _, k, f in prompt_rows]).to(dev)
+            if prompt_rows else None,
             num_padding=pad,
         )
 
@@ -98,9 +124,10 @@ class ModelRunner:
         fb = self.build_batch(plan)
         prep = time.perf_counter() - t0
         logits = self.model(fb, self.backend)
+        prompt_lps = self._prompt_logprobs(fb.hidden_states, self.prompt_rows) if self.prompt_rows else []
         seqs = [s for _, s in plan.samples]
         if not seqs:  # prefill chunks that sample nothing still wrote their KV
-            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)))
+            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps)
         for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
             if s.group.constrained:
                 s.group.branches[s.branch].logits_processor(s.output_ids, logits[i])
@@ -111,7 +138,32 @@ class ModelRunner:
             batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)
             prep += time.perf_counter() - t0
             out = self.sampler(logits, batch)
-        return StepOutput(seqs, out.token_ids.tolist(), out, prep)
+        return StepOutput(seqs, out.token_ids.tolist(), out, prep, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows) -> list[PromptLogprobs]:
+        """Log-softmax over the vocabulary at each scored prompt position, a
+        chunk of positions at a time (a full row of logits per position)."""
+        targets = [t for seq, start, k, _ in rows for t in seq.token_ids[start + 1 : start + 1 + k]]
+        target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+        kmax = min(max(seq.group.params.prompt_logprobs for seq, *_ in rows), self.vocab_size)
+        chosen, top_v, top_i = [], [], []
+        for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):
+            logp = torch.log_softmax(self.model.compute_logits(hidden[s : s + _PROMPT_LOGPROBS_CHUNK]), dim=-1)
+            chosen.append(logp.gather(1, target[s : s + _PROMPT_LOGPROBS_CHUNK, None]).squeeze(1))
+            if kmax:
+                v, i = logp.topk(kmax, dim=-1)
+                top_v.append(v)
+                top_i.append(i)
+        lps = torch.cat(chosen).tolist()
+        tv = torch.cat(top_v).tolist() if kmax else None
+        ti = torch.cat(top_i).tolist() if kmax else None
+        out, at = [], 0
+        for seq, start, k, _ in rows:
+            kk = seq.group.params.prompt_logprobs
+            top = [list(zip(ti[j][:kk], tv[j][:kk])) for j in range(at, at + k)] if kk and kmax else [[]] * k
+            out.append(PromptLogprobs(seq, start + 1, targets[at : at + k], lps[at : at + k], top))
+            at += k
+        return out
 
     @staticmethod
     def _row_input(seq: Sequence) -> RowInput:

@@ -48,6 +48,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    # per prompt token (None for the first), when asked for (SamplingParams.prompt_logprobs);
+    # in a stream, in the first delta after the prompt is computed
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """Folds the delta that came after this one into it: the result is one
@@ -69,6 +72,7 @@ class RequestOutput:
             mine.cumulative_logprob = o.cumulative_logprob
         self.outputs.sort(key=lambda o: o.index)
         self.finished = later.finished
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
         return self
@@ -101,6 +105,8 @@ class Request:
     branches: list[Branch] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished_time: float | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self):
         p = self.params
@@ -195,6 +201,11 @@ class Request:
                 )
             )
         first = [b.seq.first_token_time for b in self.branches if b.seq.first_token_time is not None]
+        prompt_lps = None
+        if self.prompt_logprobs is not None and first:  # complete once a token was sampled
+            if not (delta and self.prompt_logprobs_sent):
+                prompt_lps = self.prompt_logprobs
+                self.prompt_logprobs_sent = self.prompt_logprobs_sent or delta
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -203,4 +214,5 @@ class Request:
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
             metrics=RequestMetrics(self.arrival_time, min(first) if first else None, self.finished_time),
+            prompt_logprobs=prompt_lps,
         )

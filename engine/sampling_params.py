@@ -72,6 +72,9 @@ class SamplingParams:
     * ``logprobs``: ``None`` = no logprobs; ``0`` = only the chosen token's
       logprob; ``k >= 1`` = the chosen token's plus the ``k`` most likely
       alternatives.  Logprobs come from the raw model distribution.
+    * ``prompt_logprobs``: the same for every prompt token after the first (the
+      logprob the model gives it after the tokens before it). The prompt is
+      then computed in full, without the prefix cache.
     * ``seed``: ``None`` means the engine picks one per request.
     """
 
@@ -90,6 +93,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     logit_bias: Optional[dict[int, float]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -190,6 +194,8 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
 
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):

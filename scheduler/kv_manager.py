@@ -48,7 +48,7 @@ class KVManager:
     def match(self, seq: Sequence, count_stats: bool = True):
         """Longest cached prefix of everything but the last token (the last one
         must be computed to produce logits)."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.full_prefill:
             return None
         return self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1], count_stats=count_stats)
 

@@ -49,6 +49,8 @@ class Sequence:
     num_computed: int = 0
     num_cached: int = 0
     node: Any = None
+    # compute every prompt position (prompt logprobs): no prefix-cache match until the prompt is done
+    full_prefill: bool = False
     # bookkeeping
     num_retractions: int = 0
     first_token_time: float | None = None

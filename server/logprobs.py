@@ -74,22 +74,33 @@ class TokenTexts:
             return "bytes:" + "".join(f"\\x{x:02x}" for x in b)
 
 
-def completion_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob], offset: int) -> tuple[dict, int]:
+def completion_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None], offset: int,
+                        token_ids: Sequence[int] = ()) -> tuple[dict, int]:
     """Legacy completions format; returns it and the text offset after it.
 
     ``top_logprobs`` always includes the sampled token (OpenAI: "up to
-    logprobs+1 elements")."""
+    logprobs+1 elements"). An entry may be None (the first prompt token of an
+    echo has no logprob): its token comes from `token_ids` and its logprob
+    and alternatives are null."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        s = texts.text_of(lp.token_id)
+    for j, lp in enumerate(lps):
+        s = texts.text_of(lp.token_id if lp is not None else token_ids[j])
         tokens.append(s)
+        offsets.append(offset)
+        offset += len(s)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
         token_lps.append(_finite(lp.logprob))
         top = {texts.text_of(t): _finite(v) for t, v in lp.top}
         top.setdefault(s, _finite(lp.logprob))
         tops.append(top)
-        offsets.append(offset)
-        offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def join_completion_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
 
 
 def chat_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob]) -> dict:

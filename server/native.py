@@ -1,9 +1,11 @@
 """`POST /generate`: the native route for tools that need exact tokens.
 
 In: `text` or `input_ids`, and `sampling_params` in the engine's own names.
-Out: `{"id", "prompt_token_ids", "outputs": [{"index", "text", "token_ids",
-"finish_reason", "stop_reason", "logprobs"}], "usage"}`; streamed, each event
-carries only the new text and tokens, and the last one the usage.
+Out: `{"id", "prompt_token_ids", "prompt_logprobs", "outputs": [{"index",
+"text", "token_ids", "finish_reason", "stop_reason", "logprobs"}], "usage"}`;
+streamed, each event carries only the new text and tokens (the first one with
+a token also the prompt logprobs, when asked for), and the last one the usage.
+`prompt_logprobs` has an entry per prompt token, null for the first.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ def _output(o, logprobs: bool) -> dict:
     }
 
 
+def _prompt_logprobs(lps) -> list:
+    return [None] + native_logprobs(lps[1:])
+
+
 async def generate(req: GenerateRequest, request: Request, client: EngineClient):
     client.check_model(req.model)
     param = "text" if req.text is not None else "input_ids"
@@ -46,6 +52,8 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
 
     def chunk(out, deltas):
         msg = {"id": rid, "outputs": [_output(o, want_lp) for o in out.outputs]}
+        if out.prompt_logprobs is not None:
+            msg["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
         if out.finished:
             msg["usage"] = acc.usage()
         return msg
@@ -62,6 +70,8 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
             }
             for idx, st in sorted(acc.choices.items())
         ]
-        return {"id": rid, "prompt_token_ids": ids, "outputs": outputs, "usage": acc.usage()}
+        plp = acc.prompt_logprobs.get(0)
+        return {"id": rid, "prompt_token_ids": ids, "prompt_logprobs": _prompt_logprobs(plp) if plp else None,
+                "outputs": outputs, "usage": acc.usage()}
 
     return await gen.respond(req.stream, chunk, final)

@@ -65,11 +65,17 @@ class Accumulator:
         self.prompt_tokens = prompt_tokens
         self.cached = [0] * len(prompt_tokens)
         self.choices: dict[int, ChoiceState] = {}
+        self.prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs, once they came
+        self.new_prompt_logprobs: list[int] = []  # prompt indexes whose prompt logprobs the last add brought
         self.created = int(time.time())
 
     def add(self, prompt_index: int, out: RequestOutput) -> list[tuple[int, object]]:
         """Records a delta; returns [(choice index, CompletionOutput delta)]."""
         self.cached[prompt_index] = out.num_cached_tokens
+        self.new_prompt_logprobs = []
+        if out.prompt_logprobs is not None and prompt_index not in self.prompt_logprobs:
+            self.prompt_logprobs[prompt_index] = out.prompt_logprobs
+            self.new_prompt_logprobs.append(prompt_index)
         res = []
         for o in out.outputs:
             idx = prompt_index * self.n + o.index

@@ -6,7 +6,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
-from stepserve.server.logprobs import completion_logprobs
+from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs
 from stepserve.server.openai_common import sampling_kwargs
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
@@ -34,8 +34,6 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (ranking completions is not supported)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
     kw = sampling_kwargs(req)
     prompts = _prompts(client, req.prompt)
     for ids, _ in prompts:
@@ -47,6 +45,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             **kw,
             max_tokens=client.max_tokens(len(ids), req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens"),
             logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo else None,  # echo + logprobs scores the prompt too
             logits_processor_factory=factory,
         )
         for ids, _ in prompts
@@ -64,9 +63,14 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     extra = {"usage": None} if include_usage else {}
     offsets = {}  # choice index -> text offset of its next logprob (streamed)
+    echo_lps = req.echo and req.logprobs is not None  # the echo waits for the prompt's logprobs
+
+    def echo_logprobs(i: int) -> dict:
+        lp, _ = completion_logprobs(client.texts, acc.prompt_logprobs[i], 0, prompts[i][0])
+        return lp
 
     def first():
-        if req.echo:
+        if req.echo and not echo_lps:
             for i, text in enumerate(echoes):
                 for b in range(req.n):
                     offsets[i * req.n + b] = len(text)
@@ -74,6 +78,13 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
                                **extra)
 
     def chunk(out, deltas):
+        events = []
+        for i in acc.new_prompt_logprobs if echo_lps else ():
+            lp = echo_logprobs(i)
+            for b in range(req.n):
+                offsets[i * req.n + b] = len(echoes[i])
+                events.append(head([{"index": i * req.n + b, "text": echoes[i], "logprobs": lp,
+                                     "finish_reason": None}], **extra))
         choices = []
         for idx, o in deltas:
             lp = None
@@ -82,7 +93,9 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             if not o.text and not o.token_ids and o.finish_reason is None:
                 continue
             choices.append({"index": idx, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
-        return head(choices, **extra) if choices else None
+        if choices:
+            events.append(head(choices, **extra))
+        return events
 
     def final():
         choices = []
@@ -92,6 +105,8 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             lp = None
             if req.logprobs is not None:
                 lp, _ = completion_logprobs(client.texts, st.logprobs, len(echo))
+                if echo_lps:
+                    lp = join_completion_logprobs(echo_logprobs(idx // req.n), lp)
             choices.append({"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
                             "finish_reason": st.finish_reason})
         return head(choices, usage=acc.usage())

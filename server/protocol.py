@@ -146,6 +146,7 @@ class NativeSamplingParams(_Model):
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
     ignore_eos: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)

@@ -182,8 +182,9 @@ async def until_disconnected(request: Request, aw: Awaitable):
     raise ClientDisconnected()
 
 
-# (delta, [(choice index, that choice's delta)] as recorded by the Accumulator) -> SSE payload, or None for no event
-RenderChunk = Callable[[RequestOutput, "list[tuple[int, CompletionOutput]]"], "dict | None"]
+# (delta, [(choice index, that choice's delta)] as recorded by the Accumulator) -> SSE payload, a list of
+# payloads (one event each), or None for no event
+RenderChunk = Callable[[RequestOutput, "list[tuple[int, CompletionOutput]]"], "dict | list[dict] | None"]
 
 
 class Generation:
@@ -229,7 +230,10 @@ class Generation:
                     yield event(obj)
                 async for i, out in merge(self.streams):
                     obj = chunk(out, self.acc.add(i, out))
-                    if obj is not None:
+                    if isinstance(obj, list):
+                        for o in obj:
+                            yield event(o)
+                    elif obj is not None:
                         yield event(obj)
                 obj = last() if last is not None else None
                 if obj is not None:

@@ -162,3 +162,33 @@ def test_sharded_checkpoint_loads(ckpt_factory, tmp_path):
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     prompts = prompts_of([12, 4])
     assert run(LLM(str(tmp_path)), prompts, 8) == reference(src, prompts, 8)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prompt_logprobs_equal_transformers_through_chunks_cache_and_fork(ckpt_factory, arch):
+    """Prompt logprobs (each prompt token given those before it, with top-k)
+    equal transformers' log-softmax over the whole prompt, whether the prompt
+    is prefilled in chunks, already sits in the radix cache (it is recomputed:
+    no cached tokens), or belongs to an n > 1 request."""
+    path = ckpt_factory(arch)
+    prompts = prompts_of([1, 29, 40], seed=3)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    llm = LLM(path, max_batched_tokens=8, check_invariants=True)
+    llm.generate([prompts[2]], SamplingParams(max_tokens=2, **GREEDY))  # puts prompt 2 in the cache
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=3, prompt_logprobs=k, n=n, **GREEDY)
+                                  for k, n in ((2, 1), (0, 1), (4, 2))])
+    for p, out, k in zip(prompts, outs, (2, 0, 4)):
+        pl = out.prompt_logprobs
+        assert len(pl) == len(p) and pl[0] is None
+        assert out.num_cached_tokens == 0
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p])).logits[0].float(), dim=-1)
+        for i in range(1, len(p)):
+            assert pl[i].token_id == p[i]
+            assert pl[i].logprob == pytest.approx(ref[i - 1, p[i]].item(), abs=1e-4)
+            top_v, top_i = ref[i - 1].topk(k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+            assert [t for t, _ in pl[i].top] == top_i.tolist()
+            assert [v for _, v in pl[i].top] == pytest.approx(top_v.tolist(), abs=1e-4)
+    # without prompt logprobs the same prompt is served from the cache again
+    again = llm.generate([prompts[2]], SamplingParams(max_tokens=2, **GREEDY))[0]
+    assert again.prompt_logprobs is None and again.num_cached_tokens > 0

@@ -218,6 +218,45 @@ def test_echo(client, tok):
     assert texts[0] == r.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt(srv, client, tok, llama_ckpt):
+    """echo + logprobs: the prompt's tokens come first in the choice's
+    logprobs (the first with null logprob), equal to transformers' on the
+    same weights, then the completion's, as without echo; streamed, the echo
+    is its own first event. The prompt is recomputed even when cached."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = "In the beginning God created"
+    ids = tok.encode(text, add_special_tokens=False)
+    complete(client, ids, max_tokens=1)  # cache the prompt
+    r = complete(client, ids, echo=True, logprobs=2, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = complete(client, ids, logprobs=2, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    n = len(ids)
+    assert len(lp.tokens) == n + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[n:] == plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[n] == len(r.choices[0].text) - len(plain.choices[0].text)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    hf = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [ref[i - 1, ids[i]].item() for i in range(1, n)]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=2e-3)
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:n])
+
+    chunks = list(complete(client, ids, echo=True, logprobs=2, max_tokens=4, temperature=0, extra_body={"ignore_eos": True},
+                           stream=True))
+    assert chunks[0].choices[0].text == text and len(chunks[0].choices[0].logprobs.tokens) == n
+    streamed = [t for c in chunks for ch in c.choices if ch.logprobs for t in ch.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    g = httpx.post(srv.url + "/generate", headers=srv.headers(), timeout=60,
+                   json={"input_ids": ids, "sampling_params": {"max_tokens": 2, "prompt_logprobs": 1}}).json()
+    assert g["prompt_logprobs"][0] is None and len(g["prompt_logprobs"]) == n
+    assert [e["logprob"] for e in g["prompt_logprobs"][1:]] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
+
+
 def test_cached_tokens_from_radix_cache(client, tok):
     prompt = "In the beginning God created the heaven and the earth, " * 3 + "and then"
     plen = len(tok.encode(prompt, add_special_tokens=False))

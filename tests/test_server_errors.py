@@ -91,7 +91,6 @@ BAD_REQUESTS = [
     ("/v1/completions", ok_completion(logit_bias={"999999": 1}), "logit_bias"),
     ("/v1/completions", ok_completion(logit_bias={"5": 1000}), "logit_bias"),
     ("/v1/completions", ok_completion(best_of=3), "best_of"),
-    ("/v1/completions", ok_completion(echo=True, logprobs=1), "echo"),
     ("/v1/completions", ok_completion(suffix="tail"), "suffix"),
     ("/v1/completions", ok_completion(stream_options={"include_usage": True}), "stream_options"),
     ("/v1/completions", ok_completion(response_format={"type": "xml"}), "response_format.type"),

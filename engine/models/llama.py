@@ -175,14 +175,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Runs the batch; returns logits (float32) for `fb.logits_indices` only."""
+        """Runs the batch; returns logits (float32) for `fb.logits_indices` only
+        (and sets `fb.hidden_states` for `fb.hidden_indices`, if any)."""
         backend.prepare(fb)
         x = self.model.embed_tokens(fb.input_ids)
         rope = self.rotary.lookup(fb.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, backend, fb)
-        x = self.model.norm(x[fb.logits_indices])
-        return F.linear(x, self.lm_head_weight).float()
+        if fb.hidden_indices is not None:
+            fb.hidden_states = self.model.norm(x[fb.hidden_indices])
+        return self.compute_logits(self.model.norm(x[fb.logits_indices]))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final (normed) hidden states -> float32 logits."""
+        return F.linear(hidden, self.lm_head_weight).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies Hugging Face-named tensors into our (partly fused) parameters."""

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from stepserve.engine.config import ModelConfig, parse_dtype
-from stepserve.engine.models.llama import LlamaForCausalLM
+from stepserve.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -73,4 +73,6 @@ def load_model(
     for name, p in model.named_parameters():
         p.data = p.data.to(torch_dtype)
     model.eval()
+    if can_pack_linears(device, torch_dtype) and os.environ.get("STEPSERVE_PACK_LINEARS", "1") != "0":
+        pack_linears(model)
     return cfg, model

@@ -192,3 +192,24 @@ def test_prompt_logprobs_equal_transformers_through_chunks_cache_and_fork(ckpt_f
     # without prompt logprobs the same prompt is served from the cache again
     again = llm.generate([prompts[2]], SamplingParams(max_tokens=2, **GREEDY))[0]
     assert again.prompt_logprobs is None and again.num_cached_tokens > 0
+
+
+def test_packed_cpu_linears_change_nothing(ckpt_factory, monkeypatch):
+    """On CPU in bfloat16 the projections run on weights prepacked for oneDNN;
+    tokens and logprobs equal the plain nn.Linear path's exactly."""
+    from stepserve.engine.models.llama import PackedLinear, can_pack_linears
+
+    if not can_pack_linears(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this torch build has no oneDNN linear prepacking")
+    path = ckpt_factory("qwen2", dtype=torch.bfloat16)  # q/k/v bias: packed with a bias too
+    prompts = prompts_of([5, 33, 80], seed=4)
+    params = SamplingParams(max_tokens=12, logprobs=3, prompt_logprobs=1, **GREEDY)
+    packed = LLM(path, dtype="bfloat16")
+    assert any(isinstance(m, PackedLinear) for m in packed.engine.model.modules())
+    monkeypatch.setenv("STEPSERVE_PACK_LINEARS", "0")
+    plain = LLM(path, dtype="bfloat16")
+    assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
+    for a, b in zip(packed.generate(prompts, params), plain.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
+        assert [x.logprob for x in a.prompt_logprobs[1:]] == [x.logprob for x in b.prompt_logprobs[1:]]

@@ -50,7 +50,6 @@ class BodyLimitMiddleware:
                     return await _too_large(self.max_bytes)(scope, receive, send)
                 break
         seen = 0
-        started = False
 
         async def counted_receive():
             nonlocal seen
@@ -61,14 +60,7 @@ class BodyLimitMiddleware:
                     raise _TooLarge(self.max_bytes)
             return msg
 
-        async def tracked_send(msg):
-            nonlocal started
-            if msg["type"] == "http.response.start":
-                started = True
-            await send(msg)
-
         try:
-            await self.app(scope, counted_receive, tracked_send)
-        except _TooLarge:
-            if not started:
-                await _too_large(self.max_bytes)(scope, receive, send)
+            await self.app(scope, counted_receive, send)  # `send` untouched: nothing added per SSE event
+        except _TooLarge:  # read outside a route's body parsing; no response can have started yet
+            await _too_large(self.max_bytes)(scope, receive, send)

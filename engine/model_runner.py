@@ -10,7 +10,7 @@ import torch
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.forward_batch import ForwardBatch
 from stepserve.engine.models.llama import LlamaForCausalLM
-from stepserve.engine.sampler import RowInput, Sampler, SamplerOutput, SamplingBatch
+from stepserve.engine.sampler import RowInput, Sampler, SamplerOutput, SamplingBatch, argmax_rows
 from stepserve.kvcache import ReqToTokenPool
 from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.sequence import Sequence
@@ -132,7 +132,7 @@ class ModelRunner:
             if s.group.constrained:
                 s.group.branches[s.branch].logits_processor(s.output_ids, logits[i])
         if all(s.group.plain_greedy for s in seqs):
-            out = SamplerOutput(token_ids=logits.argmax(dim=-1))  # nothing else asked for
+            out = SamplerOutput(token_ids=argmax_rows(logits))  # nothing else asked for
         else:
             t0 = time.perf_counter()
             batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)

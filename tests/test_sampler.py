@@ -642,3 +642,21 @@ def test_fast_path_and_dtypes():
     assert out.logprobs is None
     with pytest.raises(ValueError):
         Sampler()(logits[:, :2], b)
+
+
+def test_argmax_rows_equals_torch_argmax_on_ties_nans_infs_and_views():
+    """The greedy/Gumbel argmax (numpy's on CPU float32) picks what torch does."""
+    from stepserve.engine.sampler import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 999, generator=g)
+    x[1, 10] = x[1, 900] = 50.0  # tie: the first
+    x[2, 333] = float("nan")  # a NaN counts as the maximum
+    x[3, :] = float("-inf")
+    x[4, 5] = x[4, 6] = float("inf")
+    x[5, 2] = x[5, 800] = float("nan")
+    x[6, :] = 0.0
+    for t in (x, x[:, ::3], x[::2], x.t().contiguous().t(), x.bfloat16(), x.double()):
+        assert argmax_rows(t).tolist() == t.argmax(dim=-1).tolist()
+        assert argmax_rows(t).dtype == torch.int64
+    assert argmax_rows(torch.empty(0, 7)).shape == (0,)

@@ -110,8 +110,14 @@ class EngineProcess:
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(target=_child_main, args=(config, child_conn, logging.getLogger().level),
                                  name="stepserve-engine", daemon=True)
-        self._proc.start()
-        child_conn.close()
+        try:
+            self._proc.start()  # pickles the config: its policies must pickle too
+        except Exception as e:
+            self._conn.close()
+            raise ValueError(f"the engine config cannot be sent to an engine process ({e!r}); "
+                             "use process=False to keep the engine in this process") from e
+        finally:
+            child_conn.close()
         self._dispatch = dispatch
         self._died = died
         self._closing = False

@@ -145,3 +145,33 @@ def test_engine_process_death_fails_waiters_and_new_requests(llama_ckpt):
 def test_engine_process_start_failure_is_reported(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start"):
         AsyncEngine(model=str(tmp_path), process=True)  # no config.json there
+
+
+def test_engine_process_refuses_a_config_that_does_not_pickle(llama_ckpt):
+    from stepserve.engine.engine import EngineConfig
+
+    class LocalPolicy:  # defined in a function: cannot be pickled by reference
+        def plan(self, plan, view):
+            return plan
+
+        def observe(self, plan, record):
+            pass
+
+    with pytest.raises(ValueError, match="process=False"):
+        AsyncEngine(EngineConfig(model=llama_ckpt, policies=[LocalPolicy()]), process=True)
+
+
+def test_params_that_do_not_pickle_fail_only_their_request(aengine):
+    """A closure as logits processor works on a thread; sent to an engine
+    process it cannot travel, and only that request fails."""
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logits_processor_factory=lambda: (lambda ids, row: None))
+
+    async def main():
+        if aengine.engine is not None:  # thread: the closure runs in place
+            return (await collect(aengine, "closure", params))[2]
+        with pytest.raises(ValueError, match="cannot send"):
+            await collect(aengine, "closure", params)
+        return (await collect(aengine, "plain", SamplingParams(max_tokens=3, ignore_eos=True)))[2]
+
+    assert asyncio.run(main()) == ["length"]
+    assert_clean(aengine)

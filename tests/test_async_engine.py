@@ -175,3 +175,21 @@ def test_params_that_do_not_pickle_fail_only_their_request(aengine):
 
     assert asyncio.run(main()) == ["length"]
     assert_clean(aengine)
+
+
+def test_wire_format_round_trips_every_field():
+    """What crosses the engine-process pipe rebuilds the same RequestOutput
+    (a field added to the dataclasses and not to the wire fails here)."""
+    import dataclasses
+    import pickle
+
+    from stepserve.engine.engine_process import from_wire, to_wire
+    from stepserve.engine.request import TokenLogprob
+
+    out = RequestOutput("r-1", "hi", [5, 6], [CompletionOutput(1, "x", [7], "stop", "zz", [TokenLogprob(7, -0.5, [(7, -0.5)])],
+                                                                 -0.5)],
+                        True, 1, RequestMetrics(1.0, 2.0, 3.0), [None, TokenLogprob(6, -1.0, [])])
+    assert len(dataclasses.fields(RequestOutput)) == 8 and len(dataclasses.fields(CompletionOutput)) == 7
+    back = from_wire("r-1", pickle.loads(pickle.dumps(to_wire(out, True))), ("hi", [5, 6]))
+    assert back == out
+    assert to_wire(out, False)[4] is None  # the prompt travels once

@@ -103,13 +103,12 @@ def _child_main(config: EngineConfig, conn, log_level: int) -> None:
             elif first:
                 announced.add(rid)
             wire.append((rid, to_wire(out, first)))
-        outputs = wire
         try:
-            buf = pickle.dumps(("out", outputs, replies), _PROTO)
+            buf = pickle.dumps(("out", wire, replies), _PROTO)
         except Exception:  # a call returned or raised something that does not pickle
             replies = [r if _try_pickle(r[2]) else (r[0], False, RuntimeError(f"engine call result does not "
                        f"pickle: {r[2]!r}"[:500])) for r in replies]
-            buf = pickle.dumps(("out", outputs, replies), _PROTO)
+            buf = pickle.dumps(("out", wire, replies), _PROTO)
         conn.send_bytes(buf)
 
     loop = EngineLoop(engine, poll, emit)

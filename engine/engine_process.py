@@ -146,8 +146,9 @@ class EngineProcess:
             if not self._conn.poll(start_timeout):
                 raise RuntimeError(f"the engine process did not start within {start_timeout:.0f} s")
             kind, payload = self._conn.recv()
-        except EOFError:
-            kind, payload = "failed", f"the engine process exited with code {self._proc.exitcode}"
+        except EOFError:  # it died before saying anything (its traceback went to stderr)
+            self._proc.join(10)
+            kind, payload = "failed", f"the engine process exited with code {self._proc.exitcode} (see its stderr)"
         except BaseException:
             self._proc.kill()
             raise

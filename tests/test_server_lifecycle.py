@@ -108,3 +108,24 @@ def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(llama_ckpt):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_dead_engine_process_gives_503_not_a_hang(llama_ckpt):
+    """If the engine process dies, /health says so and requests get a 503 in
+    OpenAI's error format at once, instead of hanging."""
+    import os
+
+    from server_util import ServerThread
+
+    with ServerThread(llama_ckpt, served_model_name="m", kv_slots=2048, max_running=4) as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        os.kill(srv.engine._core._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while srv.engine.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "engine_dead"
+        r = httpx.post(srv.url + "/v1/completions", timeout=30,
+                       json={"model": "m", "prompt": "anyone there", "max_tokens": 2})
+        assert r.status_code == 503
+        assert r.json()["error"]["type"] == "server_error"

@@ -68,13 +68,11 @@ class ServerThread:
 
     def kv_report(self, timeout: float = 30):
         """The engine's KV check, run on its loop (raises if the check fails)."""
-        import concurrent.futures
-
-        from stepserve.engine.engine import Engine
+        import asyncio
 
         try:
-            return self.engine.call(Engine.kv_report).result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+            return asyncio.run(asyncio.wait_for(self.engine.kv_report(), timeout))
+        except asyncio.TimeoutError:
             raise AssertionError(f"engine loop did not answer (alive: {self.engine.is_alive()})") from None
 
     def wait_idle(self, timeout: float = 30) -> None:

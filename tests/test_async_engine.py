@@ -11,7 +11,6 @@ import signal
 import pytest
 
 from stepserve import LLM, AsyncEngine, SamplingParams
-from stepserve.engine.engine import Engine
 from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -31,7 +30,7 @@ async def collect(engine, prompt, params, pause_s: float = 0.0):
 
 
 def engine_report(engine: AsyncEngine):
-    return engine.call(Engine.kv_report).result(timeout=30)
+    return asyncio.run(asyncio.wait_for(engine.kv_report(), 30))
 
 
 def assert_clean(engine: AsyncEngine):
@@ -137,7 +136,7 @@ def test_engine_process_death_fails_waiters_and_new_requests(llama_ckpt):
         asyncio.run(main())
         assert not engine.is_alive()
         with pytest.raises(RuntimeError):
-            engine.call(Engine.kv_report).result(timeout=5)
+            asyncio.run(asyncio.wait_for(engine.kv_report(), 5))
     finally:
         engine.shutdown()
 

@@ -1,6 +1,8 @@
 """Optional native CPU kernels, compiled on first use with torch's C++
 extension loader (ninja + the system compiler, `-march=native` since the build
-runs on the machine that uses it). Anything that goes wrong -- no compiler,
+runs on the machine that uses it; `cpu_features` names the build after the
+CPU's flags, so a shared build cache never hands a binary to a CPU that
+lacks its instructions). Anything that goes wrong -- no compiler,
 no ninja, a build error -- leaves the pure-torch path in charge, with a log line.
 Set STEPSERVE_CPU_KERNELS=0 to skip them."""
 
@@ -40,10 +42,12 @@ def paged_decode_module():
             os.environ["PATH"] = os.pathsep.join([p for p in extra if p] + [os.environ.get("PATH", "")])
             from torch.utils.cpp_extension import load
 
+            from stepserve.engine.cpu_features import kernel_build_tag, kernel_march
+
             _module = load(
-                name="stepserve_paged_decode_cpu",
+                name=f"stepserve_paged_decode_cpu_{kernel_build_tag()}",
                 sources=[_SRC],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", f"-march={kernel_march()}", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )

@@ -10,25 +10,19 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
+from stepserve.engine import cpu_features
 from stepserve.engine.config import ModelConfig, parse_dtype
 from stepserve.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
 
 
-def cpu_has_fast_bf16() -> bool:
-    """AMX tiles make bf16 GEMMs 4-8x faster than float32 on CPU (measured on
-    this project's machines); without them bf16 on CPU is slower."""
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # older torch
-        return False
-
-
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's dtype on GPU; on CPU, a bf16 checkpoint stays
-    bf16 where the CPU has AMX, everything else runs in float32."""
+    bf16 where the CPU has AMX (bf16 GEMMs 4-8x faster than float32, measured
+    on this project's machines; without AMX bf16 is slower than float32), and
+    everything else runs in float32."""
     if dtype in (None, "auto"):
         if device.type == "cpu":
-            if cfg.checkpoint_dtype == torch.bfloat16 and cpu_has_fast_bf16():
+            if cfg.checkpoint_dtype == torch.bfloat16 and cpu_features.has_amx():
                 return torch.bfloat16
             return torch.float32
         return cfg.checkpoint_dtype or torch.bfloat16

@@ -9,8 +9,11 @@ import pytest
 from stepserve import LLM, SamplingParams
 from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")),
-                                reason="embedded model not present in this checkout")
+pytestmark = [
+    pytest.mark.skipif(not os.path.isfile(os.path.join(DEFAULT_MODEL, "config.json")),
+                       reason="embedded model not present in this checkout"),
+    pytest.mark.cpu_paths,  # dtype=auto decides per CPU: run again as an AVX2-only CPU
+]
 
 KJV_WORDS = {"the", "and", "of", "unto", "lord", "god", "he", "that", "shall", "his", "them", "said", "thou",
              "thee", "thy", "i", "is", "in", "to", "a", "be", "for", "which", "they", "all", "not", "with",

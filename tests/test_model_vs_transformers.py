@@ -8,6 +8,9 @@ from transformers import AutoModelForCausalLM
 
 from stepserve import LLM, SamplingParams
 
+# run a second time by `make test` as an AVX2-only CPU would (see cpu_features)
+pytestmark = pytest.mark.cpu_paths
+
 ARCHS = ["llama", "llama3", "qwen2", "qwen3", "mistral"]
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -195,19 +198,22 @@ def test_prompt_logprobs_equal_transformers_through_chunks_cache_and_fork(ckpt_f
 
 
 def test_packed_cpu_linears_change_nothing(ckpt_factory, monkeypatch):
-    """On CPU in bfloat16 the projections run on weights prepacked for oneDNN;
-    tokens and logprobs equal the plain nn.Linear path's exactly."""
-    from stepserve.engine.models.llama import PackedLinear, can_pack_linears
+    """On CPU in bfloat16 the projections run on weights prepacked for oneDNN,
+    where the CPU can (`cpu_features`); tokens and logprobs equal the plain
+    nn.Linear path's exactly. (CPU explicitly: on a GPU machine `auto` picks CUDA.)"""
+    from stepserve.engine.cpu_features import prepacked_bf16_linear_reason
+    from stepserve.engine.models.llama import PackedLinear
 
-    if not can_pack_linears(torch.device("cpu"), torch.bfloat16):
-        pytest.skip("this torch build has no oneDNN linear prepacking")
+    reason = prepacked_bf16_linear_reason()
+    if reason is not None:
+        pytest.skip(f"no prepacked bf16 linears on this CPU: {reason}")
     path = ckpt_factory("qwen2", dtype=torch.bfloat16)  # q/k/v bias: packed with a bias too
     prompts = prompts_of([5, 33, 80], seed=4)
     params = SamplingParams(max_tokens=12, logprobs=3, prompt_logprobs=1, **GREEDY)
-    packed = LLM(path, dtype="bfloat16")
+    packed = LLM(path, dtype="bfloat16", device="cpu")
     assert any(isinstance(m, PackedLinear) for m in packed.engine.model.modules())
     monkeypatch.setenv("STEPSERVE_PACK_LINEARS", "0")
-    plain = LLM(path, dtype="bfloat16")
+    plain = LLM(path, dtype="bfloat16", device="cpu")
     assert not any(isinstance(m, PackedLinear) for m in plain.engine.model.modules())
     for a, b in zip(packed.generate(prompts, params), plain.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -9,8 +9,9 @@ of GEMM launches per layer compared with the Hugging Face layout.
 On CPU in bfloat16, `pack_linears` then swaps every projection for a
 `PackedLinear`: its weight reordered once into oneDNN's blocked layout, which
 `nn.Linear` would otherwise redo on every call (measured 1.2-2x faster for
-decode-shaped GEMMs, with bit-identical results). `STEPSERVE_PACK_LINEARS=0`
-keeps plain `nn.Linear`, for A/B runs.
+decode-shaped GEMMs, with bit-identical results), where the CPU supports it
+(probed once, see `cpu_features`). `STEPSERVE_PACK_LINEARS=0` keeps plain
+`nn.Linear`, for A/B runs.
 """
 
 from __future__ import annotations
@@ -43,8 +44,11 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """CPU bf16 on a CPU and torch build where prepacking was tried and works
+    (`cpu_features`: not on an AVX2-only CPU, for one)."""
+    from stepserve.engine.cpu_features import can_prepack_bf16_linear
+
+    return device.type == "cpu" and dtype == torch.bfloat16 and can_prepack_bf16_linear()
 
 
 def pack_linears(model: nn.Module) -> int:

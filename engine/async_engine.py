@@ -16,7 +16,12 @@ asyncio queue, with one wake-up per event loop per step, not one per request.
   takes a module-level function, and everything sent must pickle.
 
 Errors raised while adding a request (bad parameters, prompt too long) reach
-the caller as the first item of its stream.
+the caller as the first item of its stream. If the loop dies, every waiter,
+and every later call, gets an `EngineDeadError`, and the callbacks given to
+`on_death` run once.
+
+An engine is stopped by `shutdown()`, by leaving `async with AsyncEngine(...)`
+(or `with`), or at interpreter exit, whichever comes first.
 """
 
 from __future__ import annotations
@@ -39,6 +44,10 @@ log = logging.getLogger("stepserve.async_engine")
 # (call id, ok, result or error) for calls
 Outputs = list[tuple[str, Any]]
 Replies = list[tuple[int, bool, Any]]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is gone (its process died, or the loop raised)."""
 
 
 class EngineLoop:
@@ -109,6 +118,9 @@ class AsyncEngine:
         self._call_ids = itertools.count()
         self._req_ids = itertools.count()
         self._dead: BaseException | None = None
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
+        self._death_lock = threading.Lock()
+        self._closing = False  # shutdown() was called: the loop's end is no death
         if process:
             from stepserve.engine.engine_process import EngineProcess
 
@@ -140,7 +152,7 @@ class AsyncEngine:
         iteration early (client gone, task cancelled) aborts it.
         """
         if self._dead is not None:
-            raise RuntimeError(f"engine loop died: {self._dead!r}")
+            raise EngineDeadError(f"engine loop died: {self._dead!r}")
         if request_id is None:
             request_id = f"areq-{next(self._req_ids)}"
         elif request_id in self._streams:
@@ -175,7 +187,7 @@ class AsyncEngine:
         module-level function and args and result must pickle."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         if self._dead is not None:
-            fut.set_exception(RuntimeError(f"engine loop died: {self._dead!r}"))
+            fut.set_exception(EngineDeadError(f"engine loop died: {self._dead!r}"))
             return fut
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
@@ -199,8 +211,32 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._dead is None and self._core.is_alive()
 
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Calls callback(error) once if the loop dies (at once if it already
+        has), from the thread that saw it die: hand work to your own loop."""
+        with self._death_lock:
+            if self._dead is None:
+                self._death_callbacks.append(callback)
+                return
+        callback(self._dead)
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop (and its process); requests still running fail with
+        EngineDeadError. Safe to call more than once."""
+        self._closing = True
         self._core.shutdown(timeout)
+
+    def __enter__(self) -> "AsyncEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     # -- loop side (the loop thread, or the thread reading the child's pipe) ---
     def _dispatch(self, outputs: Outputs, replies: Replies) -> None:
@@ -225,11 +261,18 @@ class AsyncEngine:
                 pass
 
     def _died(self, err: BaseException) -> None:
-        """The loop is gone: fail every waiter loudly."""
-        self._dead = err
-        exc = RuntimeError(f"engine loop died: {err!r}")
+        """The loop is gone: fail every waiter loudly, then tell whoever asked."""
+        with self._death_lock:
+            self._dead = err
+            callbacks, self._death_callbacks = ([] if self._closing else self._death_callbacks), []
+        exc = EngineDeadError(f"engine loop died: {err!r}")
         self._dispatch([(rid, exc) for rid in list(self._streams)],
                        [(cid, False, exc) for cid in list(self._calls)])
+        for cb in callbacks:
+            try:
+                cb(err)
+            except Exception:
+                log.exception("engine death callback failed")
 
 
 def _put_all(items) -> None:

@@ -13,11 +13,15 @@ them to the front end; both block in system calls, outside the GIL.
 
 The child ignores SIGINT and SIGTERM: the parent decides when it stops (after
 draining) and sends "stop". If the parent dies, the pipe reaches EOF and the
-child exits at its next poll.
+child exits at its next poll. If the parent's interpreter exits without
+`shutdown()`, an exit hook does it (multiprocessing's own would SIGTERM the
+child, which ignores it, and wait forever). If the child dies, the receiver
+reaps it and reports the death.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import pickle
@@ -25,6 +29,7 @@ import queue
 import signal
 import threading
 import traceback
+import weakref
 
 from stepserve.engine.engine import EngineConfig, EngineInfo
 from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
@@ -62,6 +67,17 @@ def from_wire(rid: str, w: tuple, prompt: tuple) -> RequestOutput:
     outs, finished, cached, metrics, _, prompt_lps = w
     return RequestOutput(rid, prompt[0], prompt[1], [CompletionOutput(*o) for o in outs], finished, cached,
                          RequestMetrics(*metrics), prompt_lps)
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _child_main(config: EngineConfig, conn, log_level: int) -> None:
@@ -122,6 +138,25 @@ def _child_main(config: EngineConfig, conn, log_level: int) -> None:
             pass
 
 
+_live: "weakref.WeakSet[EngineProcess]" = weakref.WeakSet()
+_exit_hook_registered = False
+
+
+def _shutdown_live_processes() -> None:
+    for proc in list(_live):
+        proc.shutdown(timeout=10.0)
+
+
+def _register_exit_hook() -> None:
+    """Registered once, after multiprocessing.util registered its own exit
+    function (starting a Process imports it), so that ours runs first: atexit
+    runs hooks last-registered first."""
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        _exit_hook_registered = True
+        atexit.register(_shutdown_live_processes)
+
+
 class EngineProcess:
     """The parent's side: starts the child, waits for its `EngineInfo`, then
     moves commands and output batches across the pipe."""
@@ -139,6 +174,7 @@ class EngineProcess:
                              "use process=False to keep the engine in this process") from e
         finally:
             child_conn.close()
+        _register_exit_hook()
         self._dispatch = dispatch
         self._died = died
         self._closing = False
@@ -156,6 +192,7 @@ class EngineProcess:
             self._proc.join(10)
             raise RuntimeError(f"the engine process failed to start:\n{payload}")
         self.info: EngineInfo = payload
+        _live.add(self)
         self._prompts: dict[str, tuple] = {}  # request id -> (prompt, prompt ids), from its first delta
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._send_loop, name="stepserve-engine-send", daemon=True)
@@ -209,11 +246,15 @@ class EngineProcess:
                     outputs.append((rid, out))
                 self._dispatch(outputs, replies)
         except (EOFError, OSError) as e:
-            err: BaseException = RuntimeError("the engine process was shut down") if self._closing else \
-                RuntimeError(f"the engine process exited (code {self._proc.exitcode}): {e!r}")
+            if self._closing:
+                err: BaseException = RuntimeError("the engine process was shut down")
+            else:
+                self._proc.join(5)  # reap it (no <defunct> child) and learn how it ended
+                err = RuntimeError(f"the engine process exited ({_exit_status(self._proc.exitcode)}): {e!r}")
         except BaseException as e:
             err = e
         if not self._closing:
+            self._proc.join(5)
             log.error("%s", err)
         self._died(err)
 
@@ -224,6 +265,7 @@ class EngineProcess:
         if self._closing:
             return
         self._closing = True
+        _live.discard(self)
         self._cmds.put(("stop",))
         self._cmds.put(None)
         self._sender.join(timeout)

@@ -1,14 +1,19 @@
 """`create_app(async_engine, settings)`: the FastAPI app and its routes.
 
 The app does not own the engine: whoever built the `AsyncEngine` (the CLI, a
-test) shuts it down after the server has stopped.
+test) shuts it down after the server has stopped. If the engine dies, the app
+logs why once, stops admitting requests (in-flight ones fail: see `serving`)
+and calls `on_engine_death`, with which `stepserve serve` exits non-zero so
+that a supervisor restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -22,24 +27,44 @@ from stepserve.server.native import generate
 from stepserve.server.openai_chat import create_chat_completion
 from stepserve.server.openai_completions import create_completion
 from stepserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from stepserve.server.shutdown_cut import ShutdownCutMiddleware
 from stepserve.server.serving import ClientDisconnected, EngineClient, ServerSettings
 
+log = logging.getLogger("stepserve.server")
 
-def create_app(async_engine, settings: ServerSettings) -> FastAPI:
+
+def create_app(async_engine, settings: ServerSettings,
+               on_engine_death: Callable[[BaseException], None] | None = None) -> FastAPI:
     metrics = ServerMetrics(async_engine)
     client = EngineClient(async_engine, settings, metrics)
     created = int(time.time())
 
+    async def watch_engine(died: asyncio.Future) -> None:
+        err = await died
+        client.admission.draining = True
+        log.error("the engine died, so this server stops serving: %s", err)
+        if on_engine_death is not None:
+            on_engine_death(err)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        poll = asyncio.ensure_future(metrics.poll_steps(settings.metrics_poll_s))
+        loop = asyncio.get_running_loop()
+        died: asyncio.Future = loop.create_future()
+
+        def report(err: BaseException) -> None:  # from the thread that saw the engine die
+            with contextlib.suppress(RuntimeError):  # our loop is already closed
+                loop.call_soon_threadsafe(lambda: died.done() or died.set_result(err))
+
+        async_engine.on_death(report)
+        tasks = [asyncio.ensure_future(metrics.poll_steps(settings.metrics_poll_s)),
+                 asyncio.ensure_future(watch_engine(died))]
         try:
             yield
         finally:
             client.admission.draining = True
-            poll.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poll
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     app = FastAPI(title="stepserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible LLM server (completions, chat) with a native token route")
@@ -54,8 +79,9 @@ def create_app(async_engine, settings: ServerSettings) -> FastAPI:
 
     if settings.max_request_bytes is not None:
         app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    if settings.api_key:  # added last: runs first, so an unauthenticated client learns nothing else
+    if settings.api_key:  # added late: runs early, so an unauthenticated client learns nothing else
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(ShutdownCutMiddleware)  # outermost: sees every request uvicorn cancels
 
     def model_card() -> dict:
         return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "stepserve",

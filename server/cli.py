@@ -8,7 +8,10 @@ the front end the core left.
 SIGTERM (or Ctrl-C): the listening socket closes and new requests on open
 connections get 503; running requests get `--shutdown-timeout` seconds to
 finish, then uvicorn cancels them (which aborts them in the engine); the engine
-process stops and the server exits 0.
+process stops and the server exits 0. If the engine process dies, streams in
+flight end with an SSE error event, other requests get a 503, and the server
+exits 1 within seconds, for a supervisor (systemd, Kubernetes, a shell loop)
+to restart it.
 
 Also runnable alone: `python -m stepserve.server.cli --model DIR`.
 """
@@ -23,6 +26,12 @@ import sys
 
 log = logging.getLogger("stepserve.server")
 
+# A prompt of 128k token ids is ~1 MiB of JSON, and so is the text of 128k
+# tokens; 8 MiB holds a batch of such prompts. Reading, parsing and validating
+# a body run on the event loop, ~6 ms per MiB measured on this project's 2-core
+# machine, so the limit also bounds how long one request can hold up the others.
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
@@ -34,8 +43,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="model name clients use (default: the model directory's name)")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests accepted beyond --max-running before answering 429")
-    g.add_argument("--max-request-bytes", type=int, default=32 << 20,
-                   help="request bodies larger than this get 413 (default 32 MiB)")
+    g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="request bodies larger than this get 413 before they are read (default 8 MiB: "
+                        "a body holds the event loop ~6 ms per MiB while it is read and parsed)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -79,7 +89,13 @@ def run_serve(args) -> int:
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
     )
-    app = create_app(engine, settings)
+    died: list[BaseException] = []
+
+    def engine_died(err: BaseException) -> None:
+        died.append(err)
+        server.should_exit = True  # in-flight requests already failed; exit so a supervisor restarts us
+
+    app = create_app(engine, settings, on_engine_death=engine_died)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on",
                             access_log=not args.no_access_log)
@@ -94,10 +110,14 @@ def run_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     log.info("serving %s on http://%s:%d", settings.served_model_name, args.host, args.port)
+    server = Server(config)
     try:
-        Server(config).run()
+        server.run()
     finally:
         engine.shutdown()
+    if died:
+        log.error("exiting with status 1: the engine died (%s)", died[0])
+        return 1
     return 0
 
 

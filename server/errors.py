@@ -1,7 +1,8 @@
 """OpenAI's error body and the exception handlers that produce it.
 
 Every failure a client can cause ends as ``{"error": {"message", "type",
-"param", "code"}}`` with a 4xx status; only a bug in the server gives a 500.
+"param", "code"}}`` with a 4xx status; a dead engine gives a 503, and only a
+bug in the server a 500.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+
+from stepserve.engine.async_engine import EngineDeadError
 
 log = logging.getLogger("stepserve.server")
 
@@ -65,6 +68,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def engine_unavailable(err: Exception) -> APIError:
+    """What a request gets when the engine loop is gone (the server exits soon)."""
+    return APIError(503, f"The engine is not available: {err}", "server_error", code="engine_dead")
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -107,6 +115,10 @@ def install_error_handlers(app: FastAPI) -> None:
         err_type = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return SafeJSONResponse(error_body(detail, err_type, None, getattr(exc, "code", None)),
                                 status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(request: Request, exc: EngineDeadError):
+        return engine_unavailable(exc).response()  # the death itself is logged once, not per request
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

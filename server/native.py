@@ -35,7 +35,7 @@ def _prompt_logprobs(lps) -> list:
 async def generate(req: GenerateRequest, request: Request, client: EngineClient):
     client.check_model(req.model)
     param = "text" if req.text is not None else "input_ids"
-    ids = client.tokenize(req.text) if req.text is not None else list(req.input_ids)
+    ids = await client.tokenize(req.text, param) if req.text is not None else list(req.input_ids)
     client.check_prompt(ids, param)
     sp = req.sampling_params
     kw = sp.model_dump(exclude={"json_schema"})

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
+import functools
+
 from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import chat_logprobs
 from stepserve.server.openai_common import sampling_kwargs
 from stepserve.server.protocol import ChatCompletionRequest
-from stepserve.server.serving import EngineClient, new_id
+from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
 
 
-def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[int]:
+async def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[int]:
+    """The conversation through the chat template, tokenized; its length is
+    checked before either, and big ones are rendered off the event loop."""
     tok = client.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions", "messages")
@@ -23,12 +28,16 @@ def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[int]:
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
         messages.append(msg)
+    chars = sum(len(m["content"]) for m in messages)
+    client.check_text_length(chars, "messages")  # the template adds text; it does not drop a turn's content
+    render = functools.partial(tok.apply_chat_template, messages, tokenize=False,
+                               add_generation_prompt=req.add_generation_prompt)
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=req.add_generation_prompt)
+        text = render() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
     except Exception as e:  # jinja raises for conversations the template refuses
         raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
     # the rendered template already holds its special tokens as text
-    return client.tokenize(text)
+    return await client.tokenize(text, "messages")
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, client: EngineClient):
@@ -36,7 +45,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     kw = sampling_kwargs(req)
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = render_chat(client, req)
+    ids = await render_chat(client, req)
     client.check_prompt(ids, "messages")
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

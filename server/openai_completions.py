@@ -17,15 +17,23 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 _NAMES = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt"}
 
 
-def _prompts(client: EngineClient, prompt) -> list[tuple[list[int], str | None]]:
-    """(token ids, text or None) per prompt."""
+async def _prompts(client: EngineClient, prompt) -> list[tuple[list[int], str | None]]:
+    """(token ids, text or None) per prompt, each checked."""
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and isinstance(prompt[0], int):
         items = [list(prompt)]
     else:
         items = list(prompt)
-    return [(client.tokenize(p), p) if isinstance(p, str) else (list(p), None) for p in items]
+    for p in items:  # every text's length first: one huge prompt is refused before any is tokenized
+        if isinstance(p, str):
+            client.check_text_length(len(p), "prompt")
+    out = []
+    for p in items:
+        ids = await client.tokenize(p, "prompt") if isinstance(p, str) else list(p)
+        client.check_prompt(ids, "prompt")
+        out.append((ids, p if isinstance(p, str) else None))
+    return out
 
 
 async def create_completion(req: CompletionRequest, request: Request, client: EngineClient):
@@ -35,9 +43,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (ranking completions is not supported)", "best_of")
     kw = sampling_kwargs(req)
-    prompts = _prompts(client, req.prompt)
-    for ids, _ in prompts:
-        client.check_prompt(ids, "prompt")
+    prompts = await _prompts(client, req.prompt)
     factory = await client.compile_grammar(req.response_format)
     params = [
         client.sampling_params(

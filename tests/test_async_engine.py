@@ -14,10 +14,10 @@ from stepserve import LLM, AsyncEngine, SamplingParams
 from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 
 
-async def collect(engine, prompt, params, pause_s: float = 0.0):
+async def collect(engine, prompt, params, pause_s: float = 0.0, request_id: str | None = None):
     """(text, tokens, finish reasons, number of deltas) of one request."""
     text, toks, reasons, deltas = "", [], [], 0
-    async for out in engine.generate(prompt, params):
+    async for out in engine.generate(prompt, params, request_id):
         deltas += 1
         for o in out.outputs:
             text += o.text
@@ -119,26 +119,98 @@ def test_request_output_merge_joins_per_choice():
     assert a.finished and a.num_cached_tokens == 1
 
 
+def _unfinished(engine, rid):
+    return rid in engine.requests
+
+
 def test_engine_process_death_fails_waiters_and_new_requests(llama_ckpt):
+    """Killed while a request is provably unfinished (the engine is paused,
+    and a call that queued behind the add says the request is there), the
+    waiter gets EngineDeadError, so do later requests and calls, and the
+    death callbacks run once."""
+    from stepserve.engine.async_engine import EngineDeadError
+
     engine = AsyncEngine(model=llama_ckpt, process=True)
+    deaths = []
+    engine.on_death(deaths.append)
     try:
         async def main():
-            task = asyncio.ensure_future(collect(engine, "doomed", SamplingParams(max_tokens=200, ignore_eos=True),
-                                                 pause_s=0.01))
-            await asyncio.sleep(0.3)
+            first = await collect(engine, "warm", SamplingParams(max_tokens=2, ignore_eos=True))
+            assert first[2] == ["length"]
+            engine.pause()
+            task = asyncio.ensure_future(collect(engine, "doomed", SamplingParams(max_tokens=20, ignore_eos=True),
+                                                 request_id="doomed"))
+            await asyncio.sleep(0)  # let it submit
+            assert await asyncio.wrap_future(engine.call(_unfinished, "doomed"))
             os.kill(engine._core._proc.pid, signal.SIGKILL)
-            with pytest.raises(RuntimeError, match="engine"):
+            with pytest.raises(EngineDeadError, match="SIGKILL"):
                 await asyncio.wait_for(task, 30)
-            with pytest.raises(RuntimeError, match="engine loop died"):
+            with pytest.raises(EngineDeadError, match="engine loop died"):
                 async for _ in engine.generate("after", SamplingParams(max_tokens=2)):
                     pass
 
         asyncio.run(main())
         assert not engine.is_alive()
-        with pytest.raises(RuntimeError):
+        assert len(deaths) == 1 and "SIGKILL" in str(deaths[0])
+        assert engine._core._proc.exitcode == -signal.SIGKILL  # reaped: no <defunct> child
+        with pytest.raises(EngineDeadError):
             asyncio.run(asyncio.wait_for(engine.kv_report(), 5))
+        late = []
+        engine.on_death(late.append)  # registered after the death: called at once
+        assert len(late) == 1
     finally:
         engine.shutdown()
+    assert len(deaths) == 1  # a shutdown is no second death
+
+
+def test_shutdown_is_not_a_death(llama_ckpt):
+    engine = AsyncEngine(model=llama_ckpt, process=True)
+    deaths = []
+    engine.on_death(deaths.append)
+    engine.shutdown()
+    engine.shutdown()  # twice is fine
+    assert deaths == [] and not engine.is_alive()
+
+
+SCRIPT = """
+import asyncio, sys
+from stepserve import AsyncEngine, SamplingParams
+
+async def main(model):
+    if sys.argv[2] == "async-with":
+        async with AsyncEngine(model=model, process=True) as engine:
+            async for _ in engine.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True)):
+                pass
+        assert not engine.is_alive()
+    else:  # never shut down: the exit hook must stop the engine process
+        engine = AsyncEngine(model=model, process=True)
+        async for _ in engine.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True)):
+            pass
+        if sys.argv[2] == "mid-request":  # and leave one running
+            agen = engine.generate("more", SamplingParams(max_tokens=400, ignore_eos=True))
+            await agen.__anext__()
+    print("child pid", engine._core._proc.pid, flush=True)
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("mode", ["no-shutdown", "mid-request", "async-with"])
+def test_a_script_exits_by_itself(llama_ckpt, tmp_path, mode):
+    """A script that never calls shutdown() exits (before, the engine process
+    ignored multiprocessing's SIGTERM and the interpreter waited forever), and
+    leaves no engine process behind; `async with` stops it too."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    r = subprocess.run([sys.executable, str(script), llama_ckpt, mode], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    pid = int(r.stdout.split("child pid")[1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 def test_engine_process_start_failure_is_reported(tmp_path):

@@ -231,3 +231,56 @@ def test_429_when_the_queue_is_full_and_nothing_accepted_is_lost(srv, client):
     srv.wait_idle()
     assert srv.metrics()["stepserve:requests_rejected_total"] - rejected0 == 3
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).choices
+
+
+def test_too_long_texts_are_refused_before_tokenizing(srv, http, monkeypatch):
+    """A text longer than max_model_len tokens of the longest token could
+    hold gets 400 context_length_exceeded without being tokenized (or, for
+    chat, rendered): on every text route, and in a batch of prompts even
+    when only the last one is too long."""
+    ec = srv.app.state.client
+    limit = ec.max_model_len * ec.max_token_chars
+    seen = []
+    real = ec.tokenizer.encode
+
+    def encode(text, *a, **kw):
+        seen.append(len(text))
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(ec.tokenizer, "encode", encode)
+    long = "a" * (limit + 1)
+    cases = [("/v1/completions", {"model": MODEL, "prompt": long}, "prompt"),
+             ("/v1/completions", {"model": MODEL, "prompt": ["fine", long]}, "prompt"),
+             ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": long}]}, "messages"),
+             ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "system", "content": long[:limit // 2]},
+                                                                    {"role": "user", "content": long[:limit // 2 + 2]}]},
+              "messages"),
+             ("/generate", {"model": MODEL, "text": long}, "text")]
+    for route, body, param in cases:
+        err = assert_error(http.post(route, json=body), 400, param, "context_length_exceeded")
+        assert "characters" in err["message"]
+    assert seen == []
+    # just inside the bound: tokenized (off the event loop), then refused by its token count
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * (limit // 3)})
+    assert_error(r, 400, "prompt", "context_length_exceeded")
+    assert seen == [limit // 3 * 3]
+    assert http.post("/v1/completions", json={"model": MODEL, "prompt": "still serving", "max_tokens": 2}).status_code == 200
+
+
+def test_the_length_bound_never_refuses_a_text_that_fits(srv):
+    """The bound is sound: every text has at most (its tokens) x
+    max_token_chars characters, for the tokenizer served here."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    ec = srv.app.state.client
+    pieces = [ec.tokenizer.decode([i]) for i in range(len(ec.tokenizer))]
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.sampled_from(pieces), max_size=40) | st.text(max_size=400))
+    def check(parts):
+        text = parts if isinstance(parts, str) else "".join(parts)
+        ids = ec.tokenizer.encode(text, add_special_tokens=False)
+        assert len(text) <= max(len(ids), 1) * ec.max_token_chars
+
+    check()

@@ -3,6 +3,7 @@ SIGTERM stops taking requests, lets the running ones finish (or aborts them
 past --shutdown-timeout) and exits 0."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -46,7 +47,11 @@ def stream_completion(url, body, out: dict, started: threading.Event, headers=No
                 if line == "data: [DONE]":
                     out["done"] = True
                     break
-                for c in json.loads(line[6:])["choices"]:
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    out["error_event"] = obj["error"]
+                    continue
+                for c in obj["choices"]:
                     text += c["text"]
                     if c["finish_reason"]:
                         reasons.append(c["finish_reason"])
@@ -91,19 +96,39 @@ def test_sigterm_finishes_running_requests_and_exits_0(llama_ckpt):
 
 
 def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(llama_ckpt):
-    proc, url = start(llama_ckpt, "--shutdown-timeout", "0.5", "--api-key", "k")
+    """Past --shutdown-timeout the running requests are cut: a stream ends
+    with an SSE error event and [DONE], a whole response is a 503, each cut
+    is one log line (no traceback), and the server exits 0."""
+    proc, url = start(llama_ckpt, "--shutdown-timeout", "0.5", "--api-key", "k", "--max-model-len", "512")
+    auth = {"Authorization": "Bearer k"}
     try:
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         out, started = {}, threading.Event()
         body = {"prompt": "a long one", "max_tokens": 500, "ignore_eos": True}
-        t = threading.Thread(target=stream_completion, args=(url, body, out, started, {"Authorization": "Bearer k"}))
+        t = threading.Thread(target=stream_completion, args=(url, body, out, started, auth))
         t.start()
         started.wait(60)
+        whole: dict = {}
+
+        def post_whole():
+            r = httpx.post(url + "/v1/completions", timeout=120, headers=auth,
+                           json={"prompt": "whole", "max_tokens": 500, "ignore_eos": True})
+            whole["status"], whole["body"] = r.status_code, r.json()
+
+        t2 = threading.Thread(target=post_whole)
+        t2.start()
+        time.sleep(0.3)  # (so that it is in flight; not a timing assertion)
         proc.send_signal(signal.SIGTERM)
         t.join(120)
+        t2.join(120)
         code = proc.wait(120)
-        assert code == 0, proc.stdout.read()
-        assert out.get("status") == 200  # it was served until finished or cut at the timeout
+        log = proc.stdout.read()
+        assert code == 0, log
+        assert out.get("status") == 200 and out.get("done"), out  # served, then cut cleanly
+        assert out["error_event"]["code"] == "server_shutting_down", out
+        assert whole["status"] == 503 and whole["body"]["error"]["code"] == "server_shutting_down", whole
+        assert log.count("cut at shutdown") == 2, log
+        assert "Traceback" not in log and "Exception in ASGI" not in log, log
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -129,3 +154,111 @@ def test_dead_engine_process_gives_503_not_a_hang(llama_ckpt):
                        json={"model": "m", "prompt": "anyone there", "max_tokens": 2})
         assert r.status_code == 503
         assert r.json()["error"]["type"] == "server_error"
+
+
+def engine_processes(pid: int) -> list[int]:
+    """The server's spawned children (not multiprocessing's resource tracker)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    out = []
+    for c in children:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(c)
+    return out
+
+
+def test_engine_death_mid_stream_ends_streams_cleanly_and_the_server_exits_1(llama_ckpt):
+    """Kill the engine process while a stream and a whole-response request are
+    in flight: the stream gets an SSE error event (OpenAI's error body) and
+    [DONE], the other request a 503 in OpenAI's shape, and the server logs
+    why and exits 1 by itself, for a supervisor to restart it."""
+    proc, url = start(llama_ckpt, "--max-model-len", "512")
+    try:
+        engine_pid = engine_processes(proc.pid)
+        assert len(engine_pid) == 1, engine_pid
+        whole: dict = {}
+
+        def post_whole():
+            r = httpx.post(url + "/v1/completions", timeout=120,
+                           json={"prompt": "whole", "max_tokens": 500, "ignore_eos": True})
+            whole["status"], whole["body"] = r.status_code, r.json()
+
+        events, done = [], False
+        with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                          json={"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                events.append(json.loads(line[6:]))
+                if len(events) == 1:  # mid-stream: 500 tokens to go
+                    t = threading.Thread(target=post_whole)
+                    t.start()
+                    time.sleep(0.5)  # (only so that the second request is in flight; not a timing assertion)
+                    os.kill(engine_pid[0], signal.SIGKILL)
+        t.join(120)
+        code = proc.wait(60)
+        log = proc.stdout.read()
+        assert done, events[-1:]
+        err = events[-1]["error"]
+        assert err["type"] == "server_error" and err["code"] == "engine_dead" and "SIGKILL" in err["message"]
+        assert all("choices" in e for e in events[:-1])
+        assert sum(len(c["text"]) for e in events[:-1] for c in e["choices"]) > 0
+        assert whole["status"] == 503 and whole["body"]["error"]["code"] == "engine_dead", whole
+        assert code == 1, log
+        assert "the engine died" in log and "SIGKILL" in log, log
+        assert "Traceback" not in log, log
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_huge_prompt_under_the_body_limit_is_refused_at_once_and_costs_no_memory(llama_ckpt):
+    """An 8 MB text prompt (just under the default body limit) is refused as
+    too long for the context without being tokenized: before, the same request
+    held the event loop for 40 s and left the front end 3 GB bigger. Measured
+    here: what /health took meanwhile (printed; no timing assertion), and the
+    front end's resident memory before and after."""
+    proc, url = start(llama_ckpt)
+    try:
+        assert httpx.post(url + "/v1/completions", json={"prompt": "warm", "max_tokens": 2}, timeout=60).status_code == 200
+        before = rss_mb(proc.pid)
+        body = json.dumps({"prompt": "a " * 4_000_000, "max_tokens": 4}).encode()
+        assert len(body) < 8 << 20
+        res: dict = {}
+
+        def post():
+            r = httpx.post(url + "/v1/completions", content=body, timeout=120,
+                           headers={"content-type": "application/json"})
+            res["status"], res["body"] = r.status_code, r.json()
+
+        t = threading.Thread(target=post)
+        t.start()
+        health = []
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert httpx.get(url + "/health", timeout=120).status_code == 200
+            health.append(time.perf_counter() - t0)
+        t.join()
+        print(f"/health while refusing: {len(health)} probes, max {max(health) * 1e3:.0f} ms")
+        assert res["status"] == 400 and res["body"]["error"]["code"] == "context_length_exceeded", res
+        assert "characters" in res["body"]["error"]["message"]
+        assert rss_mb(proc.pid) - before < 256, (before, rss_mb(proc.pid))  # it was +3,000 MB
+        r = httpx.post(url + "/v1/completions", json={"prompt": "still here", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)

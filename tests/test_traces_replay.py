@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -112,9 +113,10 @@ def test_real_replay_then_simulate_and_compare(server, tmp_path, capsys):
     assert main(["replay", "--compare", str(out), str(sim_out)]) == 0
     table = capsys.readouterr().out
     assert "replay" in table and "simulate" in table
+    assert "WARNING" not in table  # the saved trace is the same requests, though its labels differ
 
 
-def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, tmp_path):
+def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, tmp_path, capsys):
     from stepserve.cli import main
     from stepserve.scheduler.latency_model import load_profile
     from stepserve.traces.simulator import SimConfig
@@ -133,6 +135,13 @@ def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, t
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]
     assert load_profile(str(out)).model.predict(2, 100, 2) > 0
+    # the round line, the final line and the file count the same points; the bar counts scenario runs:
+    # 3 batch sizes x 2 contexts decode, prompts of 16, 24 and 40 tokens, 1 batch size x 2 contexts mixed
+    captured = capsys.readouterr()
+    (round_points,) = re.findall(r"round 1/1 \(\d+ s\): 11 scenario runs; so far (\d+) points", captured.err)
+    assert re.search(rf"^{len(prof['points'])} points \(.*\) from \d+ timed samples over 1 rounds", captured.out, re.M)
+    assert int(round_points) == len(prof["points"])
+    assert "11/11" in captured.err
 
 
 def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, tmp_path, capsys):

@@ -1,7 +1,13 @@
 """`stepserve replay --compare A.json B.json ...`: reports side by side.
 
 Any mix of replay and simulation reports; the last column shows each later
-report relative to the first (e.g. simulated vs real: +4.2%).
+report relative to the first (e.g. simulated vs real: +4.2%). Those gaps only
+mean something between runs of one workload: a report whose workload differs
+from the first's is named in a warning under the table, with what differs.
+Two reports whose request records agree (arrival times, prompt lengths,
+branches) ran one workload whatever their labels say: a replay with
+`--save-trace` and a simulation of the saved trace do. Otherwise the labels
+decide: request count, trace, and scaling.
 """
 
 from __future__ import annotations
@@ -73,10 +79,67 @@ def compare_table(reports: list[dict], labels: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _show(v) -> str:
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _trace_label(t: dict | None) -> str:
+    if not t:
+        return "(not recorded)"
+    return f"{t.get('path')} ({t.get('source')}, {t.get('requests')} requests)"
+
+
+def _schedule(report: dict) -> list[tuple] | None:
+    recs = report.get("requests")
+    if not recs:
+        return None
+    return sorted((round(r["arrival_s"], 6), r["prompt_tokens"], r.get("n", 1)) for r in recs)
+
+
+def workload_differences(a: dict, b: dict) -> list[str]:
+    """How report `b`'s workload differs from report `a`'s, one item per kind:
+    the number of requests, the trace (`trace`: path, format, size), and the
+    scaling applied to it (`scaling.applied`: rate, time and length scales,
+    caps, window, limit). Empty when the workloads match, and whenever the
+    request records do (arrival, prompt tokens, branches)."""
+    sa, sb = _schedule(a), _schedule(b)
+    if sa is not None and sa == sb:
+        return []
+    out = []
+    if a.get("num_requests") != b.get("num_requests"):
+        out.append(f"requests: {a.get('num_requests')} vs {b.get('num_requests')}")
+    if a.get("trace") != b.get("trace"):
+        out.append(f"trace: {_trace_label(a.get('trace'))} vs {_trace_label(b.get('trace'))}")
+    sa = (a.get("scaling") or {}).get("applied") or {}
+    sb = (b.get("scaling") or {}).get("applied") or {}
+    scaling = [f"{k} {_show(sa.get(k))} vs {_show(sb.get(k))}"
+               for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]
+    if scaling:
+        out.append("scaling: " + ", ".join(scaling))
+    return out
+
+
+def workload_warning(reports: list[dict], labels: list[str]) -> str | None:
+    """The warning for every report whose workload differs from the first's, or None."""
+    lines = []
+    for r, label in zip(reports[1:], labels[1:]):
+        diffs = workload_differences(reports[0], r)
+        if diffs:
+            lines.append(f"  {label} vs {labels[0]}:")
+            lines.extend(f"    {d}" for d in diffs)
+    if not lines:
+        return None
+    return "\n".join(["WARNING: these reports ran different workloads; their figures (and the "
+                      "relative gaps) do not compare like for like:", *lines])
+
+
 def run_compare(paths: list[str], plot: str | None = None) -> int:
     reports = load_reports(paths)
     labels = [os.path.splitext(os.path.basename(p))[0] for p in paths]
     print(compare_table(reports, labels))
+    warning = workload_warning(reports, labels)
+    if warning:
+        print(warning)
     if plot:
         from stepserve.traces.plot import plot_compare
 

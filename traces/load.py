@@ -10,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from stepserve.traces.report import output_path
 from stepserve.traces.request_spec import RequestSpec
 
 
@@ -63,7 +64,8 @@ def load_trace(source: str) -> Trace:
 
 
 def save_trace(specs: list[RequestSpec], path: str) -> None:
-    """stepserve's JSONL: one `RequestSpec.to_json()` per line (reload with load_trace)."""
-    with open(path, "w") as f:
+    """stepserve's JSONL: one `RequestSpec.to_json()` per line (reload with load_trace);
+    missing folders are created."""
+    with open(output_path(path), "w") as f:
         for s in specs:
             f.write(json.dumps(s.to_json()) + "\n")

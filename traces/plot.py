@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from stepserve.traces.report import output_path
+
 _LAT = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
 
 
@@ -59,7 +61,7 @@ def plot_report(report: dict, path: str, title: str | None = None, labels: list[
         ax.grid(alpha=0.3)
     fig.suptitle(title or f"{report.get('mode', '')}: {report.get('trace', {}).get('path', '')}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(output_path(path), dpi=110)
     plt.close(fig)
     return path
 

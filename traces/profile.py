@@ -6,11 +6,16 @@ with the plan's per-row shape by an observing step policy):
   decode   B sequences decoding at context L, for B x L over the grid
   prefill  one prompt prefilled in chunks of C tokens (chunk index j: start j*C)
   mixed    B sequences decoding at L while a C-token prompt prefills alongside
-The grid is walked `--rounds` times; each visit of a point runs `--warmup`
-untimed steps then `--repeats` timed ones. A point's time is the median of all
-its timed steps, its features the median of theirs: the machine is shared, and
-interleaving the repeats spreads a stretch of outside load thinly over many
-points, where the median shrugs it off.
+A point is one measured shape: a (B, L) decode, a (B, L, C) mixed step, or one
+chunk index j of a C-token prefill. Each round walks the grid once, one
+scenario run per grid entry: a decode or mixed run measures its one point, a
+prefill run one point per chunk of its prompt, so a round has fewer runs than
+points. Each visit of a point runs `--warmup` untimed steps then `--repeats`
+timed ones, and the rounds add samples to the same points (never new points).
+A point's time is the median of all its timed steps over the rounds, its
+features the median of theirs: the machine is shared, and interleaving the
+repeats spreads a stretch of outside load thinly over many points, where the
+median shrugs it off.
 
 Held-out error: K-fold cross-validation over points (K = 1/`--holdout`): each
 point is predicted by a fit that never saw it; the profile gives the median and
@@ -23,17 +28,17 @@ Every form's errors are recorded, so the chosen form is justified by residuals.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from stepserve.scheduler.latency_model import FORMS, PROFILE_KIND, LinearLatencyModel, StepFeatures, plan_features
+from stepserve.traces.progress import log_line, progress_bar
+from stepserve.traces.report import write_report
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +62,7 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="profile a running server over HTTP instead (client-observed step times; the engine "
                         "flags must then describe that server: --max-batched-tokens, --kv-memory-gb, ...)")
     g.add_argument("--api-key", default=None)
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (the per-round lines remain)")
 
 
 class StepRecorder:
@@ -196,6 +202,43 @@ class Sweep:
         return out
 
 
+def describe_points(points: list[dict]) -> str:
+    """What `points` holds, e.g. '62 points (35 decode, 9 prefill, 18 mixed)
+    from 744 timed samples': a point is one measured shape (its time the
+    median of its samples), a sample one timed step of the engine sweep, or
+    for the HTTP sweep one decode stream's mean time per token or one request's
+    TTFT. The per-round lines and the final line both say it this way."""
+    scenarios: dict[str, int] = {}
+    for p in points:
+        scenarios[p["scenario"]] = scenarios.get(p["scenario"], 0) + 1
+    by_scenario = ", ".join(f"{n} {name}" for name, n in scenarios.items())
+    samples = sum(len(p["raw"]) for p in points)
+    return f"{len(points)} points ({by_scenario}) from {samples} timed samples"
+
+
+class SweepProgress:
+    """Progress of a sweep, for the engine and the HTTP sweep alike: a bar over
+    its scenario runs (rounds x runs per round), and after each round a line
+    with the points measured so far (`describe_points` of `sweep.points()`)."""
+
+    def __init__(self, sweep, rounds: int, runs_per_round: int, enabled: bool):
+        self.sweep = sweep
+        self.rounds = rounds
+        self.runs_per_round = runs_per_round
+        self.bar = progress_bar(rounds * runs_per_round, "profile", "run", enabled)
+        self.t0 = time.perf_counter()
+
+    def run_done(self) -> None:
+        self.bar.update(1)
+
+    def round_done(self, rnd: int) -> None:
+        log_line(f"round {rnd + 1}/{self.rounds} ({time.perf_counter() - self.t0:.0f} s): "
+                 f"{self.runs_per_round} scenario runs; so far {describe_points(self.sweep.points())}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def folds(n: int, holdout: float, seed: int) -> list[list[int]]:
     """K-fold split of point indices, K = round(1 / holdout): every point is
     held out exactly once, so the held-out error uses all the data."""
@@ -329,6 +372,7 @@ def run_profile(args) -> int:
                     plan.append(("mixed", bs, ctx, c))
     # Rounds: every point is measured once per round, so a stretch of machine
     # load (the machine is shared) lands on many points a little, not on one a lot.
+    progress = SweepProgress(sweep, args.rounds, len(plan), not args.no_progress)
     for rnd in range(args.rounds):
         for item in plan:
             if item[0] == "decode":
@@ -337,7 +381,9 @@ def run_profile(args) -> int:
                 sweep.prefill(item[1], item[2], max_batched)
             else:
                 sweep.mixed(item[1], item[2], item[3], max_batched)
-        _log(f"round {rnd + 1}/{args.rounds}: {len(plan)} points ({time.perf_counter() - t0:.0f} s)")
+            progress.run_done()
+        progress.round_done(rnd)
+    progress.close()
     model_dir = cfg.model or DEFAULT_MODEL
     return _write_profile(
         args, sweep.points(), source="measured", target=args.target,
@@ -362,10 +408,6 @@ def step_noise(points: list[dict]) -> dict:
     # the extremes are artefacts (a stream read late, two events at once): clip to p1..p99
     q = np.clip(q, q[1], q[99])
     return {"kind": "raw/median quantiles, clipped to p1..p99", "n": len(ratios), "quantiles": [float(x) for x in q]}
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _server_engine_sizing(args, max_len: int) -> tuple[int, str]:
@@ -399,14 +441,16 @@ def _run_http(args) -> int:
     ctxs = sorted({min(c, max_len // 2) for c in ctxs if c >= 1})
     max_batched = args.max_batched_tokens  # the server's own must match (the serve flag of the same name)
     plens = sorted({c for c in _ints(args.chunk_sizes) + ctxs if c <= max_batched and c < max_len})
+    plan: list[tuple] = [("decode", b, c) for b in bss for c in ctxs] + [("prefill", p) for p in plens]
+    plan += [("mixed", b, c, p) for b in _ints(args.mixed_batch_sizes) for c in ctxs[:: max(1, len(ctxs) // 2)]
+             for p in _ints(args.chunk_sizes) if b + p <= max_batched]
     sweep = HTTPSweep(args.warmup, args.repeats, max_batched, args.sweep_seed)
+    progress = SweepProgress(sweep, args.rounds, len(plan), not args.no_progress)
     t0 = time.perf_counter()
 
     async def go():
         replayer = Replayer(ReplayConfig(url=args.url, api_key=args.api_key, warmup=0, progress=False), info)
-        mixed = [(b, c, p) for b in _ints(args.mixed_batch_sizes) for c in ctxs[:: max(1, len(ctxs) // 2)]
-                 for p in _ints(args.chunk_sizes) if b + p <= max_batched]
-        return await run_http_sweep(sweep, replayer, bss, ctxs, plens, mixed, args.rounds, _log)
+        return await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
 
     points = asyncio.run(go())
     slots, how = _server_engine_sizing(args, max_len)
@@ -462,9 +506,8 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
                       "raw_times": [t for _, t in p["raw"]]}
                    for p in points],
     }
-    with open(args.out, "w") as f:
-        json.dump(profile, f, indent=1)
-    print(f"{len(points)} points, form {fit['form']}: "
+    write_report(profile, args.out)
+    print(f"{describe_points(points)} over {args.rounds} rounds; form {fit['form']}: "
           + ", ".join(f"{n}={c:.4g}" for n, c in zip(FORMS[fit['form']], model_fit.coef))
           + (f"; request overhead {fitted.request_overhead_s * 1e3:.2f} ms" if fitted.request_overhead_s else ""))
     for n, f in fit["forms"].items():

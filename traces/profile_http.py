@@ -149,20 +149,19 @@ class HTTPSweep:
         return out
 
 
-async def run_http_sweep(sweep: HTTPSweep, replayer, bss: list[int], ctxs: list[int], plens: list[int],
-                         mixed: list[tuple[int, int, int]], rounds: int, log) -> list[dict]:
-    t0 = time.perf_counter()
+async def run_http_sweep(sweep: HTTPSweep, replayer, plan: list[tuple], rounds: int, progress) -> list[dict]:
+    """Untimed first-use requests, then `rounds` walks over `plan`, one scenario
+    run per entry: ("decode", B, L), ("prefill", P) or ("mixed", B, L, P).
+    `progress` (profile.SweepProgress) counts the runs and reports each round."""
     await sweep.prefill(replayer, 8)  # untimed: first-use costs
     await sweep.decode(replayer, 2, 8)
     sweep.raw.clear()
+    scenarios = {"decode": sweep.decode, "prefill": sweep.prefill, "mixed": sweep.mixed}
     for rnd in range(rounds):
-        for bs in bss:
-            for ctx in ctxs:
-                await sweep.decode(replayer, bs, ctx)
-        for p in plens:
-            await sweep.prefill(replayer, p)
-        for bs, ctx, p in mixed:
-            await sweep.mixed(replayer, bs, ctx, p)
-        log(f"round {rnd + 1}/{rounds} ({time.perf_counter() - t0:.0f} s)")
+        for kind, *params in plan:
+            await scenarios[kind](replayer, *params)
+            progress.run_done()
+        progress.round_done(rnd)
+    progress.close()
     await replayer.close()
     return sweep.points()

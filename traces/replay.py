@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import httpx
 
 from stepserve.traces.metrics import RequestRecord
+from stepserve.traces.progress import progress_bar
 from stepserve.traces.request_spec import PromptBuilder, RequestSpec, Segment
 
 DEFAULT_VOCAB = 256  # safe for any model we serve; the server's own vocab_size wins when it reports one
@@ -175,20 +176,15 @@ class Replayer:
     async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
         await self._warmup()
         records = [RequestRecord(s.request_id, s.arrival_s, s.prompt_len, n=s.n) for s in specs]
-        bar = None
-        if self.cfg.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(specs), desc="replay", unit="req", smoothing=0.1)
+        bar = progress_bar(len(specs), "replay", "req", self.cfg.progress)
         tasks = []
         t0 = time.perf_counter()
 
         async def tracked(spec, rec):
             await self._one(spec, rec, t0)
-            if bar is not None:
-                bar.update(1)
-                if rec.error:
-                    bar.set_postfix_str(f"failed: {sum(1 for r in records if r.error)}")
+            bar.update(1)
+            if rec.error:
+                bar.set_postfix_str(f"failed: {sum(1 for r in records if r.error)}")
 
         for spec, rec in zip(specs, records):
             delay = t0 + spec.arrival_s - time.perf_counter()
@@ -196,8 +192,7 @@ class Replayer:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(tracked(spec, rec)))
         await asyncio.gather(*tasks)
-        if bar is not None:
-            bar.close()
+        bar.close()
         await self.close()
         duration = max((r.end_s for r in records if r.end_s is not None), default=0.0)
         return records, duration

@@ -13,6 +13,7 @@ one-line-per-rate digest in `sweep`.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shlex
 import sys
@@ -99,8 +100,19 @@ def combine_sweep(runs: list[dict], rates: list[float]) -> dict:
     return {**last, "sweep": digest, "runs": runs}
 
 
+def output_path(path: str) -> str:
+    """`path`, after creating the folders it names that do not exist yet: every
+    file a command writes (report, profile, plot, saved trace) goes through
+    here, so a run never ends in a FileNotFoundError at the last step."""
+    parent = os.path.dirname(path)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    return path
+
+
 def write_report(report: dict, path: str) -> None:
-    with open(path, "w") as f:
+    """The report (or profile) as indented JSON; missing folders are created."""
+    with open(output_path(path), "w") as f:
         json.dump(report, f, indent=1, allow_nan=False, default=_json_default)
         f.write("\n")
 

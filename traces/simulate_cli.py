@@ -63,6 +63,7 @@ def run_simulate(args) -> int:
         raise SystemExit("stepserve simulate: --trace and --profile are required")
     from stepserve.scheduler.latency_model import OnlineLatencyModel, load_profile
     from stepserve.traces.load import load_trace, save_trace
+    from stepserve.traces.progress import progress_bar
     from stepserve.traces.report import build_report, finish_runs, format_summary
     from stepserve.traces.scaling import apply_scaling
     from stepserve.traces.simulator import DEFAULT_MAX_CONTEXT, SimConfig, Simulator
@@ -96,21 +97,16 @@ def run_simulate(args) -> int:
         sim = Simulator(prof.model, cfg, policies)
         if online is not None:
             online.clock = sim.clock  # refit periods in virtual seconds
-        bar = None
-        if not args.no_progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(specs), desc="simulate", unit="req", smoothing=0.1)
+        bar = progress_bar(len(specs), "simulate", "req", not args.no_progress)
         last = [0]
 
         def progress(n_arrived, t):
-            if bar is not None and n_arrived != last[0]:
+            if n_arrived != last[0]:
                 bar.update(n_arrived - last[0])
                 last[0] = n_arrived
 
         res = sim.run(specs, progress=progress)
-        if bar is not None:
-            bar.close()
+        bar.close()
         extra = {
             "simulator": res.stats,
             "profile": {"name": prof.name, "source": prof.source, "engine": prof.engine,

@@ -261,18 +261,18 @@ class AsyncEngine:
                 pass
 
     def _died(self, err: BaseException) -> None:
-        """The loop is gone: fail every waiter loudly, then tell whoever asked."""
+        """The loop is gone: tell whoever asked, then fail every waiter loudly."""
         with self._death_lock:
             self._dead = err
             callbacks, self._death_callbacks = ([] if self._closing else self._death_callbacks), []
-        exc = EngineDeadError(f"engine loop died: {err!r}")
-        self._dispatch([(rid, exc) for rid in list(self._streams)],
-                       [(cid, False, exc) for cid in list(self._calls)])
-        for cb in callbacks:
+        for cb in callbacks:  # first: a waiter that sees the error knows they ran
             try:
                 cb(err)
             except Exception:
                 log.exception("engine death callback failed")
+        exc = EngineDeadError(f"engine loop died: {err!r}")
+        self._dispatch([(rid, exc) for rid in list(self._streams)],
+                       [(cid, False, exc) for cid in list(self._calls)])
 
 
 def _put_all(items) -> None:

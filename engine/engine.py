@@ -1,4 +1,6 @@
-"""The step loop: schedule -> run the model -> update -> text and outputs."""
+"""`Engine`: the model, tokenizer and KV pool behind the shared step loop
+(`scheduler.core.EngineCore`), and what a step's tokens mean to a request:
+logprobs, prompt logprobs, stop strings, text."""
 
 from __future__ import annotations
 
@@ -21,11 +23,11 @@ from stepserve.engine.request import Branch, Request, TokenLogprob
 from stepserve.engine.sampler import derive_seed
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
+from stepserve.scheduler.core import EngineCore, RequestError
 from stepserve.scheduler.kv_manager import KVManager
-from stepserve.scheduler.plan import StepRecord
+from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.policy import StepPolicy
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from stepserve.scheduler.sequence import Sequence
 
 log = logging.getLogger("stepserve.engine")
 
@@ -163,19 +165,26 @@ class Engine:
             native=None if config.attention_backend == "auto" else False,
         )
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device)
+        self.core = EngineCore(self.scheduler, self.runner, self, check_every=1 if config.check_invariants else 0)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
-        self._next_seq_id = 0
         self._next_req_id = 0
-        self.step_id = 0
-        self.records: list[StepRecord] = []  # ring buffer of recent steps
-        self.max_records = 4096
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": {}}
+        self._changed: dict[str, Request] = {}  # requests a step's tokens changed (its return value)
+
+    @property
+    def step_id(self) -> int:
+        return self.core.step_id
+
+    @property
+    def records(self):
+        """StepRecords of the most recent steps (a ring)."""
+        return self.core.records
 
     # -- requests -------------------------------------------------------------
     @property
     def kv_capacity(self) -> int:
-        return self.scheduler.kv.capacity
+        return self.core.kv_capacity
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -195,66 +204,34 @@ class Engine:
             text, ids = None, [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
-                raise ValueError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}")
-        if not ids:
-            raise ValueError("prompt is empty")
+                raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}",
+                                   "prompt")
         plen = len(ids)
-        if plen >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {plen} tokens; the model's context is {self.max_model_len} "
-                "(the prompt must leave room for at least one generated token)"
-            )
-        max_tokens = params.max_tokens
-        if max_tokens == 0:
-            raise ValueError("max_tokens must be at least 1")
-        if max_tokens is None:
-            max_tokens = self.max_model_len - plen
-        elif plen + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({plen} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                f"{self.max_model_len} tokens"
-            )
-        if plen + max_tokens > self.kv_capacity:
-            raise ValueError(
-                f"request needs up to {plen + max_tokens} KV slots but the pool holds {self.kv_capacity}"
-            )
+        max_tokens = self.core.check_request(plen, params.max_tokens)
         if request_id is None:
             request_id = f"req-{self._next_req_id}"
             self._next_req_id += 1
         if request_id in self.requests:
-            raise ValueError(f"duplicate request id {request_id!r}")
+            raise RequestError(f"duplicate request id {request_id!r}")
         now = time.monotonic() if arrival_time is None else arrival_time
         req = Request(request_id, text, ids, params, now)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seqs = []
-        for b in range(params.n):
-            seq = Sequence(
-                seq_id=self._next_seq_id,
-                token_ids=list(ids),
-                prompt_len=plen,
-                max_tokens=max_tokens,
-                arrival=now,
-                eos_token_ids=self.eos_token_ids,
-                stop_token_ids=frozenset(params.stop_token_ids or ()),
-                ignore_eos=params.ignore_eos,
-                min_tokens=params.min_tokens,
-                branch=b,
-                seed=derive_seed(base_seed, b),
-                group=req,
-            )
-            self._next_seq_id += 1
-            seqs.append(seq)
-            req.branches.append(Branch(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)))
+        full_prefill = params.prompt_logprobs is not None and plen > 1
+        seqs = self.core.add_sequences(
+            list(ids), max_tokens, now, req, seeds=[derive_seed(base_seed, b) for b in range(params.n)],
+            eos_token_ids=self.eos_token_ids, stop_token_ids=frozenset(params.stop_token_ids or ()),
+            ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, full_prefill=full_prefill,
+        )
+        for seq in seqs:
+            branch = Branch(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
             if params.logprobs is not None:
-                req.branches[-1].logprobs = []
+                branch.logprobs = []
             if params.logits_processor_factory is not None:
-                req.branches[-1].logits_processor = params.logits_processor_factory()
-        seqs[0].fork_children = seqs[1:]
+                branch.logits_processor = params.logits_processor_factory()
+            req.branches.append(branch)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * plen  # the first prompt token has no logprob
-            seqs[0].full_prefill = plen > 1
         self.requests[request_id] = req
-        self.scheduler.add(seqs[0])
         self.totals["prompt_tokens"] += plen
         return req
 
@@ -268,30 +245,31 @@ class Engine:
         return req
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.core.has_work()
 
-    # -- the step ---------------------------------------------------------------
+    # -- the step (the loop is EngineCore's; these are its hooks) -----------------
     def step(self) -> list[Request]:
         """Runs one forward pass; returns the requests that changed."""
-        t0 = time.perf_counter()
-        sched = self.scheduler
-        plan = sched.schedule()
-        for seq in plan.admitted:
-            req = seq.group
-            req.num_cached_tokens = max(req.num_cached_tokens, seq.num_cached)
-        if plan.empty:
-            return []
-        t1 = time.perf_counter()
-        out = self.runner.run(plan)
-        t2 = time.perf_counter()
+        self._changed = {}
+        self.core.step()
+        return list(self._changed.values())
+
+    def admitted(self, seq) -> None:
+        req = seq.group
+        req.num_cached_tokens = max(req.num_cached_tokens, seq.num_cached)
+
+    def ran(self, plan: StepPlan, out) -> None:
         for pl in out.prompt_logprobs:
             store = pl.seq.group.prompt_logprobs
             for j, (tok, lp, top) in enumerate(zip(pl.token_ids, pl.logprobs, pl.top)):
                 store[pl.first + j] = TokenLogprob(tok, lp, top)
             if pl.first + len(pl.token_ids) >= pl.seq.prompt_len:
                 pl.seq.full_prefill = False  # scored to the end: a retraction may reuse the cache now
-        got = sched.update(plan, out.token_ids)
-        changed: dict[str, Request] = {}
+
+    def updated(self, plan: StepPlan, out, got) -> None:
+        """Logprobs, stop strings and text of the sequences that got a token."""
+        sched = self.scheduler
+        changed = self._changed
         ended: list[Request] = []
         want_lp = out.sampler.logprobs is not None
         if want_lp:
@@ -323,27 +301,6 @@ class Engine:
         for req in ended:
             if req.finished:
                 self._mark_finished(req)
-        t3 = time.perf_counter()
-        rec = StepRecord(
-            step=self.step_id,
-            rows=plan.num_rows,
-            decode_rows=sum(1 for r in plan.rows if r.num_new == 1),
-            context_tokens=plan.context_tokens,
-            new_tokens=plan.num_new_tokens,
-            wall_s=t3 - t0,
-            forward_s=t2 - t1 - out.prep_s,
-            schedule_s=(t1 - t0) + (t3 - t2),
-            prep_s=out.prep_s,
-        )
-        self.step_id += 1
-        self.records.append(rec)
-        if len(self.records) > self.max_records:
-            del self.records[: len(self.records) - self.max_records // 2]
-        for p in sched.policies:
-            p.observe(plan, rec)
-        if self.config.check_invariants:
-            sched.check()
-        return list(changed.values())
 
     def _mark_finished(self, req: Request) -> None:
         if req.finished_time is None:

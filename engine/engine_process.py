@@ -33,6 +33,7 @@ import weakref
 
 from stepserve.engine.engine import EngineConfig, EngineInfo
 from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+from stepserve.scheduler.errors import RequestError
 
 log = logging.getLogger("stepserve.engine_process")
 
@@ -218,7 +219,7 @@ class EngineProcess:
     def _fail_command(self, cmd: tuple, err: Exception) -> None:
         msg = RuntimeError(f"cannot send {cmd[0]!r} to the engine process: {err!r}")
         if cmd[0] == "add":
-            self._dispatch([(cmd[1], ValueError(str(msg)))], [])
+            self._dispatch([(cmd[1], RequestError(str(msg)))], [])  # e.g. a closure as logits processor
         elif cmd[0] == "call":
             self._dispatch([], [(cmd[1], False, msg)])
         else:

@@ -119,7 +119,9 @@ class ModelRunner:
         return -(-n // step) * step
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> StepOutput:
+    def run(self, plan: StepPlan, features=None) -> StepOutput:
+        """The forward pass and sampling of `plan` (`features`, the core's
+        StepFeatures of it, are not needed here)."""
         t0 = time.perf_counter()
         fb = self.build_batch(plan)
         prep = time.perf_counter() - t0

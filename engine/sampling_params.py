@@ -17,6 +17,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
+from stepserve.scheduler.errors import RequestError
+
 __all__ = ["SamplingParams", "MAX_LOGPROBS", "GREEDY_TEMPERATURE_EPS"]
 
 # Most alternatives a request may ask for (OpenAI's limit for ``top_logprobs``).
@@ -37,8 +39,8 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _err(name: str, msg: str, value) -> ValueError:
-    return ValueError(f"{name} {msg}, got {value!r}")
+def _err(name: str, msg: str, value) -> RequestError:
+    return RequestError(f"{name} {msg}, got {value!r}", name)
 
 
 def _check_int(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None) -> None:
@@ -148,8 +150,8 @@ class SamplingParams:
             _check_int("max_tokens", self.max_tokens, lo=0)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            raise RequestError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}", "min_tokens"
             )
 
         _check_real("temperature", self.temperature)
@@ -181,7 +183,7 @@ class SamplingParams:
             if not isinstance(s, str):
                 raise _err("stop", "entries must be strings", s)
             if s == "":
-                raise ValueError("stop must not contain empty strings")
+                raise RequestError("stop must not contain empty strings", "stop")
 
         if not isinstance(self.stop_token_ids, list):
             raise _err("stop_token_ids", "must be a list of ints or None", self.stop_token_ids)

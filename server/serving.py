@@ -27,6 +27,7 @@ from starlette.requests import Request
 from stepserve.engine.async_engine import EngineDeadError
 from stepserve.engine.request import CompletionOutput, RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
+from stepserve.scheduler.errors import RequestError
 from stepserve.server.admission import Admission, Ticket
 from stepserve.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from stepserve.server.errors import APIError, SafeJSONResponse, bad_request, engine_unavailable, error_body
@@ -57,13 +58,10 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def engine_error_param(message: str) -> str | None:
-    """Which request parameter an engine ValueError is about (messages start
-    with the parameter's name, or describe the prompt / the token budget)."""
-    if message.startswith("prompt (") or message.startswith("request needs"):
-        return "max_tokens"
-    head = message.split(" ", 1)[0]
-    return head if head.isidentifier() and head not in ("request", "duplicate") else None
+def refused(err: RequestError, names: dict[str, str] | None) -> APIError:
+    """A 400 for a request the engine refused, its parameter in the route's
+    names (`names`: engine name -> API name)."""
+    return bad_request(str(err), (names or {}).get(err.param, err.param), err.code)
 
 
 class Stream:
@@ -368,13 +366,12 @@ class EngineClient:
         return requested
 
     def sampling_params(self, names: dict[str, str] | None = None, **kw) -> SamplingParams:
-        """SamplingParams, validated against the vocabulary; a ValueError
+        """SamplingParams, validated against the vocabulary; a RequestError
         becomes a 400 naming the request's parameter (via `names`)."""
         try:
             return SamplingParams(**kw).validate(self.vocab_size)
-        except ValueError as e:
-            p = engine_error_param(str(e))
-            raise bad_request(str(e), (names or {}).get(p, p)) from None
+        except RequestError as e:
+            raise refused(e, names) from None
 
     async def compile_grammar(self, response_format):
         if response_format is None or response_format.type == "text":
@@ -405,9 +402,8 @@ class EngineClient:
         if err is not None:
             for g in gens:
                 await g.aclose()
-            if isinstance(err, ValueError):
-                p = engine_error_param(str(err))
-                raise bad_request(str(err), (names or {}).get(p, p))
+            if isinstance(err, RequestError):
+                raise refused(err, names)
             if isinstance(err, EngineDeadError):
                 raise engine_unavailable(err)
             raise err

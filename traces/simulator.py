@@ -1,10 +1,11 @@
 """Trace simulation: the real scheduler on a virtual clock.
 
-Everything but the model is real: `Scheduler` (admission, chunked prefill,
-retraction), `KVManager` over the slot allocator, the req->token table and
-the radix cache, and the step policies. The one fake is `SimRunner`: each step
-it returns a placeholder token per sample and moves the clock by the latency
-model's prediction for the plan's (rows, context tokens, new tokens). Requests
+Everything but the model is real: the engine's own step loop (`EngineCore`:
+its refusals, its sequences and forks, `Scheduler` with admission, chunked
+prefill and retraction, `KVManager` over the slot allocator, the req->token
+table and the radix cache, the step policies and step records). The one fake
+is `SimRunner`: each step it returns a placeholder token per sample and moves
+the clock by the latency model's prediction for the plan's features. Requests
 decode exactly their trace output length (max_tokens = output length, EOS
 ignored), so a simulated run and a real replay of the same scaled trace do the
 same work, and their reports (traces/report.py) have the same shape.
@@ -18,11 +19,11 @@ from array import array
 from dataclasses import asdict, dataclass, field
 
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator
-from stepserve.scheduler.latency_model import plan_features
+from stepserve.scheduler.core import EngineCore, RequestError
 from stepserve.scheduler.kv_manager import KVManager
-from stepserve.scheduler.plan import StepRecord
+from stepserve.scheduler.latency_model import StepFeatures
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from stepserve.scheduler.sequence import Sequence, SeqStatus
+from stepserve.scheduler.sequence import SeqStatus
 from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.request_spec import PromptBuilder, RequestSpec
 
@@ -77,28 +78,35 @@ class VirtualClock:
         return self.t
 
 
-class SimRunner:
-    """Stands in for the model runner: placeholder tokens, predicted time."""
+@dataclass(slots=True)
+class SimOutput:
+    token_ids: list[int]
+    prep_s: float = 0.0
 
-    def __init__(self, latency_model, noise_quantiles=(), noise_seed: int = 0):
+
+class SimRunner:
+    """Stands in for the model runner: placeholder tokens, and the clock moved
+    by the latency model's prediction (times a draw of the profile's noise)."""
+
+    def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0):
         self.model = latency_model
+        self.clock = clock
         self.noise = list(noise_quantiles)
         self.rng = random.Random(noise_seed)
 
     def reset(self, noise_seed: int) -> None:
         self.rng = random.Random(noise_seed)
 
-    def step_time(self, plan) -> tuple[float, int, int, float]:
-        f = plan_features(plan)
-        ctx, new, pairs = f.context_tokens, f.new_tokens, f.prefill_pairs
-        dt = self.model.predict(f.rows, ctx, new, pairs)
+    def step_time(self, f: StepFeatures) -> float:
+        dt = self.model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs)
         if self.noise:
             q = self.noise
             dt *= q[int(self.rng.random() * (len(q) - 1) + 0.5)]
-        return dt, ctx, new, pairs
+        return dt
 
-    def tokens(self, plan) -> list[int]:
-        return [PLACEHOLDER_TOKEN] * len(plan.samples)
+    def run(self, plan, features: StepFeatures) -> SimOutput:
+        self.clock.t += self.step_time(features)
+        return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples))
 
 
 @dataclass
@@ -119,25 +127,26 @@ class SimResult:
 
 
 class Simulator:
+    """Runs a trace through `EngineCore` on a virtual clock; `run` returns each
+    request's timing record. Also the core's `StepHooks`: it turns each step's
+    tokens into first-token times, inter-token gaps and completions."""
+
     def __init__(self, latency_model, cfg: SimConfig | None = None, policies=()):
         self.cfg = cfg or SimConfig()
-        self.runner = SimRunner(latency_model, self.cfg.noise_quantiles, self.cfg.noise_seed)
         self.policies = list(policies)
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
+        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed)
+        self.core: EngineCore | None = None
+        self._itl = array("d")
+        self._prev: list = []
 
     def kv_capacity(self) -> int:
         return self.cfg.kv_slots
 
-    def run(self, specs: list[RequestSpec], progress=None) -> SimResult:
+    def _build_core(self) -> EngineCore:
         cfg = self.cfg
-        if cfg.kv_slots is None:
-            raise ValueError("SimConfig.kv_slots is not set (the profile gives none: pass --kv-slots)")
         max_ctx = cfg.max_context or DEFAULT_MAX_CONTEXT
-        builder = PromptBuilder(cfg.vocab_size or DEFAULT_VOCAB, cfg.seed)
-        clock = self.clock
-        clock.t = 0.0
-        self.runner.reset(cfg.noise_seed)
         kv = KVManager(
             SlotAllocator(cfg.kv_slots + 1, "cpu"),
             ReqToTokenPool(cfg.max_running * 2 + 8, max_ctx + 1, "cpu"),
@@ -146,103 +155,96 @@ class Simulator:
         sched = Scheduler(
             SchedulerConfig(max_running=cfg.max_running, max_batched_tokens=cfg.max_batched_tokens,
                             admission=cfg.admission, max_context=max_ctx, prefix_caching=cfg.prefix_caching),
-            kv, self.policies, clock=clock,
+            kv, self.policies, clock=self.clock,
         )
-        capacity = kv.capacity
+        return EngineCore(sched, self.runner, self, clock=self.clock, check_every=cfg.check_every)
+
+    # -- EngineCore hooks -------------------------------------------------------
+    def admitted(self, seq) -> None:
+        live = seq.group
+        if seq.num_cached > live.cached:
+            live.cached = seq.num_cached
+
+    def ran(self, plan, out) -> None:
+        self._prev = [s.last_token_time for _, s in plan.samples]
+
+    def updated(self, plan, out, got) -> None:
+        t = self.clock.t
+        itl = self._itl
+        FINISHED = SeqStatus.FINISHED
+        for (_, s), p in zip(plan.samples, self._prev):
+            if p is None:
+                rec = s.group.rec
+                if rec.first_token_s is None:
+                    rec.first_token_s = t
+            else:
+                itl.append(t - p)
+            if s.status is FINISHED:
+                live = s.group
+                rec = live.rec
+                k = s.num_output
+                rec.output_tokens += k
+                if k > rec.branch_tokens:
+                    rec.branch_tokens = k
+                live.left -= 1
+                if live.left == 0:
+                    rec.end_s = t
+                    rec.cached_tokens = live.cached
+
+    # -- the run ----------------------------------------------------------------
+    def run(self, specs: list[RequestSpec], progress=None) -> SimResult:
+        cfg = self.cfg
+        if cfg.kv_slots is None:
+            raise ValueError("SimConfig.kv_slots is not set (the profile gives none: pass --kv-slots)")
+        builder = PromptBuilder(cfg.vocab_size or DEFAULT_VOCAB, cfg.seed)
+        clock = self.clock
+        clock.t = 0.0
+        self.runner.reset(cfg.noise_seed)
+        self.core = core = self._build_core()
+        sched = core.scheduler
+        self._itl = itl = array("d")
         specs = sorted(specs, key=lambda s: s.arrival_s)
         records: list[RequestRecord] = []
-        itl = array("d")
-        FINISHED = SeqStatus.FINISHED
-        runner = self.runner
-        policies = self.policies
-        next_seq = 0
-        steps = 0
         busy = 0.0
         sum_rows = sum_new = 0
         max_rows = 0
         i, n = 0, len(specs)
         oh = cfg.request_overhead_s
         cpu0, wall0 = time.process_time(), time.perf_counter()
-        t = 0.0
-        while i < n or sched.has_work():
+        while i < n or core.has_work():
+            t = clock.t
             while i < n and specs[i].arrival_s + oh <= t:
                 spec = specs[i]
                 i += 1
                 at = spec.arrival_s
                 rec = RequestRecord(spec.request_id, at, spec.prompt_len, n=spec.n, start_s=at)
                 records.append(rec)
-                plen, olen = spec.prompt_len, spec.output_len
-                # the engine's own refusals (engine.add_request), as a server would answer 400
-                if plen >= max_ctx or plen + olen > max_ctx:
-                    rec.error = f"prompt ({plen}) + max_tokens ({olen}) exceeds the context of {max_ctx} tokens"
+                try:  # the engine's own refusals, as a server would answer 400
+                    max_tokens = core.check_request(spec.prompt_len, spec.output_len)
+                except RequestError as e:
+                    rec.error = str(e)
                     continue
-                if plen + olen > capacity:
-                    rec.error = f"request needs up to {plen + olen} KV slots but the pool holds {capacity}"
-                    continue
-                ids = builder.prompt(spec)
-                live = _Live(rec, spec.n)
-                seqs = []
-                for b in range(spec.n):
-                    seqs.append(Sequence(next_seq, ids if b == 0 else list(ids), plen, olen, at + oh,
-                                         ignore_eos=True, branch=b, group=live))
-                    next_seq += 1
-                seqs[0].fork_children = seqs[1:]
-                sched.add(seqs[0])
-            if not sched.has_work():
-                t = specs[i].arrival_s + oh
-                clock.t = t
+                core.add_sequences(builder.prompt(spec), max_tokens, at + oh, _Live(rec, spec.n),
+                                   seeds=[0] * spec.n, ignore_eos=True)
+            if not core.has_work():
+                clock.t = specs[i].arrival_s + oh
                 continue
-            plan = sched.schedule()
-            if plan.empty:
+            t0 = clock.t
+            plan = core.step()
+            if plan is None:
                 if i < n:  # nothing fits until more work arrives (should not happen; be safe)
-                    t = max(t, specs[i].arrival_s + oh)
-                    clock.t = t
+                    clock.t = max(clock.t, specs[i].arrival_s + oh)
                     continue
                 raise RuntimeError("simulator: the scheduler made no progress with work queued")
-            for seq in plan.admitted:
-                live = seq.group
-                if seq.num_cached > live.cached:
-                    live.cached = seq.num_cached
-            dt, ctx, new, pairs = runner.step_time(plan)
-            t += dt
-            clock.t = t
-            samples = plan.samples
-            prev = [s.last_token_time for _, s in samples]
-            sched.update(plan, runner.tokens(plan))
-            for (_, s), p in zip(samples, prev):
-                if p is None:
-                    rec = s.group.rec
-                    if rec.first_token_s is None:
-                        rec.first_token_s = t
-                else:
-                    itl.append(t - p)
-                if s.status is FINISHED:
-                    live = s.group
-                    rec = live.rec
-                    k = s.num_output
-                    rec.output_tokens += k
-                    if k > rec.branch_tokens:
-                        rec.branch_tokens = k
-                    live.left -= 1
-                    if live.left == 0:
-                        rec.end_s = t
-                        rec.cached_tokens = live.cached
-            steps += 1
-            busy += dt
-            nr = len(plan.rows)
-            sum_rows += nr
-            sum_new += new
-            if nr > max_rows:
-                max_rows = nr
-            if policies:
-                srec = StepRecord(step=steps, rows=nr, decode_rows=plan.num_decode, context_tokens=ctx,
-                                  new_tokens=new, wall_s=dt, forward_s=dt, schedule_s=0.0)
-                for p in policies:
-                    p.observe(plan, srec)
-            if cfg.check_every and steps % cfg.check_every == 0:
-                sched.check()
+            rec = core.records[-1]
+            busy += clock.t - t0
+            sum_rows += rec.rows
+            sum_new += rec.new_tokens
+            if rec.rows > max_rows:
+                max_rows = rec.rows
             if progress is not None:
-                progress(len(records), t)
+                progress(len(records), clock.t)
+        steps = core.step_id
         duration = max((r.end_s for r in records if r.end_s is not None), default=0.0)
         stats = {
             "steps": steps,
@@ -253,7 +255,7 @@ class Simulator:
             "retractions": sched.num_retractions,
             "prefix_hit_rate": (sched.prefix_hit_tokens / sched.prefix_queried_tokens
                                 if sched.prefix_queried_tokens else 0.0),
-            "kv_slots": capacity,
+            "kv_slots": core.kv_capacity,
             "cpu_s": time.process_time() - cpu0,
             "wall_s": time.perf_counter() - wall0,
             "config": asdict(cfg),

@@ -23,8 +23,10 @@ from stepserve.engine.request import Branch, Request, TokenLogprob
 from stepserve.engine.sampler import derive_seed
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
-from stepserve.scheduler.core import EngineCore, RequestError
+from stepserve.scheduler.core import EngineCore
+from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
+from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.policy import StepPolicy
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -165,7 +167,9 @@ class Engine:
             native=None if config.attention_backend == "auto" else False,
         )
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device)
-        self.core = EngineCore(self.scheduler, self.runner, self, check_every=1 if config.check_invariants else 0)
+        limits = Limits(self.max_model_len, kv_slots, mc.vocab_size)
+        self.core = EngineCore(self.scheduler, self.runner, self, limits,
+                               check_every=1 if config.check_invariants else 0)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._next_req_id = 0
@@ -196,18 +200,13 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
     ) -> Request:
-        params = params or SamplingParams()
-        params.validate(self.model_config.vocab_size)
+        params = (params or SamplingParams()).check_token_ids(self.model_config.vocab_size)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise RequestError(f"prompt token ids out of range [0, {self.model_config.vocab_size}): {bad[:5]}",
-                                   "prompt")
         plen = len(ids)
-        max_tokens = self.core.check_request(plen, params.max_tokens)
+        max_tokens = self.core.check_request(ids, params.max_tokens)
         if request_id is None:
             request_id = f"req-{self._next_req_id}"
             self._next_req_id += 1

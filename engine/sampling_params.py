@@ -3,10 +3,13 @@
 ``SamplingParams`` is a plain dataclass.  Construction normalises a few
 convenience forms (``stop="x"`` -> ``["x"]``, ``stop_token_ids=None`` -> ``[]``,
 JSON-style string keys in ``logit_bias`` -> ``int``) and then validates
-everything that can be checked without knowing the model; call
-``validate(vocab_size)`` once the vocabulary size is known to also check
-token ids.  Every violation raises ``ValueError`` whose message starts with the
-offending parameter's name.
+everything that can be checked without knowing the model;
+``check_token_ids(vocab_size)`` adds the token-id checks where a request
+enters (the server, or ``Engine.add_request``; once per vocabulary, so a
+request the server checked is not checked again), and ``validate(vocab_size)``
+checks everything again (after mutating a field).  Every violation raises a
+``RequestError`` (a ``ValueError``) naming the parameter (``.param``), its
+message starting with that name.
 """
 
 from __future__ import annotations
@@ -138,6 +141,21 @@ class SamplingParams:
             self.logit_bias = fixed
 
     # ------------------------------------------------------------- validation
+    def check_token_ids(self, vocab_size: int) -> "SamplingParams":
+        """The checks that need the vocabulary (``stop_token_ids`` and
+        ``logit_bias`` keys in ``[0, vocab_size)``), once per vocabulary: the
+        other fields were checked at construction. Returns ``self``."""
+        if self._checked_vocab == vocab_size:
+            return self
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise _err("stop_token_ids", f"entries must be token ids in [0, {vocab_size})", t)
+        for tok in self.logit_bias or ():
+            if tok >= vocab_size:
+                raise _err("logit_bias", f"keys must be token ids in [0, {vocab_size})", tok)
+        self._checked_vocab = vocab_size
+        return self
+
     def validate(self, vocab_size: Optional[int] = None) -> "SamplingParams":
         """Raise ``ValueError`` naming the first out-of-range parameter.
 
@@ -218,6 +236,7 @@ class SamplingParams:
             raise _err("logits_processor_factory", "must be callable or None", self.logits_processor_factory)
         if vocab_size is not None:
             _check_int("vocab_size", vocab_size, lo=1)
+        self._checked_vocab = vocab_size
         return self
 
     # ------------------------------------------------------------- properties
@@ -234,10 +253,6 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
 
     def clone(self) -> "SamplingParams":
         """A deep copy (lists and dicts are not shared)."""

@@ -9,7 +9,7 @@ the latency model (`SimRunner`) on a virtual clock. Everything a policy can see
 or change happens here, once, so a policy behaves the same in both.
 
 The core also owns what both sides do when a request enters: the refusals
-(`check_request`, raising `RequestError` with the parameter at fault) and the
+(`check_request`: `Limits`, raising `RequestError` with the parameter at fault) and the
 creation of a request's sequences (`add_sequences`: one per branch, the first
 queued, the rest forked from it when its prefill completes).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Protocol
 
-from stepserve.scheduler.errors import RequestError
+from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.latency_model import StepFeatures, plan_features
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.scheduler import Scheduler
@@ -52,12 +52,13 @@ class StepHooks(Protocol):
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner: StepRunner, hooks: StepHooks, *,
+    def __init__(self, scheduler: Scheduler, runner: StepRunner, hooks: StepHooks, limits: Limits, *,
                  clock: Callable[[], float] = time.perf_counter, check_every: int = 0,
                  max_records: int = 4096):
         self.scheduler = scheduler
         self.runner = runner
         self.hooks = hooks
+        self.limits = limits
         self.clock = clock
         self.check_every = check_every  # run the KV integrity check every N steps (0: never)
         self.policies = scheduler.policies
@@ -68,34 +69,13 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------
     @property
-    def max_context(self) -> int:
-        return self.scheduler.cfg.max_context
-
-    @property
     def kv_capacity(self) -> int:
         return self.scheduler.kv.capacity
 
-    def check_request(self, prompt_len: int, max_tokens: int | None) -> int:
-        """The generation cap of a request with this prompt, or a RequestError:
-        the prompt must leave room for a token, and prompt + cap must fit the
-        context and the KV pool (a request that cannot fit alone never could)."""
-        ctx = self.max_context
-        if prompt_len == 0:
-            raise RequestError("prompt is empty", "prompt")
-        if prompt_len >= ctx:
-            raise RequestError(f"prompt has {prompt_len} tokens; the model's context is {ctx} (the prompt must "
-                               "leave room for at least one generated token)", "prompt", "context_length_exceeded")
-        if max_tokens == 0:
-            raise RequestError("max_tokens must be at least 1", "max_tokens")
-        if max_tokens is None:
-            max_tokens = ctx - prompt_len
-        elif prompt_len + max_tokens > ctx:
-            raise RequestError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the context of "
-                               f"{ctx} tokens", "max_tokens", "context_length_exceeded")
-        if prompt_len + max_tokens > self.kv_capacity:
-            raise RequestError(f"request needs up to {prompt_len + max_tokens} KV slots but the pool holds "
-                               f"{self.kv_capacity}", "max_tokens")
-        return max_tokens
+    def check_request(self, token_ids: list[int], max_tokens: int | None) -> int:
+        """The generation cap of a request, or a RequestError (`Limits`)."""
+        self.limits.check_prompt(token_ids)
+        return self.limits.max_tokens(len(token_ids), max_tokens)
 
     def add_sequences(self, token_ids: list[int], max_tokens: int, arrival: float, group: Any, *,
                       seeds: list[int], **seq_fields) -> list[Sequence]:

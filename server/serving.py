@@ -28,6 +28,7 @@ from stepserve.engine.async_engine import EngineDeadError
 from stepserve.engine.request import CompletionOutput, RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.scheduler.errors import RequestError
+from stepserve.scheduler.limits import Limits
 from stepserve.server.admission import Admission, Ticket
 from stepserve.server.cli import DEFAULT_MAX_REQUEST_BYTES
 from stepserve.server.errors import APIError, SafeJSONResponse, bad_request, engine_unavailable, error_body
@@ -291,7 +292,8 @@ def longest_token_chars(tokenizer) -> int:
 
 
 class EngineClient:
-    """What the routes need from the engine, checked the way the engine would."""
+    """What the routes need from the engine; requests are checked here, as they
+    enter, with the engine's own `Limits` and `SamplingParams` checks."""
 
     def __init__(self, async_engine, settings: ServerSettings, metrics: ServerMetrics):
         self.async_engine = async_engine
@@ -302,6 +304,7 @@ class EngineClient:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.kv_capacity = info.kv_capacity
+        self.limits = Limits(info.max_model_len, info.kv_capacity, info.vocab_size)  # the engine's own rules
         self.admission = Admission(info.max_running, settings.max_queued_requests, settings.retry_after_s)
         self.texts = TokenTexts(self.tokenizer)
         self.max_token_chars = longest_token_chars(self.tokenizer)
@@ -336,40 +339,22 @@ class EngineClient:
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise bad_request("The prompt is empty", param)
-        if len(ids) >= self.max_model_len:  # before the range scan: that one is linear in a huge list
-            raise bad_request(
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has "
-                f"{len(ids)} tokens and must leave room for at least one generated token",
-                param,
-                code="context_length_exceeded",
-            )
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(f"Token ids out of range [0, {self.vocab_size}): {bad[:5]}", param)
+        try:
+            self.limits.check_prompt(ids)
+        except RequestError as e:
+            raise refused(e, {"prompt": param}) from None
 
     def max_tokens(self, plen: int, requested: int | None, default: int | None, param: str) -> int:
-        room = self.max_model_len - plen
-        if requested is None:
-            return room if default is None else min(default, room)
-        if requested > room:
-            raise bad_request(
-                f"{param} ({requested}) plus the prompt ({plen} tokens) exceeds the model's maximum context "
-                f"length of {self.max_model_len} tokens",
-                param,
-                code="context_length_exceeded",
-            )
-        if plen + requested > self.kv_capacity:
-            raise bad_request(f"The request needs {plen + requested} KV slots; the pool holds {self.kv_capacity}",
-                              param)
-        return requested
+        try:
+            return self.limits.max_tokens(plen, requested, default)
+        except RequestError as e:
+            raise refused(e, {"max_tokens": param}) from None
 
     def sampling_params(self, names: dict[str, str] | None = None, **kw) -> SamplingParams:
         """SamplingParams, validated against the vocabulary; a RequestError
         becomes a 400 naming the request's parameter (via `names`)."""
         try:
-            return SamplingParams(**kw).validate(self.vocab_size)
+            return SamplingParams(**kw).check_token_ids(self.vocab_size)
         except RequestError as e:
             raise refused(e, names) from None
 

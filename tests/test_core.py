@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from stepserve import LLM, SamplingParams
-from stepserve.scheduler.core import RequestError
+from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.traces.request_spec import PromptBuilder
 from stepserve.traces.simulator import PLACEHOLDER_TOKEN, SimConfig, Simulator

@@ -19,9 +19,11 @@ from array import array
 from dataclasses import asdict, dataclass, field
 
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator
-from stepserve.scheduler.core import EngineCore, RequestError
+from stepserve.scheduler.core import EngineCore
+from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.latency_model import StepFeatures
+from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from stepserve.scheduler.sequence import SeqStatus
 from stepserve.traces.metrics import RequestRecord
@@ -157,7 +159,9 @@ class Simulator:
                             admission=cfg.admission, max_context=max_ctx, prefix_caching=cfg.prefix_caching),
             kv, self.policies, clock=self.clock,
         )
-        return EngineCore(sched, self.runner, self, clock=self.clock, check_every=cfg.check_every)
+        # no vocabulary check: the simulator builds the prompts itself, in range
+        limits = Limits(max_ctx, kv.capacity)
+        return EngineCore(sched, self.runner, self, limits, clock=self.clock, check_every=cfg.check_every)
 
     # -- EngineCore hooks -------------------------------------------------------
     def admitted(self, seq) -> None:
@@ -219,13 +223,13 @@ class Simulator:
                 at = spec.arrival_s
                 rec = RequestRecord(spec.request_id, at, spec.prompt_len, n=spec.n, start_s=at)
                 records.append(rec)
+                ids = builder.prompt(spec)
                 try:  # the engine's own refusals, as a server would answer 400
-                    max_tokens = core.check_request(spec.prompt_len, spec.output_len)
+                    max_tokens = core.check_request(ids, spec.output_len)
                 except RequestError as e:
                     rec.error = str(e)
                     continue
-                core.add_sequences(builder.prompt(spec), max_tokens, at + oh, _Live(rec, spec.n),
-                                   seeds=[0] * spec.n, ignore_eos=True)
+                core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n), seeds=[0] * spec.n, ignore_eos=True)
             if not core.has_work():
                 clock.t = specs[i].arrival_s + oh
                 continue

@@ -139,7 +139,10 @@ class Engine:
         eos = set(mc.eos_token_ids) | set(_generation_eos(model_dir))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.eos_token_ids = frozenset(eos)
+        outside = sorted(t for t in eos if not 0 <= t < mc.vocab_size)
+        if outside:  # the model can never sample them; the sampler's EOS mask must not index with them
+            log.warning("EOS token ids %s are outside the model's vocabulary of %d; ignored", outside, mc.vocab_size)
+        self.eos_token_ids = frozenset(eos - set(outside))
 
         kv_slots = config.kv_slots
         if kv_slots is None:

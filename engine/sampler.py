@@ -38,7 +38,7 @@ Logprobs are the raw model distribution: ``log_softmax(logits)`` as given.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -189,7 +189,10 @@ class RowInput:
     position of the token being sampled (``len(output_ids)`` normally).
     ``stop_ids_to_mask``: EOS/stop ids to forbid this step because
     ``min_tokens`` is not yet reached (the caller decides).  Token id
-    sequences may be lists, tuples, numpy arrays or CPU tensors.
+    sequences may be lists, tuples, numpy arrays or CPU tensors.  All token
+    ids (these and ``params.logit_bias``'s keys) must lie in
+    ``[0, vocab_size)``; ``SamplingBatch.build`` does not check them (the
+    engine checks a request's ids once, as it enters).
     """
 
     params: SamplingParams
@@ -212,12 +215,6 @@ def _padded_ids(seqs: list[np.ndarray], pad: int) -> np.ndarray:
     for i, s in enumerate(seqs):
         out[i, : len(s)] = s
     return out
-
-
-def _check_ids(arr: np.ndarray, vocab_size: int, what: str) -> None:
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
-        bad = arr[(arr < 0) | (arr >= vocab_size)][0]
-        raise ValueError(f"{what}: token id {int(bad)} outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass
@@ -256,7 +253,6 @@ class SamplingBatch:
     greedy: Tensor
     random_rows: Optional[Tensor] = None
     all_greedy: bool = False
-    any_greedy: bool = False
     any_temperature: bool = False  # some non-greedy row has temperature != 1
     any_top_k: bool = False  # some non-greedy row has 1 < top_k < V
     max_top_k: int = 0  # max effective top_k over those rows
@@ -282,7 +278,6 @@ class SamplingBatch:
     mask_tokens: Optional[Tensor] = None
     # logprobs
     max_num_logprobs: Optional[int] = None  # None: nobody asked; else max over rows
-    num_logprobs: tuple = field(default_factory=tuple)  # per row: int | None
 
     @property
     def needs_processing(self) -> bool:
@@ -330,7 +325,6 @@ class SamplingBatch:
             counters=ints[2],
             greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
             all_greedy=len(rand_idx) == 0,
-            any_greedy=len(rand_idx) < R,
         )
         if rand_idx and len(rand_idx) < R:
             batch.random_rows = torch.tensor(rand_idx, dtype=torch.int64).to(device)
@@ -363,8 +357,6 @@ class SamplingBatch:
             ).reshape(3, P).to(device)
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = pen
             outs = [_ids_array(rows[i].output_ids) for i in pen_idx]
-            for a in outs:
-                _check_ids(a, V, "output_ids")
             out_pad = torch.from_numpy(_padded_ids(outs, pad=V)).to(device)
             counts = torch.zeros(P, V + 1, dtype=torch.float32, device=device)
             counts.scatter_add_(1, out_pad, torch.ones(out_pad.shape, dtype=torch.float32, device=device))
@@ -373,8 +365,6 @@ class SamplingBatch:
                 batch.output_counts = counts.contiguous()
             if batch.any_repetition_penalty:
                 prompts = [_ids_array(rows[i].prompt_ids) for i in pen_idx]
-                for a in prompts:
-                    _check_ids(a, V, "prompt_ids")
                 pr_pad = torch.from_numpy(_padded_ids(prompts, pad=V)).to(device)
                 seen = torch.zeros(P, V + 1, dtype=torch.bool, device=device)
                 seen.scatter_(1, pr_pad, True)
@@ -385,8 +375,6 @@ class SamplingBatch:
         for i, r in enumerate(rows):
             if r.params.logit_bias:
                 for tok, val in r.params.logit_bias.items():
-                    if not 0 <= tok < V:
-                        raise ValueError(f"logit_bias: token id {tok} outside the vocabulary [0, {V})")
                     b_rows.append(i)
                     b_toks.append(tok)
                     b_vals.append(float(val))
@@ -403,7 +391,6 @@ class SamplingBatch:
                 continue
             ids = _ids_array(r.stop_ids_to_mask)
             if ids.size:
-                _check_ids(ids, V, "stop_ids_to_mask")
                 m_rows.extend([i] * ids.size)
                 m_toks.extend(ids.tolist())
         if m_rows:
@@ -412,9 +399,7 @@ class SamplingBatch:
             batch.mask_tokens = torch.tensor(m_toks, dtype=torch.int64).to(device)
 
         # ---- logprobs
-        nl = tuple(r.params.logprobs for r in rows)
-        batch.num_logprobs = nl
-        asked = [k for k in nl if k is not None]
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         batch.max_num_logprobs = min(max(asked), V) if asked else None
         return batch
 

@@ -148,10 +148,10 @@ class SamplingParams:
         if self._checked_vocab == vocab_size:
             return self
         for t in self.stop_token_ids:
-            if t >= vocab_size:
+            if not 0 <= t < vocab_size:
                 raise _err("stop_token_ids", f"entries must be token ids in [0, {vocab_size})", t)
         for tok in self.logit_bias or ():
-            if tok >= vocab_size:
+            if not 0 <= tok < vocab_size:
                 raise _err("logit_bias", f"keys must be token ids in [0, {vocab_size})", tok)
         self._checked_vocab = vocab_size
         return self

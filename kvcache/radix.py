@@ -95,8 +95,6 @@ class RadixCache:
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._protected = 0  # tokens in nodes with lock_ref > 0
         self._num_nodes = 0  # excluding the root
-        self._queried_tokens = 0
-        self._hit_tokens = 0
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -107,18 +105,14 @@ class RadixCache:
 
     # ------------------------------------------------------------------ match
 
-    def match_prefix(self, tokens: Sequence[int], *, count_stats: bool = True) -> MatchResult:
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
         """Longest cached prefix of `tokens`.
 
         A match ending inside an edge splits that node so the result ends on a
         node boundary: the returned node can then be locked without also
         protecting the unmatched tail. Refreshes the LRU clock along the path.
-        `count_stats=False` is for peeks (e.g. a scheduler ranking its queue)
-        that must not inflate the hit-rate statistics.
         """
         key = _as_list(tokens)
-        if count_stats:
-            self._queried_tokens += len(key)
         if self.disable or not key:
             return MatchResult(self._empty(), self.root)
         now = self._tick()
@@ -141,8 +135,6 @@ class RadixCache:
             pos += n
             if split:  # the match ended inside that edge
                 break
-        if count_stats:
-            self._hit_tokens += pos
         # Always a fresh tensor (cat copies even one piece): the caller may write
         # into it, and node values must never change behind the tree's back.
         slots = torch.cat(values) if values else self._empty()
@@ -284,18 +276,6 @@ class RadixCache:
 
     def total_size(self) -> int:
         return self._evictable + self._protected
-
-    def stats(self) -> dict:
-        q = self._queried_tokens
-        return {
-            "cached_tokens": self.total_size(),
-            "evictable_tokens": self._evictable,
-            "protected_tokens": self._protected,
-            "nodes": self._num_nodes,
-            "queried_tokens": q,
-            "hit_tokens": self._hit_tokens,
-            "hit_rate": self._hit_tokens / q if q else 0.0,
-        }
 
     # -------------------------------------------------------------- integrity
 

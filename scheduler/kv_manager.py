@@ -45,12 +45,12 @@ class KVManager:
         return self.allocator.alloc(n)
 
     # -- admission --------------------------------------------------------------
-    def match(self, seq: Sequence, count_stats: bool = True):
+    def match(self, seq: Sequence):
         """Longest cached prefix of everything but the last token (the last one
         must be computed to produce logits)."""
         if not self.prefix_caching or seq.full_prefill:
             return None
-        return self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1], count_stats=count_stats)
+        return self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1])
 
     def admit(self, seq: Sequence, match) -> None:
         row = self.req_pool.alloc()
@@ -81,7 +81,7 @@ class KVManager:
         already = self.tree.insert(tokens, row[:n].clone())
         if already > seq.num_cached:
             self.allocator.free(row[seq.num_cached : already].clone())
-        match = self.tree.match_prefix(tokens, count_stats=False)
+        match = self.tree.match_prefix(tokens)
         assert match.slots.numel() == n, "tree must now hold the whole computed prefix"
         row[:n] = match.slots
         self.tree.lock(match.node)

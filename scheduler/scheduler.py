@@ -75,14 +75,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def abort(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.WAITING:
             try:
@@ -171,7 +163,7 @@ class Scheduler:
 
     def _admission_order(self) -> list[Sequence]:
         if self.cfg.admission == "lpm" and self.cfg.prefix_caching and len(self.waiting) <= self.cfg.lpm_max_queue:
-            hits = {id(s): self.kv.match(s, count_stats=False).length for s in self.waiting}
+            hits = {id(s): self.kv.match(s).length for s in self.waiting}
             return sorted(self.waiting, key=lambda s: -hits[id(s)])  # stable: FCFS among equals
         return list(self.waiting)
 

@@ -71,15 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p_serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(p_serve)
-    try:
-        from stepserve.server.cli import add_serve_args, run_serve
-    except ImportError:  # the server package is optional at this stage
-        add_serve_args = run_serve = None
-    if add_serve_args is not None:
-        add_serve_args(p_serve)
-        p_serve.set_defaults(func=run_serve)
-    else:
-        p_serve.set_defaults(func=lambda a: parser.error("the HTTP server is not available in this build"))
+    from stepserve.server.cli import add_serve_args, run_serve
+
+    add_serve_args(p_serve)
+    p_serve.set_defaults(func=run_serve)
 
     p_bench = sub.add_parser("bench", help="benchmarks")
     bsub = p_bench.add_subparsers(dest="bench", required=True)

@@ -168,6 +168,32 @@ def test_validation_errors_leave_engine_serving(llm):
     assert_idle(eng)
 
 
+def test_out_of_vocab_token_ids_refused_at_entry(llm):
+    """Token ids are range-checked once, as a request enters (the sampler does
+    not check them again each step): an id >= vocab_size is a ValueError naming
+    the parameter, raised before anything is queued."""
+    eng = llm.engine
+    V = eng.model_config.vocab_size
+    for prompt, params, name in [
+        ([5, V], None, "prompt"),
+        ("hi", SamplingParams(stop_token_ids=[V]), "stop_token_ids"),
+        ("hi", SamplingParams(logit_bias={V: 1.0}), "logit_bias"),
+        ("hi", SamplingParams(logit_bias={str(V): 1.0}), "logit_bias"),  # JSON-style key
+    ]:
+        with pytest.raises(ValueError, match="out of range" if name == "prompt" else f"^{name}") as e:
+            llm.generate([prompt], params)
+        assert e.value.param == name
+        assert not eng.requests and not eng.scheduler.waiting
+        with pytest.raises(ValueError) as e:
+            eng.add_request(prompt, params)
+        assert e.value.param == name and not eng.requests
+    # the last id of the vocabulary is accepted everywhere
+    last = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, stop_token_ids=[V - 1],
+                          logit_bias={V - 1: -1.0})
+    assert len(llm.generate([[5, V - 1]], last)[0].outputs[0].token_ids) <= 2
+    assert_idle(eng)
+
+
 def test_step_policy_hook_sees_every_step(llama_ckpt):
     """A policy plans before each step and observes its StepRecord; a policy
     that defers rows (as branch admission will) changes nothing but timing."""

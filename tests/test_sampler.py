@@ -580,15 +580,6 @@ def test_min_tokens_masking_blocks_eos():
     assert (toks == eos).mean() > 0.9
 
 
-def test_build_rejects_out_of_vocab_ids():
-    with pytest.raises(ValueError, match="logit_bias"):
-        SamplingBatch.build([row(SamplingParams(logit_bias={10: 1.0}))], 10)
-    with pytest.raises(ValueError, match="stop_ids_to_mask"):
-        SamplingBatch.build([row(stop_ids_to_mask=[10])], 10)
-    with pytest.raises(ValueError, match="output_ids"):
-        SamplingBatch.build([row(SamplingParams(presence_penalty=1.0), output_ids=[12])], 10)
-
-
 # ----------------------------------------------------------------------------
 # Logprobs
 # ----------------------------------------------------------------------------

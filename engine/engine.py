@@ -10,7 +10,7 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Sequence as Seq
+from typing import Sequence
 
 import torch
 
@@ -198,7 +198,7 @@ class Engine:
 
     def add_request(
         self,
-        prompt: str | Seq[int],
+        prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
@@ -223,13 +223,14 @@ class Engine:
             list(ids), max_tokens, now, req, seeds=[derive_seed(base_seed, b) for b in range(params.n)],
             eos_token_ids=self.eos_token_ids, stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, full_prefill=full_prefill,
+            sampling=params, plain_greedy=req.plain_greedy,
         )
         for seq in seqs:
             branch = Branch(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
             if params.logprobs is not None:
                 branch.logprobs = []
             if params.logits_processor_factory is not None:
-                branch.logits_processor = params.logits_processor_factory()
+                seq.logits_processor = params.logits_processor_factory()
             req.branches.append(branch)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * plen  # the first prompt token has no logprob

@@ -30,10 +30,9 @@ class ForwardBatch:
     # tokens, KV slot indices of the whole context [prefix_len + n])
     extend_rows: list[tuple[int, int, torch.Tensor]]
     logits_indices: torch.Tensor  # int64 [R]: flat token index whose logits are sampled
-    # flat token indices whose final hidden states the model hands back in
-    # `hidden_states` (prompt logprobs: their logits are computed in chunks)
+    # flat token indices whose final hidden states the model returns beside the
+    # logits (prompt logprobs: their logits are computed in chunks)
     hidden_indices: torch.Tensor | None = None
-    hidden_states: torch.Tensor | None = None
     # trailing padding tokens (id 0, position 0, written to the padding slot 0)
     # that round the token count up to a shape bucket; no row reads them
     num_padding: int = 0

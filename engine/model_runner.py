@@ -13,7 +13,7 @@ from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import RowInput, Sampler, SamplerOutput, SamplingBatch, argmax_rows
 from stepserve.kvcache import ReqToTokenPool
 from stepserve.scheduler.plan import StepPlan
-from stepserve.scheduler.sequence import Sequence
+from stepserve.scheduler.sequence import Seq
 
 
 @dataclass
@@ -21,7 +21,7 @@ class PromptLogprobs:
     """Logprobs of prompt tokens `first, first + 1, ...` of `seq` (each given
     the tokens before it), computed by this step's chunk of its prefill."""
 
-    seq: Sequence
+    seq: Seq
     first: int  # prompt position of the first token scored
     token_ids: list[int]
     logprobs: list[float]
@@ -30,7 +30,7 @@ class PromptLogprobs:
 
 @dataclass
 class StepOutput:
-    seqs: list[Sequence]  # one per sampled token, in `plan.sampling()` order
+    seqs: list[Seq]  # one per sampled token, in `plan.sampling()` order
     token_ids: list[int]
     sampler: SamplerOutput
     prep_s: float = 0.0  # CPU time building the batch tensors (outside the model)
@@ -63,9 +63,9 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.pad_tokens = device.type == "cpu" and dtype == torch.bfloat16
 
-    def build_batch(self, plan: StepPlan) -> ForwardBatch:
-        """The flat batch of `plan`; `self.prompt_rows` lists, for rows that
-        want prompt logprobs, (sequence, first position, count, flat index)."""
+    def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
+        """The flat batch of `plan`, and for the rows that want prompt logprobs
+        (sequence, first position, count, flat index)."""
         dev = self.device
         rows = plan.rows
         nd = plan.num_decode
@@ -75,7 +75,7 @@ class ModelRunner:
         last_index: list[int] = list(range(nd))
         extend_meta = []
         table = self.req_pool.table
-        self.prompt_rows = prompt_rows = []
+        prompt_rows = []
         for r in rows[nd:]:
             first = len(ids)
             if r.seq.full_prefill:  # positions p < prompt_len - 1 score the prompt token at p + 1
@@ -109,7 +109,7 @@ class ModelRunner:
             hidden_indices=torch.cat([torch.arange(f, f + k) for _, _, k, f in prompt_rows]).to(dev)
             if prompt_rows else None,
             num_padding=pad,
-        )
+        ), prompt_rows
 
     @staticmethod
     def token_bucket(n: int) -> int:
@@ -123,17 +123,17 @@ class ModelRunner:
         """The forward pass and sampling of `plan` (`features`, the core's
         StepFeatures of it, are not needed here)."""
         t0 = time.perf_counter()
-        fb = self.build_batch(plan)
+        fb, prompt_rows = self.build_batch(plan)
         prep = time.perf_counter() - t0
-        logits = self.model(fb, self.backend)
-        prompt_lps = self._prompt_logprobs(fb.hidden_states, self.prompt_rows) if self.prompt_rows else []
+        logits, hidden = self.model(fb, self.backend)
+        prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else []
         seqs = [s for _, s in plan.samples]
         if not seqs:  # prefill chunks that sample nothing still wrote their KV
             return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps)
         for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
-            if s.group.constrained:
-                s.group.branches[s.branch].logits_processor(s.output_ids, logits[i])
-        if all(s.group.plain_greedy for s in seqs):
+            if s.logits_processor is not None:
+                s.logits_processor(s.output_ids, logits[i])
+        if all(s.plain_greedy for s in seqs):
             out = SamplerOutput(token_ids=argmax_rows(logits))  # nothing else asked for
         else:
             t0 = time.perf_counter()
@@ -147,7 +147,7 @@ class ModelRunner:
         chunk of positions at a time (a full row of logits per position)."""
         targets = [t for seq, start, k, _ in rows for t in seq.token_ids[start + 1 : start + 1 + k]]
         target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
-        kmax = min(max(seq.group.params.prompt_logprobs for seq, *_ in rows), self.vocab_size)
+        kmax = min(max(seq.sampling.prompt_logprobs for seq, *_ in rows), self.vocab_size)
         chosen, top_v, top_i = [], [], []
         for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):
             logp = torch.log_softmax(self.model.compute_logits(hidden[s : s + _PROMPT_LOGPROBS_CHUNK]), dim=-1)
@@ -161,15 +161,15 @@ class ModelRunner:
         ti = torch.cat(top_i).tolist() if kmax else None
         out, at = [], 0
         for seq, start, k, _ in rows:
-            kk = seq.group.params.prompt_logprobs
+            kk = seq.sampling.prompt_logprobs
             top = [list(zip(ti[j][:kk], tv[j][:kk])) for j in range(at, at + k)] if kk and kmax else [[]] * k
             out.append(PromptLogprobs(seq, start + 1, targets[at : at + k], lps[at : at + k], top))
             at += k
         return out
 
     @staticmethod
-    def _row_input(seq: Sequence) -> RowInput:
-        params = seq.group.params
+    def _row_input(seq: Seq) -> RowInput:
+        params = seq.sampling
         mask = ()
         if seq.num_output < seq.min_tokens:
             mask = tuple(seq.stop_token_ids) + (() if seq.ignore_eos else tuple(seq.eos_token_ids))

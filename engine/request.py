@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from stepserve.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from stepserve.engine.sampling_params import SamplingParams
-from stepserve.scheduler.sequence import Sequence
+from stepserve.scheduler.sequence import Seq
 
 
 @dataclass
@@ -82,7 +81,7 @@ class RequestOutput:
 class Branch:
     """Per-branch text state: detokenizer, stop strings, what was sent."""
 
-    seq: Sequence
+    seq: Seq
     detok: IncrementalDetokenizer
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
@@ -92,7 +91,6 @@ class Branch:
     sent_text: int = 0
     sent_tokens: int = 0
     done_reported: bool = False
-    logits_processor: Any = None  # from params.logits_processor_factory, per branch
 
 
 @dataclass(eq=False)
@@ -108,16 +106,14 @@ class Request:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
     prompt_logprobs_sent: bool = False
 
-    def __post_init__(self):
+    @property
+    def plain_greedy(self) -> bool:
+        """One argmax serves its rows: no sampling tensors at all."""
         p = self.params
-        # plain greedy rows need no sampling tensors at all: one argmax serves them
-        self.plain_greedy = (
-            p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None and p.min_tokens == 0
-        )
-        self.constrained = p.logits_processor_factory is not None  # rows whose logits a processor edits
+        return p.greedy and not p.needs_penalties and not p.logit_bias and p.logprobs is None and p.min_tokens == 0
 
     @property
-    def seqs(self) -> list[Sequence]:
+    def seqs(self) -> list[Seq]:
         return [b.seq for b in self.branches]
 
     @property

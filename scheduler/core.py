@@ -27,7 +27,7 @@ from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.latency_model import StepFeatures, plan_features
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.scheduler import Scheduler
-from stepserve.scheduler.sequence import Sequence
+from stepserve.scheduler.sequence import Seq
 
 
 class RunOutput(Protocol):
@@ -40,13 +40,13 @@ class StepRunner(Protocol):
 
 
 class StepHooks(Protocol):
-    def admitted(self, seq: Sequence) -> None:
+    def admitted(self, seq: Seq) -> None:
         """`seq` was admitted this step (its prefix-cache hit is known)."""
 
     def ran(self, plan: StepPlan, out: RunOutput) -> None:
         """The forward pass ran; the scheduler has not taken its tokens yet."""
 
-    def updated(self, plan: StepPlan, out: RunOutput, got: list[Sequence]) -> None:
+    def updated(self, plan: StepPlan, out: RunOutput, got: list[Seq]) -> None:
         """The scheduler appended a token to each of `got` (and ended those
         that stop on a token); the owner applies what else the tokens mean."""
 
@@ -78,13 +78,13 @@ class EngineCore:
         return self.limits.max_tokens(len(token_ids), max_tokens)
 
     def add_sequences(self, token_ids: list[int], max_tokens: int, arrival: float, group: Any, *,
-                      seeds: list[int], **seq_fields) -> list[Sequence]:
+                      seeds: list[int], **seq_fields) -> list[Seq]:
         """One sequence per seed (branch); the first is queued, the others fork
         from it when its prefill completes and share its prompt's KV."""
         seqs = []
         plen = len(token_ids)
         for b, seed in enumerate(seeds):
-            seqs.append(Sequence(self._next_seq_id, token_ids if b == 0 else list(token_ids), plen, max_tokens,
+            seqs.append(Seq(self._next_seq_id, token_ids if b == 0 else list(token_ids), plen, max_tokens,
                                  arrival, branch=b, seed=seed, group=group, **seq_fields))
             self._next_seq_id += 1
         seqs[0].fork_children = seqs[1:]

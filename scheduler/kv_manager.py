@@ -1,4 +1,4 @@
-"""Sequence-level KV bookkeeping over the slot allocator, the radix tree and the
+"""Seq-level KV bookkeeping over the slot allocator, the radix tree and the
 req->token table: admission with prefix reuse, per-step slot allocation,
 caching of computed prefixes, fork by reference, release and integrity checks.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from stepserve.kvcache import RadixCache, ReqToTokenPool, SlotAllocator, check_slot_ownership
-from stepserve.scheduler.sequence import Sequence
+from stepserve.scheduler.sequence import Seq
 
 
 class KVManager:
@@ -45,14 +45,14 @@ class KVManager:
         return self.allocator.alloc(n)
 
     # -- admission --------------------------------------------------------------
-    def match(self, seq: Sequence):
+    def match(self, seq: Seq):
         """Longest cached prefix of everything but the last token (the last one
         must be computed to produce logits)."""
         if not self.prefix_caching or seq.full_prefill:
             return None
         return self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1])
 
-    def admit(self, seq: Sequence, match) -> None:
+    def admit(self, seq: Seq, match) -> None:
         row = self.req_pool.alloc()
         assert row is not None, "caller checks req_pool.available()"
         seq.row = row
@@ -64,13 +64,13 @@ class KVManager:
             seq.node = match.node
         seq.num_cached = seq.num_computed = m
 
-    def assign(self, seq: Sequence, slots: torch.Tensor) -> None:
+    def assign(self, seq: Seq, slots: torch.Tensor) -> None:
         """Records this step's new slots for seq's next `len(slots)` tokens."""
         start = seq.num_computed
         self.req_pool.table[seq.row, start : start + slots.numel()] = slots
 
     # -- caching ---------------------------------------------------------------
-    def cache_prefix(self, seq: Sequence) -> None:
+    def cache_prefix(self, seq: Seq) -> None:
         """Hands seq's computed tokens to the tree (the tree keeps slots it already
         had, so duplicate private slots are freed) and re-locks the deeper node."""
         n = seq.num_computed
@@ -90,7 +90,7 @@ class KVManager:
         seq.node = match.node
         seq.num_cached = n
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Seq, child: Seq) -> None:
         """child shares parent's (fully cached) prefix by reference."""
         assert parent.num_cached == parent.num_computed
         row = self.req_pool.alloc()
@@ -102,7 +102,7 @@ class KVManager:
         self.tree.lock(parent.node)
         child.num_cached = child.num_computed = n
 
-    def release(self, seq: Sequence, cache: bool = True) -> None:
+    def release(self, seq: Seq, cache: bool = True) -> None:
         """Frees seq's KV: computed tokens go to the tree (when caching), the rest
         back to the allocator; the row and the lock are dropped."""
         if seq.row is None:
@@ -121,7 +121,7 @@ class KVManager:
             self.tree.evict(self.tree.evictable_size())
 
     # -- integrity ---------------------------------------------------------------
-    def check(self, running: list[Sequence]) -> None:
+    def check(self, running: list[Seq]) -> None:
         """Every slot is free, cached, or privately owned by exactly one running
         sequence; every running sequence's cached prefix is what the tree holds."""
         self.tree.check()

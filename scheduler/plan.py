@@ -6,12 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stepserve.scheduler.sequence import Sequence
+from stepserve.scheduler.sequence import Seq
 
 
 @dataclass(eq=False, slots=True)
 class ScheduledRow:
-    seq: Sequence
+    seq: Seq
     start: int  # first position computed this step (== seq.num_computed)
     num_new: int  # tokens computed this step
     sample: bool  # the chunk reaches the end of the sequence: sample a token
@@ -28,11 +28,11 @@ class StepPlan:
     """Rows of one forward pass, decode-shaped rows (one new token) first."""
 
     rows: list[ScheduledRow] = field(default_factory=list)
-    retracted: list[Sequence] = field(default_factory=list)
-    admitted: list[Sequence] = field(default_factory=list)
+    retracted: list[Seq] = field(default_factory=list)
+    admitted: list[Seq] = field(default_factory=list)
     slots: torch.Tensor | None = None  # all new tokens' KV slots, in row order
     num_decode: int = 0  # leading rows with exactly one new token (set at commit)
-    samples: list[tuple[int, Sequence]] = field(default_factory=list)  # `sampling()`, frozen at commit
+    samples: list[tuple[int, Seq]] = field(default_factory=list)  # `sampling()`, frozen at commit
 
     @property
     def empty(self) -> bool:
@@ -60,7 +60,7 @@ class StepPlan:
             nd = sum(1 for r in rows if r.num_new == 1)
         self.num_decode = nd
 
-    def sampling(self) -> list[tuple[int, Sequence]]:
+    def sampling(self) -> list[tuple[int, Seq]]:
         """(row index, sequence) per token to sample; a forking row samples once
         for itself and once per child, all from the same logits."""
         out = []

@@ -21,7 +21,7 @@ import torch
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.policy import EngineView, StepPolicy
-from stepserve.scheduler.sequence import Sequence, SeqStatus
+from stepserve.scheduler.sequence import Seq, SeqStatus
 
 
 @dataclass
@@ -58,15 +58,15 @@ class Scheduler:
         self.kv = kv
         self.policies = list(policies)
         self.clock = clock
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
         self.new_token_ratio = cfg.init_new_token_ratio
         self.num_retractions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
     # -- queue ---------------------------------------------------------------
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Seq) -> None:
         seq.status = SeqStatus.WAITING
         for c in seq.fork_children:
             c.status = SeqStatus.FORK_PENDING
@@ -75,7 +75,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Seq) -> None:
         if seq.status is SeqStatus.WAITING:
             try:
                 self.waiting.remove(seq)
@@ -84,7 +84,7 @@ class Scheduler:
         if seq.status is not SeqStatus.FINISHED:
             self.finish(seq, "abort")
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Seq, reason: str) -> None:
         """Ends seq now (stop condition found outside the scheduler, or abort)."""
         if seq.status is SeqStatus.FINISHED:
             return
@@ -93,7 +93,7 @@ class Scheduler:
         if running:
             self.running.remove(seq)
 
-    def _end(self, seq: Sequence, reason: str) -> None:
+    def _end(self, seq: Seq, reason: str) -> None:
         self.kv.release(seq, cache=True)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
@@ -153,7 +153,7 @@ class Scheduler:
             raise RuntimeError("KV pool cannot hold one token per running sequence")
         self.new_token_ratio = self.cfg.init_new_token_ratio
 
-    def _retract(self, seq: Sequence) -> None:
+    def _retract(self, seq: Seq) -> None:
         self.running.remove(seq)
         self.kv.release(seq, cache=True)
         seq.status = SeqStatus.WAITING
@@ -161,7 +161,7 @@ class Scheduler:
         self.num_retractions += 1
         self.waiting.appendleft(seq)
 
-    def _admission_order(self) -> list[Sequence]:
+    def _admission_order(self) -> list[Seq]:
         if self.cfg.admission == "lpm" and self.cfg.prefix_caching and len(self.waiting) <= self.cfg.lpm_max_queue:
             hits = {id(s): self.kv.match(s).length for s in self.waiting}
             return sorted(self.waiting, key=lambda s: -hits[id(s)])  # stable: FCFS among equals
@@ -227,7 +227,7 @@ class Scheduler:
             off += r.num_new
 
     # -- results -------------------------------------------------------------
-    def update(self, plan: StepPlan, tokens: list[int]) -> list[Sequence]:
+    def update(self, plan: StepPlan, tokens: list[int]) -> list[Seq]:
         """Applies sampled tokens (one per `plan.samples` entry); returns the
         sequences that received a token. Token-level stop conditions end them."""
         sampling = plan.samples

@@ -27,7 +27,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class Seq:
     seq_id: int
     token_ids: list[int]
     prompt_len: int
@@ -39,9 +39,13 @@ class Sequence:
     min_tokens: int = 0
     branch: int = 0
     seed: int = 0  # sampling seed of this branch (randomness is keyed on seed and output position)
-    group: Any = None  # the owning request (engine-side object), opaque here
+    group: Any = None  # the owning request (its owner's object), opaque to everyone else
+    # what the sampler needs of this branch (the engine sets them; the scheduler never reads them)
+    sampling: Any = None  # the request's SamplingParams
+    logits_processor: Any = None  # proc(output_ids, logits_row) editing this branch's logits (e.g. a grammar)
+    plain_greedy: bool = False  # argmax alone serves it: greedy, no penalties, bias, logprobs or min_tokens
     # siblings created by fork when this sequence's prefill completes
-    fork_children: list["Sequence"] = field(default_factory=list)
+    fork_children: list["Seq"] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     # KV state

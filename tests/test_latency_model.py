@@ -63,9 +63,9 @@ def test_model_dict_roundtrip_and_floor():
 
 def test_plan_features():
     from stepserve.scheduler.plan import ScheduledRow, StepPlan
-    from stepserve.scheduler.sequence import Sequence
+    from stepserve.scheduler.sequence import Seq
 
-    seq = Sequence(0, [1] * 10, 10, 5, 0.0)
+    seq = Seq(0, [1] * 10, 10, 5, 0.0)
     plan = StepPlan(rows=[ScheduledRow(seq, 9, 1, True), ScheduledRow(seq, 4, 6, True), ScheduledRow(seq, 0, 3, False)])
     f = plan_features(plan)
     # context 10 + 10 + 3; new 1 + 6 + 3; prefill pairs: 6*4 + 21, 3*0 + 6

@@ -208,17 +208,16 @@ class LlamaForCausalLM(nn.Module):
 
 
     @torch.inference_mode()
-    def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Runs the batch; returns logits (float32) for `fb.logits_indices` only
-        (and sets `fb.hidden_states` for `fb.hidden_indices`, if any)."""
+    def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs the batch; returns logits (float32) for `fb.logits_indices` only,
+        and the final (normed) hidden states at `fb.hidden_indices` (None if none)."""
         backend.prepare(fb)
         x = self.model.embed_tokens(fb.input_ids)
         rope = self.rotary.lookup(fb.positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rope, backend, fb)
-        if fb.hidden_indices is not None:
-            fb.hidden_states = self.model.norm(x[fb.hidden_indices])
-        return self.compute_logits(self.model.norm(x[fb.logits_indices]))
+        hidden = self.model.norm(x[fb.hidden_indices]) if fb.hidden_indices is not None else None
+        return self.compute_logits(self.model.norm(x[fb.logits_indices])), hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states -> float32 logits."""

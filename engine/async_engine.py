@@ -2,10 +2,12 @@
 thread or in a process of its own.
 
 The loop (`EngineLoop`) is the same either way: between steps it takes the
-commands that queued up (add, abort, call, pause, resume, stop), then runs one
-step and hands every request's output delta of that step, in one batch, to the
-transport. The front end (`AsyncEngine`) routes each delta to its request's
-asyncio queue, with one wake-up per event loop per step, not one per request.
+commands that queued up (one NamedTuple type per command: `AddRequest`,
+`AbortRequest`, `CallEngine`, `Pause`, `Resume`, `Stop`), then runs one step
+and hands every request's output delta of that step, and the calls'
+`CallReply`s, in one batch, to the transport. The front end (`AsyncEngine`)
+routes each delta to its request's asyncio queue, with one wake-up per event
+loop per step, not one per request.
 
 - `process=False` (the default): the loop is a thread of this process. Policies
   and logits processors may be any Python object, and the `Engine` is at hand
@@ -32,7 +34,7 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Any, AsyncIterator, Callable, Sequence
+from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 
 from stepserve.engine.engine import Engine, EngineConfig, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
@@ -40,10 +42,50 @@ from stepserve.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("stepserve.async_engine")
 
-# one iteration's results: (request id, delta or the error adding it raised), and
-# (call id, ok, result or error) for calls
+
+# -- commands: front end -> loop (through a queue, or pickled through the pipe) --
+class AddRequest(NamedTuple):
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+
+
+class AbortRequest(NamedTuple):
+    request_id: str
+
+
+class CallEngine(NamedTuple):
+    """Run fn(engine, *args) between steps; answered by a `CallReply`."""
+
+    call_id: int
+    fn: Callable
+    args: tuple
+
+
+class Pause(NamedTuple):
+    """Stop stepping after the current step; adds, aborts and calls still go through."""
+
+
+class Resume(NamedTuple):
+    """Step again."""
+
+
+class Stop(NamedTuple):
+    """End the loop (what is still running is left as it is)."""
+
+
+Command = AddRequest | AbortRequest | CallEngine | Pause | Resume | Stop
+
+
+class CallReply(NamedTuple):
+    call_id: int
+    ok: bool
+    value: Any  # fn's result, or (ok=False) what it raised
+
+
+# one iteration's results: (request id, delta or the error adding it raised), and the calls' replies
 Outputs = list[tuple[str, Any]]
-Replies = list[tuple[int, bool, Any]]
+Replies = list[CallReply]
 
 
 class EngineDeadError(RuntimeError):
@@ -65,33 +107,31 @@ class EngineLoop:
         self.paused = False
         self.stopped = False
 
-    def handle(self, cmd: tuple, outputs: Outputs, replies: Replies) -> None:
-        kind = cmd[0]
+    def handle(self, cmd: Command, outputs: Outputs, replies: Replies) -> None:
         eng = self.engine
-        if kind == "add":
-            _, rid, prompt, params = cmd
-            try:
-                eng.add_request(prompt, params, rid)
-            except Exception as e:  # validation errors go back to the caller
-                outputs.append((rid, e))
-        elif kind == "abort":
-            req = eng.abort_request(cmd[1])
-            if req is not None:
-                outputs.append((req.request_id, req.output(delta=True)))
-        elif kind == "call":
-            _, call_id, fn, args = cmd
-            try:
-                replies.append((call_id, True, fn(eng, *args)))
-            except Exception as e:
-                replies.append((call_id, False, e))
-        elif kind == "pause":
-            self.paused = True
-        elif kind == "resume":
-            self.paused = False
-        elif kind == "stop":
-            self.stopped = True
-        else:
-            raise ValueError(f"unknown engine command {kind!r}")
+        match cmd:
+            case AddRequest(request_id=rid, prompt=prompt, params=params):
+                try:
+                    eng.add_request(prompt, params, rid)
+                except Exception as e:  # validation errors go back to the caller
+                    outputs.append((rid, e))
+            case AbortRequest(request_id=rid):
+                req = eng.abort_request(rid)
+                if req is not None:
+                    outputs.append((req.request_id, req.output(delta=True)))
+            case CallEngine(call_id=call_id, fn=fn, args=args):
+                try:
+                    replies.append(CallReply(call_id, True, fn(eng, *args)))
+                except Exception as e:
+                    replies.append(CallReply(call_id, False, e))
+            case Pause():
+                self.paused = True
+            case Resume():
+                self.paused = False
+            case Stop():
+                self.stopped = True
+            case _:
+                raise ValueError(f"unknown engine command {cmd!r}")
 
     def run(self) -> None:
         eng = self.engine
@@ -159,7 +199,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._core.send(("add", request_id, prompt, params or SamplingParams()))
+        self._core.send(AddRequest(request_id, prompt, params or SamplingParams()))
         finished = False
         try:
             while True:
@@ -179,7 +219,7 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._core.send(("abort", request_id))
+        self._core.send(AbortRequest(request_id))
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
         """Runs fn(engine, *args) on the loop, between steps; returns a
@@ -191,7 +231,7 @@ class AsyncEngine:
             return fut
         call_id = next(self._call_ids)
         self._calls[call_id] = fut
-        self._core.send(("call", call_id, fn, args))
+        self._core.send(CallEngine(call_id, fn, args))
         return fut
 
     async def stats(self, since_step: int = -1) -> EngineStats:
@@ -203,10 +243,10 @@ class AsyncEngine:
 
     def pause(self) -> None:
         """Stops stepping after the current step; adds and aborts still go through."""
-        self._core.send(("pause",))
+        self._core.send(Pause())
 
     def resume(self) -> None:
-        self._core.send(("resume",))
+        self._core.send(Resume())
 
     def is_alive(self) -> bool:
         return self._dead is None and self._core.is_alive()
@@ -240,10 +280,10 @@ class AsyncEngine:
 
     # -- loop side (the loop thread, or the thread reading the child's pipe) ---
     def _dispatch(self, outputs: Outputs, replies: Replies) -> None:
-        for call_id, ok, value in replies:
-            fut = self._calls.pop(call_id, None)
+        for r in replies:
+            fut = self._calls.pop(r.call_id, None)
             if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_result(value) if ok else fut.set_exception(value)
+                fut.set_result(r.value) if r.ok else fut.set_exception(r.value)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         streams = self._streams
         for rid, item in outputs:
@@ -272,7 +312,7 @@ class AsyncEngine:
                 log.exception("engine death callback failed")
         exc = EngineDeadError(f"engine loop died: {err!r}")
         self._dispatch([(rid, exc) for rid in list(self._streams)],
-                       [(cid, False, exc) for cid in list(self._calls)])
+                       [CallReply(cid, False, exc) for cid in list(self._calls)])
 
 
 def _put_all(items) -> None:
@@ -308,12 +348,12 @@ class _EngineThread:
             log.exception("engine loop died")
             self._died(e)
 
-    def send(self, cmd: tuple) -> None:
+    def send(self, cmd: Command) -> None:
         self._cmds.put(cmd)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
     def shutdown(self, timeout: float) -> None:
-        self._cmds.put(("stop",))
+        self._cmds.put(Stop())
         self._thread.join(timeout)

@@ -5,6 +5,7 @@ merged deltas for slow consumers, and a dead engine process failing loudly."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 
@@ -14,18 +15,25 @@ from stepserve import LLM, AsyncEngine, SamplingParams
 from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 
 
-async def collect(engine, prompt, params, pause_s: float = 0.0, request_id: str | None = None):
-    """(text, tokens, finish reasons, number of deltas) of one request."""
+_stalled = itertools.count()
+
+
+async def collect(engine, prompt, params, request_id: str | None = None, stall: bool = False):
+    """(text, tokens, finish reasons, number of deltas) of one request.
+    `stall`: after the first delta, read nothing more until the engine has
+    finished the request (every later delta queues up meanwhile)."""
     text, toks, reasons, deltas = "", [], [], 0
-    async for out in engine.generate(prompt, params, request_id):
+    rid = request_id or (f"stalled-{next(_stalled)}" if stall else None)
+    async for out in engine.generate(prompt, params, rid):
         deltas += 1
         for o in out.outputs:
             text += o.text
             toks += o.token_ids
             if o.finish_reason:
                 reasons.append(o.finish_reason)
-        if pause_s:
-            await asyncio.sleep(pause_s)  # a slow consumer: deltas queue up meanwhile
+        if stall and deltas == 1:
+            while await asyncio.wrap_future(engine.call(_unfinished, rid)):
+                await asyncio.sleep(0.01)
     return text, toks, reasons, deltas
 
 
@@ -81,9 +89,9 @@ def test_stream_equals_offline_and_abort_frees_kv(aengine, llama_ckpt):
 def test_slow_consumer_gets_merged_deltas_with_the_same_text(aengine, llama_ckpt):
     params = SamplingParams(max_tokens=40, temperature=0.9, seed=5, ignore_eos=True, logprobs=2)
     fast = asyncio.run(collect(aengine, "And God said", params))
-    slow = asyncio.run(collect(aengine, "And God said", params, pause_s=0.05))
+    slow = asyncio.run(collect(aengine, "And God said", params, stall=True))
     assert slow[:3] == fast[:3] and len(slow[1]) == 40
-    assert slow[3] < fast[3]  # fewer, bigger deltas
+    assert slow[3] == 2  # the first delta, then everything that queued up, merged into one
 
 
 def test_call_pause_resume_and_bad_calls(aengine):
@@ -248,19 +256,94 @@ def test_params_that_do_not_pickle_fail_only_their_request(aengine):
     assert_clean(aengine)
 
 
+def _tokenize(engine, text):
+    return engine.tokenize(text)
+
+
+def test_every_delta_carries_its_prompt(aengine):
+    """A text prompt or token ids, on both transports: every delta has the
+    prompt as given and its ids (from an engine process, a text prompt's ids
+    cross the pipe once, token ids never)."""
+    ids = aengine.call(_tokenize, "In the beginning").result(timeout=30)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def prompts_of(prompt):
+        return [(out.prompt, out.prompt_token_ids) async for out in aengine.generate(prompt, params)]
+
+    async def main():
+        return await asyncio.gather(prompts_of("In the beginning"), prompts_of(tuple(ids)))
+
+    text, token_ids = asyncio.run(main())
+    assert ids and text and all(p == ("In the beginning", ids) for p in text)
+    assert token_ids and all(p == (None, ids) for p in token_ids)  # a list, as the engine makes it
+
+
+def _unpicklable_result(engine):
+    import threading
+
+    return threading.Lock()
+
+
+def test_a_call_result_that_does_not_pickle_fails_only_that_call(aengine):
+    fut = aengine.call(_unpicklable_result)
+    if aengine.engine is not None:  # thread: nothing to pickle
+        assert fut.result(timeout=30) is not None
+    else:
+        with pytest.raises(RuntimeError, match="does not pickle"):
+            fut.result(timeout=30)
+    assert aengine.call(_count_requests, 2).result(timeout=30) >= 2 and aengine.is_alive()  # the loop lives on
+
+
 def test_wire_format_round_trips_every_field():
-    """What crosses the engine-process pipe rebuilds the same RequestOutput
-    (a field added to the dataclasses and not to the wire fails here)."""
+    """What crosses the engine-process pipe rebuilds the same outputs. Every
+    field is set here by name, so a field added to the dataclasses fails here
+    until it is set below and `OutputBatch` carries it; the prompt never
+    travels back, and its ids only once, for a text prompt."""
     import dataclasses
     import pickle
 
-    from stepserve.engine.engine_process import from_wire, to_wire
+    from stepserve.engine.async_engine import CallReply
+    from stepserve.engine.engine_process import OutputBatch, decode_batch, encode_batch
     from stepserve.engine.request import TokenLogprob
 
-    out = RequestOutput("r-1", "hi", [5, 6], [CompletionOutput(1, "x", [7], "stop", "zz", [TokenLogprob(7, -0.5, [(7, -0.5)])],
-                                                                 -0.5)],
-                        True, 1, RequestMetrics(1.0, 2.0, 3.0), [None, TokenLogprob(6, -1.0, [])])
-    assert len(dataclasses.fields(RequestOutput)) == 8 and len(dataclasses.fields(CompletionOutput)) == 7
-    back = from_wire("r-1", pickle.loads(pickle.dumps(to_wire(out, True))), ("hi", [5, 6]))
-    assert back == out
-    assert to_wire(out, False)[4] is None  # the prompt travels once
+    def names(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def build(cls, **values):
+        assert set(values) == names(cls), f"set every {cls.__name__} field in this test, and carry it on the wire"
+        return cls(**values)
+
+    columns = set(OutputBatch._fields)
+    assert names(CompletionOutput) | names(RequestMetrics) <= columns
+    assert names(RequestOutput) - {"prompt", "outputs", "metrics"} <= columns  # the parent has the prompt
+
+    def output(rid, prompt, ids, finished, **completion):
+        comp = dict(index=1, text="x", token_ids=[7], finish_reason=None, stop_reason=None,
+                    logprobs=[TokenLogprob(7, -0.5, [(7, -0.5), (3, -2.0)])], cumulative_logprob=-0.5) | completion
+        return build(RequestOutput, request_id=rid, prompt=prompt, prompt_token_ids=ids,
+                     outputs=[build(CompletionOutput, **comp), build(CompletionOutput, **(comp | {"index": 2}))],
+                     finished=finished, num_cached_tokens=1,
+                     metrics=build(RequestMetrics, arrival_time=1.0, first_token_time=2.0, finished_time=3.0),
+                     prompt_logprobs=[None, TokenLogprob(6, -1.0, [])])
+
+    text_first = output("r-text", "hi", [5, 6], False)
+    text_last = output("r-text", "hi", [5, 6], True, finish_reason="stop", stop_reason="zz")
+    ids_only = output("r-ids", None, [8, 9], True, finish_reason="length")
+    bad = ValueError("prompt too long")
+    sent = {"r-text": "hi", "r-ids": (8, 9), "r-bad": "no"}  # as the front end sent them (ids: any sequence)
+    prompts = dict(sent)  # the parent's
+    owed = {rid for rid, p in sent.items() if isinstance(p, str)}  # the child's: text prompts
+
+    def across(batch):
+        outputs, replies = decode_batch(pickle.loads(pickle.dumps(batch, pickle.HIGHEST_PROTOCOL)), prompts)
+        errors_as_text = [(rid, repr(x) if isinstance(x, BaseException) else x) for rid, x in outputs]
+        return errors_as_text, replies
+
+    first = encode_batch([("r-text", text_first), ("r-bad", bad), ("r-ids", ids_only)], [CallReply(3, True, 4)], owed)
+    assert first.prompt_token_ids == {0: [5, 6]} and not owed  # the ids of the text prompt only
+    assert across(first) == ([("r-text", text_first), ("r-bad", repr(bad)), ("r-ids", ids_only)],
+                             [CallReply(3, True, 4)])  # in the loop's order
+    last = encode_batch([("r-text", text_last)], [], owed)
+    assert last.prompt_token_ids == {}  # sent once
+    assert across(last) == ([("r-text", text_last)], [])
+    assert prompts == {}  # finished and failed requests are forgotten

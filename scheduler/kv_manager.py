@@ -1,4 +1,4 @@
-"""Seq-level KV bookkeeping over the slot allocator, the radix tree and the
+"""Sequence-level KV bookkeeping over the slot allocator, the radix tree and the
 req->token table: admission with prefix reuse, per-step slot allocation,
 caching of computed prefixes, fork by reference, release and integrity checks.
 """

@@ -153,15 +153,17 @@ async def run_http_sweep(sweep: HTTPSweep, replayer, plan: list[tuple], rounds: 
     """Untimed first-use requests, then `rounds` walks over `plan`, one scenario
     run per entry: ("decode", B, L), ("prefill", P) or ("mixed", B, L, P).
     `progress` (profile.SweepProgress) counts the runs and reports each round."""
-    await sweep.prefill(replayer, 8)  # untimed: first-use costs
-    await sweep.decode(replayer, 2, 8)
-    sweep.raw.clear()
-    scenarios = {"decode": sweep.decode, "prefill": sweep.prefill, "mixed": sweep.mixed}
-    for rnd in range(rounds):
-        for kind, *params in plan:
-            await scenarios[kind](replayer, *params)
-            progress.run_done()
-        progress.round_done(rnd)
-    progress.close()
-    await replayer.close()
+    try:
+        await sweep.prefill(replayer, 8)  # untimed: first-use costs
+        await sweep.decode(replayer, 2, 8)
+        sweep.raw.clear()
+        scenarios = {"decode": sweep.decode, "prefill": sweep.prefill, "mixed": sweep.mixed}
+        for rnd in range(rounds):
+            for kind, *params in plan:
+                await scenarios[kind](replayer, *params)
+                progress.run_done()
+            progress.round_done(rnd)
+    finally:  # an error or Ctrl-C still closes the HTTP session and the bar
+        progress.close()
+        await replayer.close()
     return sweep.points()

@@ -4,12 +4,10 @@ two reports compared. Checks shapes and exact token counts, never timings."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,32 +15,15 @@ import time
 import httpx
 import pytest
 
+from server_util import free_port
+
 TRACE = ("synthetic:num=16,rate=8,input=uniform:8:60,output=uniform:2:12,prefix_groups=2,prefix_len=24,"
          "turns=2,turn_gap_s=0.5,branch_fraction=0.25,branches=2,seed=3")
 
 
-def _server_available() -> str | None:
-    try:
-        if importlib.util.find_spec("stepserve.server.cli") is None:
-            return "stepserve.server.cli is missing"
-        import stepserve.server.cli  # noqa: F401
-    except Exception as e:  # the server package is being built alongside
-        return f"stepserve.server.cli does not import: {e!r}"
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(llama_ckpt, tmp_path_factory):
-    why = _server_available()
-    if why:
-        pytest.skip(f"no HTTP server to replay against: {why}")
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(

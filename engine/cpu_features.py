@@ -18,6 +18,7 @@ covers an AVX2-only one.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 
@@ -104,6 +105,4 @@ def kernel_build_tag() -> str:
                     break
     except OSError:
         pass
-    import hashlib
-
     return "native_" + hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:10]

@@ -170,7 +170,7 @@ class Engine:
             native=None if config.attention_backend == "auto" else False,
         )
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device)
-        limits = Limits(self.max_model_len, kv_slots, mc.vocab_size)
+        limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
         self.core = EngineCore(self.scheduler, self.runner, self, limits,
                                check_every=1 if config.check_invariants else 0)
         self.requests: dict[str, Request] = {}

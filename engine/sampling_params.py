@@ -157,10 +157,11 @@ class SamplingParams:
         return self
 
     def validate(self, vocab_size: Optional[int] = None) -> "SamplingParams":
-        """Raise ``ValueError`` naming the first out-of-range parameter.
+        """Raise ``RequestError`` naming the first out-of-range parameter.
 
         With ``vocab_size`` given, token ids in ``stop_token_ids`` and
-        ``logit_bias`` must also lie in ``[0, vocab_size)``.  Returns ``self``.
+        ``logit_bias`` must also lie in ``[0, vocab_size)`` (``check_token_ids``).
+        Returns ``self``.
         """
         self._normalise()
         _check_int("n", self.n, lo=1)
@@ -208,8 +209,8 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not _is_int(t):
                 raise _err("stop_token_ids", "entries must be ints", t)
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise _err("stop_token_ids", f"entries must be token ids in [0, {vocab_size})", t)
+            if t < 0:
+                raise _err("stop_token_ids", "entries must be token ids (>= 0)", t)
 
         _check_bool("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
@@ -221,12 +222,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise _err("logit_bias", "must be a dict {token_id: bias} or None", self.logit_bias)
             for tok, bias in self.logit_bias.items():
-                if not _is_int(tok) or tok < 0 or (vocab_size is not None and tok >= vocab_size):
-                    raise _err(
-                        "logit_bias",
-                        f"keys must be token ids in [0, {vocab_size if vocab_size is not None else 'vocab_size'})",
-                        tok,
-                    )
+                if not _is_int(tok) or tok < 0:
+                    raise _err("logit_bias", "keys must be token ids (ints >= 0)", tok)
                 if not _is_real(bias) or not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
                     raise _err("logit_bias", f"values must be in [-100, 100] (token {tok})", bias)
 
@@ -234,9 +231,10 @@ class SamplingParams:
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.logits_processor_factory is not None and not callable(self.logits_processor_factory):
             raise _err("logits_processor_factory", "must be callable or None", self.logits_processor_factory)
+        self._checked_vocab = None
         if vocab_size is not None:
             _check_int("vocab_size", vocab_size, lo=1)
-        self._checked_vocab = vocab_size
+            self.check_token_ids(vocab_size)
         return self
 
     # ------------------------------------------------------------- properties

@@ -23,8 +23,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Protocol
 
-from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.latency_model import StepFeatures, plan_features
+from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.scheduler import Scheduler
 from stepserve.scheduler.sequence import Seq
@@ -85,7 +85,7 @@ class EngineCore:
         plen = len(token_ids)
         for b, seed in enumerate(seeds):
             seqs.append(Seq(self._next_seq_id, token_ids if b == 0 else list(token_ids), plen, max_tokens,
-                                 arrival, branch=b, seed=seed, group=group, **seq_fields))
+                            arrival, branch=b, seed=seed, group=group, **seq_fields))
             self._next_seq_id += 1
         seqs[0].fork_children = seqs[1:]
         self.scheduler.add(seqs[0])

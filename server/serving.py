@@ -303,7 +303,6 @@ class EngineClient:
         self.tokenizer = async_engine.tokenizer
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
-        self.kv_capacity = info.kv_capacity
         self.limits = Limits(info.max_model_len, info.kv_capacity, info.vocab_size)  # the engine's own rules
         self.admission = Admission(info.max_running, settings.max_queued_requests, settings.retry_after_s)
         self.texts = TokenTexts(self.tokenizer)

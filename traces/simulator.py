@@ -233,7 +233,6 @@ class Simulator:
             if not core.has_work():
                 clock.t = specs[i].arrival_s + oh
                 continue
-            t0 = clock.t
             plan = core.step()
             if plan is None:
                 if i < n:  # nothing fits until more work arrives (should not happen; be safe)
@@ -241,7 +240,7 @@ class Simulator:
                     continue
                 raise RuntimeError("simulator: the scheduler made no progress with work queued")
             rec = core.records[-1]
-            busy += clock.t - t0
+            busy += rec.wall_s  # virtual: the step's predicted time
             sum_rows += rec.rows
             sum_new += rec.new_tokens
             if rec.rows > max_rows:

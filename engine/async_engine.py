@@ -34,11 +34,13 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 
 from stepserve.engine.engine import Engine, EngineConfig, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
+from stepserve.engine.step_log import StepLog
 
 log = logging.getLogger("stepserve.async_engine")
 
@@ -135,19 +137,49 @@ class EngineLoop:
 
     def run(self) -> None:
         eng = self.engine
+        path = eng.config.step_log
+        log = StepLog(path) if path else None
+        try:
+            self._run(log)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _run(self, log: StepLog | None) -> None:
+        eng = self.engine
+        clock = time.perf_counter
         while not self.stopped:
             outputs: Outputs = []
             replies: Replies = []
             idle = self.paused or not eng.has_unfinished()
-            for cmd in self.poll(None if idle else 0.0):
+            t_wait = clock()
+            cmds = self.poll(None if idle else 0.0)
+            t0 = clock()
+            for cmd in cmds:
                 self.handle(cmd, outputs, replies)
+            t1 = t2 = clock()
+            stepped = False
             if not self.paused and not self.stopped and eng.has_unfinished():
-                for req in eng.step():
+                changed = eng.step()
+                stepped = True
+                t2 = clock()
+                for req in changed:
                     out = req.output(delta=True)
                     if out.outputs or out.finished:
                         outputs.append((req.request_id, out))
+            t3 = clock()
             if outputs or replies:
                 self.emit(outputs, replies)
+            if log is not None and (stepped or cmds):
+                line = {"t": round(t0 + log.offset, 6), "wait": round(t0 - t_wait, 6),
+                        "adds": sum(1 for c in cmds if type(c) is AddRequest), "cmd": round(t1 - t0, 6)}
+                if stepped and eng.records:
+                    r = eng.records[-1]
+                    line.update(rows=r.rows, decode_rows=r.decode_rows, ctx=r.context_tokens, new=r.new_tokens,
+                                pairs=r.prefill_pairs, step=round(r.wall_s, 6), fwd=round(r.forward_s, 6),
+                                out=round(t3 - t2, 6))
+                line.update(emit=round(clock() - t3, 6), outs=len(outputs))
+                log.write(line)
 
 
 class AsyncEngine:

@@ -52,6 +52,7 @@ class EngineConfig:
     check_invariants: bool = False  # run the KV integrity check after every step
     cpu_threads: int | None = None  # torch intra-op threads, process-wide (None: leave torch's setting)
     policies: list[StepPolicy] = field(default_factory=list)
+    step_log: str | None = None  # append the loop's timeline here, one JSON line per iteration (engine/step_log.py)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -24,6 +24,10 @@ towards the offline fit by a small ridge term so that a window with little
 variety (e.g. only decode steps, where rows == new_tokens) cannot drive the
 coefficients anywhere absurd. It is a `StepPolicy` that only observes.
 
+`ServingCosts` are the serving system's costs around the steps, which a
+model of the step alone cannot see; measured on a 2-core CPU server they
+decided whether the simulator saturated at the right rate (issue 14).
+
 Profiles (JSON, written by `stepserve profile` or computed by `roofline.py`)
 are loaded by `load_profile(path_or_name)`; built-in roofline profiles are
 named `DEVICE[xN]:MODEL` (e.g. `h100:llama3-8b`, `a10x8:llama2-70b`).
@@ -74,8 +78,8 @@ def plan_features(plan) -> StepFeatures:
 
 
 def record_features(rec) -> StepFeatures:
-    """Features of a `StepRecord` (no per-row detail: prefill_pairs unknown, 0)."""
-    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, 0.0)
+    """Features of a `StepRecord`."""
+    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, rec.prefill_pairs)
 
 
 class LatencyModel(Protocol):
@@ -258,6 +262,60 @@ class OnlineLatencyModel:
 # -- profiles -------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ServingCosts:
+    """What a request and a step cost beyond the step's forward pass, as
+    explicit terms (all seconds; 0 = not measured):
+
+    entry_s     from a request's arrival to its reaching the scheduler (HTTP,
+                validation, the pipe to the engine loop). A step log measured
+                0.3 ms p50 (2.4 ms p90) of it on a 2-core server.
+    delivery_s  from the end of the step that made a token to the client
+                holding it (output batch, pipe, SSE, the client's parsing).
+    stream_s    more delivery per token the same step made: the front end
+                and the client handle a step's tokens one stream after the
+                other. A step with k tokens delivers them delivery_s +
+                k * stream_s after it ends. Delivery shifts TTFT and E2E, and
+                the gaps between tokens only as much as k changes between steps.
+                A sweep timed by its client sees entry and delivery only
+                together (a TTFT holds both): it stores the sum as delivery_s,
+                with entry_s 0.
+    wake_s      extra time of the first step after the engine sat idle: its
+                threads asleep, caches cold. Step logs put it at ~3.5 ms
+                (x1.3 of a prefill step) on a 2-core server after 5 ms or more
+                of idling; busy steps do not pay it, so a model fitted on busy
+                steps misses it at low load.
+
+    The step policies (TAPER, speculation) choose between plans of one step
+    of a busy engine: delivery does not change a step's time, and a busy
+    engine does not wake, so the step model's form is all they need.
+    """
+
+    entry_s: float = 0.0
+    delivery_s: float = 0.0
+    stream_s: float = 0.0
+    wake_s: float = 0.0
+
+    KEYS = ("entry_s", "delivery_s", "stream_s", "wake_s")
+
+    @classmethod
+    def from_engine(cls, engine: dict) -> "ServingCosts":
+        """From a profile's `engine` section. Profiles written before the split
+        hold one `request_overhead_s`, fitted from TTFTs: delivery, by the
+        same reasoning as above."""
+        kw = {k: float(engine[k]) for k in cls.KEYS if engine.get(k) is not None}
+        if "delivery_s" not in kw and engine.get("request_overhead_s") is not None:
+            kw["delivery_s"] = float(engine["request_overhead_s"])
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.KEYS}
+
+    def delivery(self, tokens: int) -> float:
+        """Delay from a step's end to its client holding a token, for a step that made `tokens`."""
+        return self.delivery_s + self.stream_s * tokens
+
+
 @dataclass
 class Profile:
     """A latency model plus what the simulator needs to size an engine like it."""
@@ -267,6 +325,10 @@ class Profile:
     model: object  # LinearLatencyModel | RooflineLatencyModel
     engine: dict = field(default_factory=dict)  # kv_slots, max_running, max_batched_tokens, max_context, vocab_size
     data: dict = field(default_factory=dict)  # the whole JSON
+
+    @property
+    def serving(self) -> ServingCosts:
+        return ServingCosts.from_engine(self.engine)
 
     def to_dict(self) -> dict:
         return self.data

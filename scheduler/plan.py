@@ -86,3 +86,4 @@ class StepRecord:
     forward_s: float  # model forward + sampling
     schedule_s: float  # schedule() + update() + detokenization and outputs
     prep_s: float = 0.0  # building the batch's input tensors
+    prefill_pairs: float = 0.0  # causal attention pairs of the prefill chunks (`latency_model.plan_features`)

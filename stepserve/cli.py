@@ -1,4 +1,4 @@
-"""`stepserve` command line: serve, generate, bench, replay, simulate, profile."""
+"""`stepserve` command line: serve, generate, bench, replay, simulate, validate, profile."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads of the engine's process (default: torch's, one per core)")
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="append the engine loop's timeline to PATH, one JSON line per step (what `stepserve "
+                        "validate` reads)")
 
 
 def engine_config(args):
@@ -42,6 +45,7 @@ def engine_config(args):
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cpu_threads=args.cpu_threads,
+        step_log=getattr(args, "step_log", None),
     )
 
 
@@ -103,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     p_sim = sub.add_parser("simulate", help="simulate a trace: the real scheduler on a virtual clock")
     add_simulate_args(p_sim)
     p_sim.set_defaults(func=run_simulate)
+
+    from stepserve.traces.validate import add_validate_args, run_validate
+
+    p_val = sub.add_parser("validate", help="the simulator against a real server over a rate sweep: errors per rate")
+    add_validate_args(p_val)
+    p_val.set_defaults(func=run_validate)
 
     p_prof = sub.add_parser("profile", help="time engine steps over a sweep, fit the step-latency model")
     add_engine_args(p_prof)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from stepserve.scheduler.latency_model import (
-    FORMS, LinearLatencyModel, OnlineLatencyModel, StepFeatures, error_summary, load_profile, plan_features,
+    FORMS, LinearLatencyModel, OnlineLatencyModel, ServingCosts, StepFeatures, error_summary, load_profile, plan_features,
 )
 from stepserve.scheduler.roofline import (
     DEVICES, MODELS, RooflineAssumptions, builtin_names, kv_slots, parse_name, roofline_profile,
@@ -75,6 +75,7 @@ def test_plan_features():
 class FakeRecord:
     def __init__(self, f: StepFeatures, t: float):
         self.rows, self.context_tokens, self.new_tokens, self.wall_s = f.rows, f.context_tokens, f.new_tokens, t
+        self.prefill_pairs = f.prefill_pairs
 
 
 def test_online_refit_window_and_period():
@@ -198,13 +199,14 @@ def test_profile_command_writes_a_fitted_profile(llama_ckpt, tmp_path, capsys):
     assert "held-out" in capsys.readouterr().out
 
 
-def test_fit_with_terms_and_request_overhead():
-    """TTFT points = overhead + half a decode step + a mixed step: the joint fit
-    recovers the step coefficients and the overhead."""
+def test_fit_with_terms_and_serving_costs():
+    """TTFT points = overhead + per-stream cost x B + half a decode step + a
+    mixed step (busy engine, B streams), or overhead + wake-up + a prefill step
+    (idle engine): the joint fit recovers the step coefficients and each cost."""
     from stepserve.traces.profile import fit_and_evaluate, fit_points
 
     truth = LinearLatencyModel("linear", [3e-3, 2e-4, 1e-6, 5e-5])
-    overhead = 7e-3
+    overhead, wake, per_stream = 7e-3, 2.5e-3, 2e-4
     points = []
     for b in (1, 2, 4, 8, 16, 32):
         for ctx in (16, 128, 400):
@@ -212,17 +214,33 @@ def test_fit_with_terms_and_request_overhead():
             points.append({"features": f, "time": truth.predict_features(f), "raw": [(f, truth.predict_features(f))]})
     for p in (16, 64, 256):
         f = StepFeatures(1, p, p, p * (p + 1) / 2)
-        t = overhead + truth.predict_features(f)
-        points.append({"features": f, "time": t, "raw": [(f, t)], "from_request": True})
+        t = overhead + wake + truth.predict_features(f)
+        points.append({"features": f, "time": t, "raw": [(f, t)], "from_request": True, "from_idle": True})
         for b in (4, 16):
             d = StepFeatures(b, b * 100, b)
             m = StepFeatures(b + 1, b * 100 + p, b + p, p * (p + 1) / 2)
-            t = overhead + 0.5 * truth.predict_features(d) + truth.predict_features(m)
-            points.append({"features": m, "time": t, "raw": [(m, t)], "from_request": True,
+            t = overhead + per_stream * b + 0.5 * truth.predict_features(d) + truth.predict_features(m)
+            points.append({"features": m, "time": t, "raw": [(m, t)], "from_request": True, "streams": b,
                            "terms": [(0.5, d), (1.0, m)]})
     fit = fit_points(points, "linear")
     assert fit.model.coef == pytest.approx(truth.coef, rel=1e-6)
-    assert fit.request_overhead_s == pytest.approx(overhead, rel=1e-6)
+    c = fit.costs
+    assert c.entry_s == 0.0  # a client cannot tell entry from delivery
+    assert (c.delivery_s, c.stream_s, c.wake_s) == pytest.approx((overhead, per_stream, wake), rel=1e-6)
+    # TTFTs from an idle engine only: the wake-up cannot be told from the overhead, and is not guessed
+    idle_only = [p for p in points if not p.get("terms")]
+    lone = fit_points(idle_only, "linear").costs
+    assert lone.wake_s == 0.0 and lone.stream_s == 0.0 and lone.delivery_s == pytest.approx(overhead + wake, rel=1e-6)
     res = fit_and_evaluate(points, 0.25, seed=0)
     assert res["form"] in ("linear", "linear+attn") and res["folds"] == 4
     assert res["heldout"]["points"]["median_ape"] < 1e-6
+
+
+def test_serving_costs_from_a_profile_engine_section():
+    assert ServingCosts.from_engine({}) == ServingCosts()
+    assert ServingCosts.from_engine({"entry_s": 1e-3, "delivery_s": 2e-3, "stream_s": 1e-4, "wake_s": 3e-3}) == \
+        ServingCosts(1e-3, 2e-3, 1e-4, 3e-3)
+    assert ServingCosts(delivery_s=2e-3, stream_s=1e-4).delivery(10) == pytest.approx(3e-3)
+    # profiles written before the split: their one overhead was fitted from TTFTs, and is delivery
+    assert ServingCosts.from_engine({"request_overhead_s": 6e-3}) == ServingCosts(delivery_s=6e-3)
+    assert ServingCosts.from_engine({"request_overhead_s": 6e-3, "delivery_s": 1e-3}).delivery_s == 1e-3

@@ -38,10 +38,55 @@ def test_virtual_clock_timings_are_exact():
     assert res.stats["steps"] == 6
 
 
-def test_request_overhead_delays_entry_not_the_clock_origin():
-    sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, request_overhead_s=0.004))
+def test_entry_cost_delays_scheduling_not_the_clock_origin():
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, entry_s=0.004))
     (a,) = sim.run([_spec(0, 0.5, 10, 3)]).records
     assert a.start_s == 0.5 and a.ttft == pytest.approx(0.005) and a.e2e == pytest.approx(0.007)
+
+
+def test_delivery_shifts_what_the_client_sees_not_the_engine():
+    """Delivery delays every token alike: TTFT and E2E grow by it, the gaps
+    between tokens and the engine's timeline (the second request's steps) do not."""
+    specs = [_spec(0, 0.0, 10, 4), _spec(1, 0.0015, 10, 2)]
+    plain = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100)).run(specs)
+    late = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, delivery_s=0.01)).run(specs)
+    for p, q in zip(plain.records, late.records):
+        assert q.ttft == pytest.approx(p.ttft + 0.01) and q.e2e == pytest.approx(p.e2e + 0.01)
+        assert q.tpot == pytest.approx(p.tpot) if p.tpot is not None else q.tpot is None
+    assert list(late.itl_s) == pytest.approx(list(plain.itl_s))
+    assert late.stats["steps"] == plain.stats["steps"] and late.stats["virtual_busy_s"] == plain.stats["virtual_busy_s"]
+
+
+def test_per_stream_delivery_follows_the_step_size():
+    """A step's tokens reach their clients delivery_s + stream_s per token of
+    that step after it ends: alone, tokens wait 1 + 0.5 ms; two in a step, 1 + 1 ms.
+    Steps end at 1, 2, 3, 4 ms: a alone, a alone, a and b, b alone."""
+    cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, delivery_s=1e-3, stream_s=5e-4)
+    res = Simulator(CONST_1MS, cfg).run([_spec(0, 0.0, 10, 3), _spec(1, 0.0015, 10, 2)])
+    a, b = res.records
+    assert a.ttft == pytest.approx(2.5e-3)
+    assert a.e2e == pytest.approx(5e-3)  # its last token shares the step with b's first
+    assert b.ttft == pytest.approx(5e-3 - 1.5e-3)
+    # a: 2.5 -> 3.5 -> 5 ms; b: 5 -> 5.5 ms (the client sees the gaps the delays make)
+    assert sorted(res.itl_s) == pytest.approx([0.5e-3, 1e-3, 1.5e-3])
+
+
+def test_wake_cost_only_on_the_first_step_after_idle():
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, wake_s=0.003))
+    # a starts on an idle engine (wakes); b arrives while a decodes (no wake); c after both ended (wakes)
+    a, b, c = sim.run([_spec(0, 0.0, 10, 4), _spec(1, 0.0045, 10, 2), _spec(2, 1.0, 10, 2)]).records
+    assert a.ttft == pytest.approx(0.004)  # 3 ms wake + the 1 ms prefill step
+    assert a.end_s == pytest.approx(0.007)  # then 3 decode steps of 1 ms
+    assert b.first_token_s == pytest.approx(0.006)  # prefilled in the step after the one in flight: no wake
+    assert c.ttft == pytest.approx(0.004) and c.e2e == pytest.approx(0.005)
+
+
+def test_profile_serving_costs_reach_the_simulator():
+    cfg = SimConfig.from_profile({"kv_slots": 100, "delivery_s": 0.002, "wake_s": 0.001, "entry_s": 0.0005,
+                                  "stream_s": 0.0001})
+    assert (cfg.entry_s, cfg.delivery_s, cfg.stream_s, cfg.wake_s) == (0.0005, 0.002, 0.0001, 0.001)
+    old = SimConfig.from_profile({"kv_slots": 100, "request_overhead_s": 0.006})
+    assert (old.entry_s, old.delivery_s) == (0.0, 0.006)
 
 
 def test_step_noise_is_seeded():

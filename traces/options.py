@@ -17,6 +17,9 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                         "prefix_len=64,turns=3,burstiness=0.5,arrival=gamma,branch_fraction=0.2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     g.add_argument("--save-trace", default=None, help="also write the scaled requests as stepserve JSONL here")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids come from [16, VOCAB) (default: the server's vocab_size, or the profile's "
+                        "model vocabulary; else 256)")
 
     s = p.add_argument_group("scaling (always written into the report)")
     s.add_argument("--time-scale", type=float, default=1.0, help="arrival-rate multiplier (2 = twice as fast)")

@@ -36,7 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import FORMS, PROFILE_KIND, LinearLatencyModel, StepFeatures, plan_features
+from stepserve.scheduler.latency_model import (
+    FORMS, PROFILE_KIND, LinearLatencyModel, ServingCosts, StepFeatures, plan_features,
+)
 from stepserve.traces.progress import log_line, progress_bar
 from stepserve.traces.report import write_report
 
@@ -248,19 +250,26 @@ def folds(n: int, holdout: float, seed: int) -> list[list[int]]:
     return [idx[i::k] for i in range(k)]
 
 
+# Serving-cost columns of a client-timed fit: (point key, ServingCosts field).
+# A point's value in the column is p[key] (True counts 1).
+COST_COLUMNS = (("from_request", "delivery_s"), ("streams", "stream_s"), ("from_idle", "wake_s"))
+
+
 @dataclass
 class Fitted:
-    """A step model, plus -- for sweeps timed by a client -- the fixed cost a
-    request pays once on its way in (HTTP, validation, the engine loop's pickup),
-    which points timed from a request's start (TTFT points) contain and
-    step-to-step points do not."""
+    """A step model, plus -- for sweeps timed by a client -- the serving costs
+    in the points timed from a request's start (TTFT points, `from_request`):
+    the request's way in and its first token's way out (stored as
+    `ServingCosts.delivery_s`), growing with the streams the front end is
+    delivering alongside (`streams`: `stream_s` each), and for those sent to an
+    engine that sat idle (`from_idle`) the engine's wake-up (`wake_s`)."""
 
     model: LinearLatencyModel
-    request_overhead_s: float = 0.0
+    costs: ServingCosts = ServingCosts()
 
     def predict_point(self, p: dict) -> float:
         t = sum(w * self.model.predict_features(f) for w, f in terms(p))
-        return t + (self.request_overhead_s if p.get("from_request") else 0.0)
+        return t + sum(float(p.get(key) or 0) * getattr(self.costs, name) for key, name in COST_COLUMNS)
 
 
 def terms(p: dict) -> list[tuple[float, StepFeatures]]:
@@ -271,23 +280,34 @@ def terms(p: dict) -> list[tuple[float, StepFeatures]]:
 
 
 def fit_points(points: list[dict], form: str) -> Fitted:
-    """Relative least squares over each point's (weighted) step terms; with TTFT
-    points present, one extra column (1 for them, 0 otherwise) whose
-    coefficient is the per-request overhead."""
-    with_overhead = any(p.get("from_request") for p in points)
-    rows = []
+    """Relative least squares over each point's (weighted) step terms, plus one
+    column per serving cost the points hold (`COST_COLUMNS`): with TTFT points,
+    the per-request overhead; with TTFTs sent beside different numbers of
+    streams, the cost per stream; with TTFTs sent to an idle engine as well as
+    to a busy one, the wake-up. A column the points cannot tell from the
+    others (all TTFTs from idle, say) is left out, and its cost stays 0."""
+    base = []
     for p in points:
         v = np.zeros(len(FORMS[form]))
         for w, f in terms(p):
             v += w * np.asarray(f.vector(form))
-        rows.append(list(v) + ([1.0 if p.get("from_request") else 0.0] if with_overhead else []))
-    X = np.array(rows)
+        base.append(v)
+    X = np.array(base)
+    used = []
+    for key, name in COST_COLUMNS:
+        col = np.array([float(p.get(key) or 0) for p in points])
+        if not col.any():
+            continue
+        trial = np.column_stack([X, col])
+        if np.linalg.matrix_rank(trial) > np.linalg.matrix_rank(X):
+            X = trial
+            used.append(name)
     y = np.array([p["time"] for p in points])
     w = 1.0 / np.maximum(y, 1e-9)
     coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-    if not with_overhead:
-        return Fitted(LinearLatencyModel(form, [float(c) for c in coef]))
-    return Fitted(LinearLatencyModel(form, [float(c) for c in coef[:-1]]), max(0.0, float(coef[-1])))
+    k = len(FORMS[form])
+    costs = ServingCosts(**{name: max(0.0, float(c)) for name, c in zip(used, coef[k:])})
+    return Fitted(LinearLatencyModel(form, [float(c) for c in coef[:k]]), costs)
 
 
 def _ape_summary(errs: list[float]) -> dict:
@@ -474,9 +494,8 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
     fit = fit_and_evaluate(points, args.holdout, args.sweep_seed, args.form)
     fitted: Fitted = fit["fit"]
     model_fit: LinearLatencyModel = fitted.model
-    if fitted.request_overhead_s:
-        # the simulator holds each request back by this much before it reaches the scheduler
-        engine = {**engine, "request_overhead_s": fitted.request_overhead_s}
+    if fitted.costs != ServingCosts():
+        engine = {**engine, **fitted.costs.to_dict()}
     h = fit["heldout"]
     name = model.get("path") or model.get("served") or "model"
     profile = {
@@ -509,7 +528,8 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
     write_report(profile, args.out)
     print(f"{describe_points(points)} over {args.rounds} rounds; form {fit['form']}: "
           + ", ".join(f"{n}={c:.4g}" for n, c in zip(FORMS[fit['form']], model_fit.coef))
-          + (f"; request overhead {fitted.request_overhead_s * 1e3:.2f} ms" if fitted.request_overhead_s else ""))
+          + "".join(f"; {name} {getattr(fitted.costs, name) * 1e3:.3f} ms" for name in ServingCosts.KEYS
+                    if getattr(fitted.costs, name)))
     for n, f in fit["forms"].items():
         e = f["errors"]
         print(f"  {n:12s} held-out median APE {e['points']['median_ape']:.1%} (p90 {e['points']['p90_ape']:.1%}) "

@@ -13,13 +13,17 @@ clients observe should use a profile measured where they are:
            with B rows (the median over streams and rounds is the point's time)
   prefill  one request of P tokens (P <= the server's token budget: one step)
            on an idle server, sent exactly as `stepserve replay` sends it; its
-           TTFT is the step plus the request's own way in (HTTP, validation,
-           the engine loop's pickup), which a replay's TTFT contains too. The
-           fit separates the two: a per-request overhead (its own column,
-           stored as `engine.request_overhead_s`) that the simulator charges
-           once per request, and the step, charged per step
+           TTFT is the step plus the request's own way in and its token's way
+           out (HTTP, the pipe, SSE), which a replay's TTFT contains too,
+           plus the wake-up of an engine that idled 50 ms. The fit separates
+           them: a per-request overhead (its own column, stored as
+           `engine.delivery_s`), a wake-up (a column for the points sent to an
+           idle engine, `engine.wake_s`), and the step, charged per step
   mixed    TTFT of a P-token prompt sent (at a random phase) while B streams
            decode: overhead + half a decode step of waiting + the mixed step
+           (a busy engine: no wake-up), and B streams' worth of the front
+           end's and the client's per-token work in the way (a column of B,
+           `engine.stream_s`)
 
 Every request goes through the replay client itself (`Replayer`, the
 completions route, streamed), so the profile holds the client's own costs too.
@@ -40,7 +44,8 @@ from stepserve.traces.request_spec import RequestSpec, Segment
 
 
 class HTTPSweep:
-    def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int):
+    def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int, idle_s: float = 0.05):
+        self.idle_s = idle_s
         self.warmup = warmup
         self.repeats = repeats
         self.max_batched = max_batched
@@ -82,10 +87,12 @@ class HTTPSweep:
     async def prefill(self, replayer, plen: int) -> None:
         """TTFT on an idle server through the replay client's own path (the
         OpenAI completions route, streamed), so it holds the same per-request
-        overhead as a replay's TTFT."""
+        overhead as a replay's TTFT. Each probe is sent after `idle_s` of
+        idling, as a request at low load finds the engine: asleep."""
         raw = []
         f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
         for rep in range(self.warmup + self.repeats):
+            await asyncio.sleep(self.idle_s)
             spec = self._spec(plen, 1)
             rec = RequestRecord(spec.request_id, 0.0, plen)
             await replayer._one(spec, rec, time.perf_counter())
@@ -93,7 +100,7 @@ class HTTPSweep:
                 raise RuntimeError(f"profile request failed: {rec.error}")
             if rep >= self.warmup:
                 raw.append((f, rec.ttft))
-        self._add({"scenario": "prefill", "prompt": plen, "from_request": True}, raw)
+        self._add({"scenario": "prefill", "prompt": plen, "from_request": True, "from_idle": True}, raw)
 
     async def mixed(self, replayer, bs: int, ctx: int, plen: int) -> None:
         """TTFT of a P-token prompt sent while B streams decode: the request's
@@ -134,7 +141,7 @@ class HTTPSweep:
         ctx_tokens = round(bs * (ctx + gen))
         decode = StepFeatures(bs, ctx_tokens, bs, 0.0)
         step = StepFeatures(bs + 1, ctx_tokens + plen, bs + plen, plen * (plen + 1) / 2)
-        key = {"scenario": "mixed", "batch": bs, "context": ctx, "prompt": plen, "from_request": True}
+        key = {"scenario": "mixed", "batch": bs, "context": ctx, "prompt": plen, "from_request": True, "streams": bs}
         self._add(key, [(step, t) for t in raw])
         self.terms[tuple(sorted(key.items()))] = [(0.5, decode), (1.0, step)]
 

@@ -179,6 +179,7 @@ class Replayer:
         bar = progress_bar(len(specs), "replay", "req", self.cfg.progress)
         tasks = []
         t0 = time.perf_counter()
+        self.t0_epoch = time.time() - (time.perf_counter() - t0)  # lines the records up with a server's step log
 
         async def tracked(spec, rec):
             await self._one(spec, rec, t0)
@@ -199,6 +200,9 @@ class Replayer:
 
 
 def replay(specs: list[RequestSpec], cfg: ReplayConfig, info: ServerInfo | None = None):
-    """(records, duration_s) of one replay of `specs` (already scaled)."""
+    """(records, duration_s, t0_epoch) of one replay of `specs` (already scaled):
+    the records' times count from t0_epoch (wall-clock seconds)."""
     info = info or server_info(cfg.url, cfg.api_key)
-    return asyncio.run(Replayer(cfg, info).run(specs))
+    r = Replayer(cfg, info)
+    records, duration = asyncio.run(r.run(specs))
+    return records, duration, r.t0_epoch

@@ -11,16 +11,18 @@ from stepserve.traces.options import (
 )
 
 
-def add_replay_args(p: argparse.ArgumentParser) -> None:
-    add_trace_args(p)
+def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     g.add_argument("--served-model", default=None, help="model name to send (default: the server's)")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt token ids come from [16, VOCAB) (default: the server's vocab_size if it says, else 256)")
     g.add_argument("--warmup", type=int, default=1, help="untimed requests before the run")
     g.add_argument("--request-timeout", type=float, default=3600.0)
+
+
+def add_replay_args(p: argparse.ArgumentParser) -> None:
+    add_trace_args(p)
+    add_server_args(p)
     p.add_argument("--compare", nargs="+", metavar="REPORT", default=None,
                    help="print these reports side by side and exit")
 
@@ -33,9 +35,8 @@ def run_replay(args) -> int:
     if not args.trace:
         raise SystemExit("stepserve replay: --trace is required (or --compare A.json B.json ...)")
     from stepserve.traces.load import load_trace, save_trace
-    from stepserve.traces.metrics import percentiles
-    from stepserve.traces.replay import ReplayConfig, replay, server_info
-    from stepserve.traces.report import build_report, finish_runs, format_summary
+    from stepserve.traces.replay import server_info
+    from stepserve.traces.report import finish_runs, format_summary
     from stepserve.traces.scaling import apply_scaling
 
     info = server_info(args.url, args.api_key)
@@ -48,25 +49,34 @@ def run_replay(args) -> int:
         specs, sinfo = apply_scaling(trace.specs, sc)
         if args.save_trace and k == 0:
             save_trace(specs, args.save_trace)
-        # a new seed per swept rate: the server's cache must not serve one run's prompts to the next
-        cfg = ReplayConfig(url=args.url, model=args.served_model, api_key=args.api_key, vocab_size=args.vocab_size,
-                           seed=args.seed + k, warmup=args.warmup if k == 0 else 0,
-                           timeout_s=args.request_timeout, progress=not args.no_progress)
-        print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
-              file=sys.stderr)
-        records, duration = replay(specs, cfg, info)
-        lag = [r.start_s - r.arrival_s for r in records if r.start_s is not None]
-        report = build_report(
-            mode="replay", records=records, duration_s=duration, slo=slo, trace=trace.info(),
-            scaling=sinfo.to_dict(),
-            config={"url": args.url, "model": cfg.model or info.model, "server_max_model_len": info.max_model_len,
-                    "vocab_size": cfg.vocab_size or info.vocab_size, "prompt_seed": cfg.seed,
-                    "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup},
-            extra={"client_lag_s": percentiles(lag)},
-            with_itl=not args.no_itl_records,
-        )
+        report = replay_one(args, info, trace, slo, specs, sinfo, k)
         runs.append(report)
         if len(rates) > 1:
             print(format_summary(report), file=sys.stderr)
     finish_runs(runs, rates, args.out, plot_path(args))
     return 0
+
+
+def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
+    """The report of one replay of `specs` (the k-th of a sweep: its own prompt
+    seed, so the server's cache never serves one run's prompts to the next)."""
+    from stepserve.traces.metrics import percentiles
+    from stepserve.traces.replay import ReplayConfig, replay
+    from stepserve.traces.report import build_report
+
+    cfg = ReplayConfig(url=args.url, model=args.served_model, api_key=args.api_key, vocab_size=args.vocab_size,
+                       seed=args.seed + k, warmup=args.warmup if k == 0 else 0,
+                       timeout_s=args.request_timeout, progress=not args.no_progress)
+    print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
+          file=sys.stderr)
+    records, duration, t0_epoch = replay(specs, cfg, info)
+    lag = [r.start_s - r.arrival_s for r in records if r.start_s is not None]
+    return build_report(
+        mode="replay", records=records, duration_s=duration, slo=slo, trace=trace.info(),
+        scaling=sinfo.to_dict(),
+        config={"url": args.url, "model": cfg.model or info.model, "server_max_model_len": info.max_model_len,
+                "vocab_size": cfg.vocab_size or info.vocab_size, "prompt_seed": cfg.seed,
+                "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup},
+        extra={"client_lag_s": percentiles(lag), "t0_epoch": t0_epoch},
+        with_itl=not args.no_itl_records,
+    )

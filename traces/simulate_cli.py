@@ -13,11 +13,15 @@ from stepserve.traces.options import (
 
 def add_simulate_args(p: argparse.ArgumentParser) -> None:
     add_trace_args(p)
+    add_sim_engine_args(p)
+    p.add_argument("--list-profiles", action="store_true", help="list the built-in roofline profiles and exit")
+
+
+def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("simulated engine")
     g.add_argument("--profile", default=None,
                    help="latency profile: a JSON from `stepserve profile`, or a built-in roofline DEVICE[xN]:MODEL "
                         "(e.g. h100:llama3-8b, h100x8:qwen3-32b, a10x8:llama2-70b)")
-    g.add_argument("--list-profiles", action="store_true", help="list the built-in roofline profiles and exit")
     g.add_argument("--policy", action="append", default=[],
                    help="step policy by name (repeatable; applied in the order given); 'noop' is built in")
     g.add_argument("--max-running", type=int, default=None, help="default: the profile's")
@@ -25,13 +29,13 @@ def add_simulate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-slots", type=int, default=None, help="KV pool in tokens (default: the profile's)")
     g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt token ids come from [16, VOCAB) (default: the profile's model vocabulary)")
     g.add_argument("--online-refit", action="store_true",
                    help="also run the online latency-model refit as an observer (reports its drift)")
     g.add_argument("--check-every", type=int, default=0, help="KV integrity check every N steps (slow)")
     g.add_argument("--no-step-noise", action="store_true",
                    help="predicted step times exactly (default: scattered like the profile's measured steps, seeded)")
+    g.add_argument("--no-serving-costs", action="store_true",
+                   help="steps only: leave out the profile's request entry, token delivery and wake-up costs")
 
 
 def make_policies(names: list[str], latency_model) -> list:
@@ -61,22 +65,14 @@ def run_simulate(args) -> int:
         return 0
     if not args.trace or not args.profile:
         raise SystemExit("stepserve simulate: --trace and --profile are required")
-    from stepserve.scheduler.latency_model import OnlineLatencyModel, load_profile
+    from stepserve.scheduler.latency_model import load_profile
     from stepserve.traces.load import load_trace, save_trace
-    from stepserve.traces.progress import progress_bar
-    from stepserve.traces.report import build_report, finish_runs, format_summary
+    from stepserve.traces.report import finish_runs, format_summary
     from stepserve.traces.scaling import apply_scaling
-    from stepserve.traces.simulator import DEFAULT_MAX_CONTEXT, SimConfig, Simulator
+    from stepserve.traces.simulator import DEFAULT_MAX_CONTEXT
 
     prof = load_profile(args.profile)
-    cfg = SimConfig.from_profile(
-        prof.engine, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
-        kv_slots=args.kv_slots, vocab_size=args.vocab_size, seed=args.seed, admission=args.admission,
-        prefix_caching=not args.no_prefix_caching, check_every=args.check_every,
-        noise=None if args.no_step_noise else prof.data.get("noise"), noise_seed=args.seed,
-    )
-    if cfg.kv_slots is None:
-        raise SystemExit("the profile records no KV pool size: pass --kv-slots")
+    cfg = sim_config(args, prof)
     trace = load_trace(args.trace)
     slo = slo_from_args(args)
     rates = rates_from_args(args)
@@ -86,46 +82,71 @@ def run_simulate(args) -> int:
         specs, sinfo = apply_scaling(trace.specs, sc)
         if args.save_trace and k == 0:
             save_trace(specs, args.save_trace)
-        policies = make_policies(args.policy, prof.model)
-        online = None
-        if args.online_refit:
-            from stepserve.scheduler.latency_model import LinearLatencyModel
-
-            base = prof.model if isinstance(prof.model, LinearLatencyModel) else None
-            online = OnlineLatencyModel(base=base)
-            policies.append(online)
-        sim = Simulator(prof.model, cfg, policies)
-        if online is not None:
-            online.clock = sim.clock  # refit periods in virtual seconds
-        bar = progress_bar(len(specs), "simulate", "req", not args.no_progress)
-        last = [0]
-
-        def progress(n_arrived, t):
-            if n_arrived != last[0]:
-                bar.update(n_arrived - last[0])
-                last[0] = n_arrived
-
-        res = sim.run(specs, progress=progress)
-        bar.close()
-        extra = {
-            "simulator": res.stats,
-            "profile": {"name": prof.name, "source": prof.source, "engine": prof.engine,
-                        "notes": prof.data.get("notes", [])},
-        }
-        if online is not None:
-            extra["online_refit"] = {"refits": online.num_refits,
-                                     "model": online.current().to_dict() if online.current() else None}
-        report = build_report(
-            mode="simulate", records=res.records, duration_s=res.duration_s, slo=slo, trace=trace.info(),
-            scaling=sinfo.to_dict(),
-            config={"profile": args.profile, "profile_source": prof.source, "policies": args.policy,
-                    **dataclasses.asdict(cfg)},
-            itl_values=res.itl_s, extra=extra, with_itl=False,
-        )
+        report = simulate_one(args, prof, cfg, trace, slo, specs, sinfo)
         runs.append(report)
-        print(f"simulated {len(specs)} requests, {res.stats['steps']} steps, {res.duration_s:.1f} s of virtual time "
-              f"in {res.stats['cpu_s']:.1f} s CPU", file=sys.stderr)
         if len(rates) > 1:
             print(format_summary(report), file=sys.stderr)
     finish_runs(runs, rates, args.out, plot_path(args))
     return 0
+
+
+def sim_config(args, prof):
+    """The simulated engine: the profile's sizing and serving costs, the flags' overrides."""
+    from stepserve.traces.simulator import SimConfig
+
+    cfg = SimConfig.from_profile(
+        prof.engine, max_running=args.max_running, max_batched_tokens=args.max_batched_tokens,
+        kv_slots=args.kv_slots, vocab_size=args.vocab_size, seed=args.seed, admission=args.admission,
+        prefix_caching=not args.no_prefix_caching, check_every=args.check_every,
+        noise=None if args.no_step_noise else prof.data.get("noise"), noise_seed=args.seed,
+    )
+    if args.no_serving_costs:
+        cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, wake_s=0.0)
+    if cfg.kv_slots is None:
+        raise SystemExit("the profile records no KV pool size: pass --kv-slots")
+    return cfg
+
+
+def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
+    """The report of one simulation of `specs` (already scaled)."""
+    from stepserve.scheduler.latency_model import LinearLatencyModel, OnlineLatencyModel
+    from stepserve.traces.progress import progress_bar
+    from stepserve.traces.report import build_report
+    from stepserve.traces.simulator import Simulator
+
+    policies = make_policies(args.policy, prof.model)
+    online = None
+    if args.online_refit:
+        base = prof.model if isinstance(prof.model, LinearLatencyModel) else None
+        online = OnlineLatencyModel(base=base)
+        policies.append(online)
+    sim = Simulator(prof.model, cfg, policies)
+    if online is not None:
+        online.clock = sim.clock  # refit periods in virtual seconds
+    bar = progress_bar(len(specs), "simulate", "req", not args.no_progress)
+    last = [0]
+
+    def progress(n_arrived, t):
+        if n_arrived != last[0]:
+            bar.update(n_arrived - last[0])
+            last[0] = n_arrived
+
+    res = sim.run(specs, progress=progress)
+    bar.close()
+    extra = {
+        "simulator": res.stats,
+        "profile": {"name": prof.name, "source": prof.source, "engine": prof.engine,
+                    "notes": prof.data.get("notes", [])},
+    }
+    if online is not None:
+        extra["online_refit"] = {"refits": online.num_refits,
+                                 "model": online.current().to_dict() if online.current() else None}
+    print(f"simulated {len(specs)} requests, {res.stats['steps']} steps, {res.duration_s:.1f} s of virtual time "
+          f"in {res.stats['cpu_s']:.1f} s CPU", file=sys.stderr)
+    return build_report(
+        mode="simulate", records=res.records, duration_s=res.duration_s, slo=slo, trace=trace.info(),
+        scaling=sinfo.to_dict(),
+        config={"profile": args.profile, "profile_source": prof.source, "policies": args.policy,
+                **dataclasses.asdict(cfg)},
+        itl_values=res.itl_s, extra=extra, with_itl=False,
+    )

@@ -22,7 +22,7 @@ from stepserve.kvcache import ReqToTokenPool, SlotAllocator
 from stepserve.scheduler.core import EngineCore
 from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
-from stepserve.scheduler.latency_model import StepFeatures
+from stepserve.scheduler.latency_model import ServingCosts, StepFeatures
 from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from stepserve.scheduler.sequence import SeqStatus
@@ -47,10 +47,18 @@ class SimConfig:
     vocab_size: int | None = None  # None: the profile's, else DEFAULT_VOCAB
     seed: int = 0  # prompt tokens
     check_every: int = 0  # run the KV integrity check every N steps (tests; slow)
-    # A request's fixed cost on its way in (HTTP, validation, the loop's pickup),
-    # from profiles measured through a server: it reaches the scheduler this much
-    # after its arrival, and its TTFT still counts from the arrival.
-    request_overhead_s: float = 0.0
+    # The serving system's costs around the steps (`latency_model.ServingCosts`,
+    # from profiles measured through a server): a request reaches the scheduler
+    # entry_s after its arrival (its TTFT still counts from the arrival); a token
+    # reaches its client delivery_s + stream_s * (tokens of its step) after its
+    # step ends; the first step after the engine sat idle takes wake_s longer.
+    entry_s: float = 0.0
+    delivery_s: float = 0.0
+    stream_s: float = 0.0
+    wake_s: float = 0.0
+
+    def serving(self) -> ServingCosts:
+        return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s)
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of
@@ -61,8 +69,9 @@ class SimConfig:
     @classmethod
     def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
         """Engine sizing recorded in a profile; explicit (non-None) overrides win."""
-        keys = ("max_running", "max_batched_tokens", "kv_slots", "max_context", "vocab_size", "request_overhead_s")
+        keys = ("max_running", "max_batched_tokens", "kv_slots", "max_context", "vocab_size")
         kw = {k: engine[k] for k in keys if engine.get(k) is not None}
+        kw.update(ServingCosts.from_engine(engine).to_dict())
         noise = overrides.pop("noise", None)
         if noise and noise.get("quantiles"):
             kw["noise_quantiles"] = list(noise["quantiles"])
@@ -88,13 +97,17 @@ class SimOutput:
 
 class SimRunner:
     """Stands in for the model runner: placeholder tokens, and the clock moved
-    by the latency model's prediction (times a draw of the profile's noise)."""
+    by the latency model's prediction (times a draw of the profile's noise),
+    plus `wake_s` when the engine was idle before the step (`idle` set)."""
 
-    def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0):
+    def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
+                 wake_s: float = 0.0):
         self.model = latency_model
         self.clock = clock
         self.noise = list(noise_quantiles)
         self.rng = random.Random(noise_seed)
+        self.wake_s = wake_s
+        self.idle = True  # an engine starts idle
 
     def reset(self, noise_seed: int) -> None:
         self.rng = random.Random(noise_seed)
@@ -107,7 +120,11 @@ class SimRunner:
         return dt
 
     def run(self, plan, features: StepFeatures) -> SimOutput:
-        self.clock.t += self.step_time(features)
+        dt = self.step_time(features)
+        if self.idle:
+            dt += self.wake_s
+            self.idle = False
+        self.clock.t += dt
         return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples))
 
 
@@ -138,10 +155,12 @@ class Simulator:
         self.policies = list(policies)
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
-        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed)
+        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
+                                self.cfg.wake_s)
         self.core: EngineCore | None = None
         self._itl = array("d")
-        self._prev: list = []
+        self._costs = self.cfg.serving()
+        self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
 
     def kv_capacity(self) -> int:
         return self.cfg.kv_slots
@@ -170,20 +189,25 @@ class Simulator:
             live.cached = seq.num_cached
 
     def ran(self, plan, out) -> None:
-        self._prev = [s.last_token_time for _, s in plan.samples]
+        pass
 
     def updated(self, plan, out, got) -> None:
-        t = self.clock.t
+        t = self.clock.t + self._costs.delivery(len(plan.samples))  # when the client holds this step's tokens
+        seen = self._seen
         itl = self._itl
         FINISHED = SeqStatus.FINISHED
-        for (_, s), p in zip(plan.samples, self._prev):
+        for _, s in plan.samples:
+            sid = s.seq_id
+            p = seen.get(sid)
             if p is None:
                 rec = s.group.rec
                 if rec.first_token_s is None:
                     rec.first_token_s = t
             else:
                 itl.append(t - p)
+            seen[sid] = t
             if s.status is FINISHED:
+                del seen[sid]
                 live = s.group
                 rec = live.rec
                 k = s.num_output
@@ -204,6 +228,9 @@ class Simulator:
         clock = self.clock
         clock.t = 0.0
         self.runner.reset(cfg.noise_seed)
+        self.runner.idle = True
+        self._costs = cfg.serving()
+        self._seen = {}
         self.core = core = self._build_core()
         sched = core.scheduler
         self._itl = itl = array("d")
@@ -213,7 +240,7 @@ class Simulator:
         sum_rows = sum_new = 0
         max_rows = 0
         i, n = 0, len(specs)
-        oh = cfg.request_overhead_s
+        oh = cfg.entry_s
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while i < n or core.has_work():
             t = clock.t
@@ -232,6 +259,7 @@ class Simulator:
                 core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n), seeds=[0] * spec.n, ignore_eos=True)
             if not core.has_work():
                 clock.t = specs[i].arrival_s + oh
+                self.runner.idle = True
                 continue
             plan = core.step()
             if plan is None:

@@ -1,0 +1,65 @@
+"""The engine loop's timeline, one JSON line per iteration that did anything.
+
+`EngineConfig.step_log` (`stepserve serve --step-log PATH`) turns it on. It is
+what the simulator is checked and calibrated against (`stepserve validate`):
+not only each step's shape and time (the `StepRecord`), but everything the
+loop spends around it, which a latency model of the forward pass alone does
+not see:
+
+  t       wall-clock time (epoch seconds) the iteration's work began: when the
+          loop stopped waiting for commands
+  wait    seconds the loop sat idle waiting for a command before it (0 when busy)
+  adds    requests that entered the engine in this iteration
+  cmd     seconds spent handling the commands (adding requests: their checks,
+          sequences, detokenizer state)
+  rows, decode_rows, ctx, new, pairs
+          the step's features (absent: the iteration ran no step)
+  step    seconds of the step (`StepRecord.wall_s`: schedule, forward, update)
+  fwd     of which the forward pass (`StepRecord.forward_s`)
+  out     seconds turning the step's tokens into output deltas (detokenizing)
+  emit    seconds handing the batch to the transport (pickle and pipe, or queue)
+  outs    requests in the batch
+
+Lines are buffered and the file is flushed every `flush_every` lines and when
+the loop ends; a reader of a live server sees all but the last few.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "step", "fwd", "out", "emit",
+          "outs")
+
+
+class StepLog:
+    def __init__(self, path: str, flush_every: int = 256):
+        self.f = open(path, "a", buffering=1 << 16)
+        self.flush_every = flush_every
+        self._n = 0
+        # epoch = perf_counter + offset: one conversion, so intervals keep perf_counter's resolution
+        self.offset = time.time() - time.perf_counter()
+
+    def write(self, line: dict) -> None:
+        self.f.write(json.dumps(line, separators=(",", ":")))
+        self.f.write("\n")
+        self._n += 1
+        if self._n % self.flush_every == 0:
+            self.f.flush()
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.close()
+
+
+def read_step_log(path: str) -> list[dict]:
+    """The lines of a step log (a partial last line, from a live writer, is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return out

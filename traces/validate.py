@@ -1,0 +1,316 @@
+"""`stepserve validate`: the simulator against the real server, rate by rate.
+
+For one trace and one profile, at each rate of `--rates` (light load through
+saturation), it replays the scaled trace against a running server and
+simulates the same requests with the profile, then prints a table per rate
+(real, simulated, error) of TTFT, TPOT, ITL and E2E p50/p90/p99, goodput and
+SLO attainment, and a summary against the goals:
+
+  goodput            within 5% (relative)
+  SLO attainment     within 5 points (absolute)
+  TTFT, TPOT p50/p90 within 15% (relative)
+  saturation knee    the first rate whose attainment is below 90%: the same
+                     grid step, or the next one
+
+`--out` writes all of it as JSON, `--plot` a figure with both curves
+(goodput, attainment, TTFT p90 and TPOT p90 against the rate).
+
+With `--step-log PATH` (the server's `--step-log`, same machine) each rate
+also gets the engine's own view: its steps, how long it was busy, how far its
+measured step times were from the profile's predictions for the same shapes,
+and the serving costs the step log shows (a request's entry into an idle
+engine, the first step after idle). Those are what the simulator's
+`ServingCosts` stand for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import numpy as np
+
+from stepserve.traces.options import add_trace_args, rates_from_args, scaling_from_args, slo_from_args
+
+VALIDATION_KIND = "stepserve-validation"
+GOALS = {"goodput_rel": 0.05, "attainment_abs": 0.05, "latency_rel": 0.15, "knee_steps": 1, "knee_level": 0.9}
+LATENCIES = ("ttft", "tpot", "itl", "e2e")
+QUANTILES = ("p50", "p90", "p99")
+GATED = [(m, q) for m in ("ttft", "tpot") for q in ("p50", "p90")]  # the latency goals
+
+
+def add_validate_args(p: argparse.ArgumentParser) -> None:
+    from stepserve.traces.replay_cli import add_server_args
+    from stepserve.traces.simulate_cli import add_sim_engine_args
+
+    add_trace_args(p)
+    add_server_args(p)
+    add_sim_engine_args(p)
+    g = p.add_argument_group("validation")
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="the server's step log (`stepserve serve --step-log PATH`): adds the engine's own view per "
+                        "rate")
+
+
+def _rel(real, sim) -> float | None:
+    if real is None or sim is None or real == 0:
+        return None
+    return (sim - real) / real
+
+
+def compare_rate(real: dict, sim: dict) -> dict:
+    """Real and simulated figures of one rate, with the errors the goals judge."""
+    out = {"rate": real["scaling"].get("rate_rps"), "latency": {}, "real": {}, "sim": {}}
+    for m in LATENCIES:
+        for q in QUANTILES:
+            a, b = real[f"{m}_s"][q], sim[f"{m}_s"][q]
+            out["latency"][f"{m}_{q}"] = {"real": a, "sim": b, "error": _rel(a, b)}
+    for k in ("throughput_rps", "goodput_rps", "slo_attainment", "num_completed", "duration_s"):
+        out["real"][k] = real.get(k)
+        out["sim"][k] = sim.get(k)
+    out["goodput_error"] = _rel(real["goodput_rps"], sim["goodput_rps"])
+    out["attainment_error"] = sim["slo_attainment"] - real["slo_attainment"]
+    return out
+
+
+def knee(rates: list[float], attainment: list[float], level: float = GOALS["knee_level"]) -> int | None:
+    """Index of the first rate whose SLO attainment is below `level` (None: never)."""
+    for i, a in enumerate(attainment):
+        if a < level:
+            return i
+    return None
+
+
+def judge(per_rate: list[dict]) -> dict:
+    """Each goal over every rate: met or not, with the worst error."""
+    g = GOALS
+    goodput = [abs(r["goodput_error"]) for r in per_rate if r["goodput_error"] is not None]
+    att = [abs(r["attainment_error"]) for r in per_rate]
+    lat = {f"{m}_{q}": [abs(r["latency"][f"{m}_{q}"]["error"]) for r in per_rate
+                        if r["latency"][f"{m}_{q}"]["error"] is not None] for m, q in GATED}
+    rates = [r["rate"] for r in per_rate]
+    k_real = knee(rates, [r["real"]["slo_attainment"] for r in per_rate])
+    k_sim = knee(rates, [r["sim"]["slo_attainment"] for r in per_rate])
+    n = len(rates)
+    knee_ok = abs((n if k_real is None else k_real) - (n if k_sim is None else k_sim)) <= g["knee_steps"]
+    out = {
+        "goodput": {"worst": max(goodput, default=None), "goal": g["goodput_rel"],
+                    "met": all(x <= g["goodput_rel"] for x in goodput)},
+        "attainment": {"worst": max(att, default=None), "goal": g["attainment_abs"],
+                       "met": all(x <= g["attainment_abs"] for x in att)},
+        **{k: {"worst": max(v, default=None), "goal": g["latency_rel"], "met": all(x <= g["latency_rel"] for x in v)}
+           for k, v in lat.items()},
+        "knee": {"real": None if k_real is None else rates[k_real], "sim": None if k_sim is None else rates[k_sim],
+                 "level": g["knee_level"], "met": knee_ok,
+                 "note": "first rate with SLO attainment below 90% (None: none of the rates)"},
+    }
+    out["all_met"] = all(v["met"] for v in out.values() if isinstance(v, dict))
+    return out
+
+
+# -- the engine's view, from its step log --------------------------------------------------------
+
+
+def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
+    """What the server's step log shows for one replay: steps, busy time, the
+    profile's step model against the measured steps (whole iterations: the step
+    plus the loop's command, output and hand-over time), a request's entry
+    into an idle engine, and the extra time of steps that start after idle."""
+    t0 = real.get("t0_epoch")
+    recs = real.get("requests") or []
+    ends = [r["end_s"] for r in recs if r.get("end_s") is not None]
+    if t0 is None or not ends:
+        return None
+    t_end = t0 + max(ends) + 0.05
+    window = [ln for ln in lines if t0 - 0.001 <= ln["t"] <= t_end]
+    steps = [ln for ln in window if "rows" in ln]
+    if not steps:
+        return None
+    it = np.array([ln["step"] + ln["out"] + ln["emit"] + ln["cmd"] for ln in steps])
+    pred = np.array([model.predict(ln["rows"], ln["ctx"], ln["new"], ln.get("pairs", 0.0)) for ln in steps])
+    ratio = it / pred
+    # idle before each step: its own wait plus that of command-only iterations just before it
+    idle_before, acc = [], 0.0
+    for ln in window:
+        acc += ln["wait"]
+        if "rows" in ln:
+            idle_before.append(acc)
+            acc = 0.0
+    idle_before = np.array(idle_before)
+    after_idle = idle_before > 0.001
+    # entry: a request that reached an idle engine was picked up as soon as it
+    # arrived, so (pickup - client send) is its way in, with no step to wait for
+    starts = sorted(t0 + r["start_s"] for r in recs if r.get("start_s") is not None)
+    entry, k, busy_until = [], 0, None
+    for ln in window:
+        for _ in range(ln["adds"]):
+            if k < len(starts):
+                if busy_until is None or busy_until < starts[k]:
+                    entry.append(ln["t"] - starts[k])
+                k += 1
+        busy_until = ln["t"] + ln["cmd"] + ln.get("step", 0.0) + ln.get("out", 0.0) + ln["emit"]
+
+    def q(a, p):
+        return float(np.percentile(a, p)) if len(a) else None
+
+    return {
+        "steps": len(steps),
+        "busy_s": float(it.sum()),
+        "predicted_busy_s": float(pred.sum()),
+        "step_ratio": {"p10": q(ratio, 10), "p50": q(ratio, 50), "p90": q(ratio, 90),
+                       "sum": float(it.sum() / pred.sum())},
+        "step_ape_p50": q(np.abs(ratio - 1), 50),
+        "steps_after_idle": int(after_idle.sum()),
+        "wake_extra_s_p50": q((it - pred)[after_idle], 50),
+        "busy_step_ratio_p50": q(ratio[~after_idle], 50),
+        "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
+    }
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:+.0%}"
+
+
+def format_rate(r: dict) -> str:
+    lines = [f"rate {r['rate']:.3g} req/s", f"  {'ms':6s} {'real':>9s} {'sim':>9s} {'error':>7s}"]
+    for m in LATENCIES:
+        for q in QUANTILES:
+            c = r["latency"][f"{m}_{q}"]
+            lines.append(f"  {m.upper() + ' ' + q:10s} {_ms(c['real']):>5s} {_ms(c['sim']):>9s} {_pct(c['error']):>7s}")
+    lines.append(f"  {'goodput':10s} {r['real']['goodput_rps']:5.2f} {r['sim']['goodput_rps']:9.2f} "
+                 f"{_pct(r['goodput_error']):>7s}  req/s")
+    lines.append(f"  {'attainment':10s} {r['real']['slo_attainment']:5.1%} {r['sim']['slo_attainment']:9.1%} "
+                 f"{r['attainment_error'] * 100:+6.1f}pt")
+    v = r.get("engine")
+    if v:
+        e = v["entry_s"]
+        lines.append(f"  engine: {v['steps']} steps, busy {v['busy_s']:.2f} s (model {v['predicted_busy_s']:.2f} s); "
+                     f"measured/predicted step p50 {v['step_ratio']['p50']:.2f} (p10 {v['step_ratio']['p10']:.2f}, "
+                     f"p90 {v['step_ratio']['p90']:.2f}); {v['steps_after_idle']} steps after idle, "
+                     f"+{_ms(v['wake_extra_s_p50'])} ms p50; entry into an idle engine "
+                     f"{_ms(e['p50'])} ms p50 ({e['n']} requests)")
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict, per_rate: list[dict]) -> str:
+    lines = [f"{'rate':>8s} {'attain real':>12s} {'attain sim':>11s} {'goodput err':>12s} "
+             + " ".join(f"{m.upper() + ' ' + q + ' err':>13s}" for m, q in GATED)]
+    for r in per_rate:
+        lines.append(f"{r['rate']:8.3g} {r['real']['slo_attainment']:12.1%} {r['sim']['slo_attainment']:11.1%} "
+                     f"{_pct(r['goodput_error']):>12s} "
+                     + " ".join(f"{_pct(r['latency'][f'{m}_{q}']['error']):>13s}" for m, q in GATED))
+    lines.append("goals:")
+    for k, v in summary.items():
+        if k == "all_met":
+            continue
+        if k == "knee":
+            lines.append(f"  knee (attainment < 90%): real {v['real']}, sim {v['sim']} req/s: "
+                         f"{'met' if v['met'] else 'MISSED'} (within one grid step)")
+            continue
+        worst = "-" if v["worst"] is None else (f"{v['worst'] * 100:.1f}pt" if k == "attainment"
+                                               else f"{v['worst']:.1%}")
+        goal = f"{v['goal'] * 100:.0f}pt" if k == "attainment" else f"{v['goal']:.0%}"
+        lines.append(f"  {k:12s} worst {worst:>7s} (goal {goal}): {'met' if v['met'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def plot_validation(result: dict, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stepserve.traces.report import output_path
+
+    per = result["rates"]
+    rates = [r["rate"] for r in per]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 8))
+    panels = [
+        (axes[0][0], "goodput (req/s)", lambda r, s: r[s]["goodput_rps"], None),
+        (axes[0][1], "SLO attainment (%)", lambda r, s: 100 * r[s]["slo_attainment"], (0, 105)),
+        (axes[1][0], "TTFT p90 (ms)", lambda r, s: 1e3 * r["latency"]["ttft_p90"]["real" if s == "real" else "sim"],
+         None),
+        (axes[1][1], "TPOT p90 (ms)", lambda r, s: 1e3 * r["latency"]["tpot_p90"]["real" if s == "real" else "sim"],
+         None),
+    ]
+    for ax, label, get, ylim in panels:
+        for side, style in (("real", "o-"), ("sim", "s--")):
+            ax.plot(rates, [get(r, side) for r in per], style, label="real server" if side == "real" else "simulator")
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        if ylim:
+            ax.set_ylim(*ylim)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    slo = result.get("slo") or {}
+    fig.suptitle(f"validate: {result['trace'].get('path', '')} with {result['profile']['name']}; SLO TTFT "
+                 f"{_ms(slo.get('ttft_s'))} ms, TPOT {_ms(slo.get('tpot_s'))} ms", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(output_path(path), dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_validate(args) -> int:
+    from stepserve.engine.step_log import read_step_log
+    from stepserve.scheduler.latency_model import load_profile
+    from stepserve.traces.load import load_trace
+    from stepserve.traces.replay import server_info
+    from stepserve.traces.replay_cli import replay_one
+    from stepserve.traces.report import command_line, versions, write_report
+    from stepserve.traces.scaling import apply_scaling
+    from stepserve.traces.simulate_cli import sim_config, simulate_one
+
+    if not args.trace or not args.profile:
+        raise SystemExit("stepserve validate: --trace and --profile are required")
+    if not args.rates or len(rates_from_args(args)) < 2:
+        raise SystemExit("stepserve validate: give --rates, two or more, from light load through saturation")
+    slo = slo_from_args(args)
+    if slo.ttft_s is None and slo.tpot_s is None and slo.e2e_s is None:
+        raise SystemExit("stepserve validate: give SLOs (--slo-ttft, --slo-tpot) that bind at the top rates")
+    prof = load_profile(args.profile)
+    cfg = sim_config(args, prof)
+    info = server_info(args.url, args.api_key)
+    trace = load_trace(args.trace)
+    if args.vocab_size is None and info.vocab_size:
+        args.vocab_size = info.vocab_size  # one prompt vocabulary for both sides
+        cfg = dataclasses.replace(cfg, vocab_size=info.vocab_size)
+    max_ctx = min(x for x in (info.max_model_len, cfg.max_context) if x) if (info.max_model_len or cfg.max_context) \
+        else None
+    per_rate = []
+    for k, rate in enumerate(rates_from_args(args)):
+        sc = dataclasses.replace(scaling_from_args(args, max_ctx), rate=rate)
+        specs, sinfo = apply_scaling(trace.specs, sc)
+        real = replay_one(args, info, trace, slo, specs, sinfo, k)
+        sim = simulate_one(args, prof, cfg, trace, slo, specs, sinfo)
+        r = compare_rate(real, sim)
+        if args.step_log:
+            r["engine"] = step_log_view(read_step_log(args.step_log), real, prof.model)
+        per_rate.append(r)
+        print(format_rate(r), file=sys.stderr)
+    summary = judge(per_rate)
+    result = {
+        "kind": VALIDATION_KIND, "command": command_line(), "versions": versions(), "trace": trace.info(),
+        "scaling": sinfo.to_dict(), "slo": dataclasses.asdict(slo), "goals": GOALS,
+        "profile": {"path": args.profile, "name": prof.name, "source": prof.source, "engine": prof.engine},
+        "simulator": dataclasses.asdict(cfg) | {"noise_quantiles": len(cfg.noise_quantiles)},
+        "rates": per_rate, "summary": summary,
+    }
+    for r in per_rate:
+        print(format_rate(r))
+    print(format_summary(summary, per_rate))
+    if args.out:
+        write_report(result, args.out)
+        print(f"validation written to {args.out}")
+    if args.plot is not None:
+        path = args.plot or (args.out.rsplit(".", 1)[0] + ".png" if args.out else "validate.png")
+        print(f"plot written to {plot_validation(result, path)}")
+    return 0

@@ -152,6 +152,8 @@ class EngineLoop:
             outputs: Outputs = []
             replies: Replies = []
             idle = self.paused or not eng.has_unfinished()
+            if idle and log is not None:
+                log.flush()  # readers see every step once the engine waits
             t_wait = clock()
             cmds = self.poll(None if idle else 0.0)
             t0 = clock()

@@ -20,8 +20,9 @@ not see:
   emit    seconds handing the batch to the transport (pickle and pipe, or queue)
   outs    requests in the batch
 
-Lines are buffered and the file is flushed every `flush_every` lines and when
-the loop ends; a reader of a live server sees all but the last few.
+Lines are buffered; the file is flushed every `flush_every` lines, whenever
+the loop goes idle, and when it ends: a reader of an idle server sees every
+step.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class StepLog:
         self.f = open(path, "a", buffering=1 << 16)
         self.flush_every = flush_every
         self._n = 0
+        self._flushed = 0
         # epoch = perf_counter + offset: one conversion, so intervals keep perf_counter's resolution
         self.offset = time.time() - time.perf_counter()
 
@@ -45,8 +47,13 @@ class StepLog:
         self.f.write(json.dumps(line, separators=(",", ":")))
         self.f.write("\n")
         self._n += 1
-        if self._n % self.flush_every == 0:
+        if self._n - self._flushed >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._n != self._flushed:
             self.f.flush()
+            self._flushed = self._n
 
     def close(self) -> None:
         if not self.f.closed:

@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads of the engine's process (default: torch's, one per core)")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="append the engine loop's timeline to PATH, one JSON line per step (what `stepserve "
-                        "validate` reads)")
+                        "validate` reads); for `profile --url`: the server's step log, to calibrate from")
 
 
 def engine_config(args):

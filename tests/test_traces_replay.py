@@ -22,13 +22,16 @@ TRACE = ("synthetic:num=16,rate=8,input=uniform:8:60,output=uniform:2:12,prefix_
 
 
 @pytest.fixture(scope="module")
-def server(llama_ckpt, tmp_path_factory):
+def served(llama_ckpt, tmp_path_factory):
+    """(url, step log path) of a server for this module."""
     port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
+    folder = tmp_path_factory.mktemp("server")
+    log = folder / "server.log"
+    step_log = folder / "steps.jsonl"
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stepserve.cli", "serve", "--model", llama_ckpt, "--port", str(port),
-             "--host", "127.0.0.1", "--log-level", "warning"],
+             "--host", "127.0.0.1", "--log-level", "warning", "--step-log", str(step_log)],
             stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
     url = f"http://127.0.0.1:{port}"
@@ -45,7 +48,7 @@ def server(llama_ckpt, tmp_path_factory):
             if time.monotonic() > deadline:
                 pytest.fail(f"server did not come up:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        yield url
+        yield url, str(step_log)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -53,6 +56,11 @@ def server(llama_ckpt, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def test_real_replay_then_simulate_and_compare(server, tmp_path, capsys):
@@ -99,7 +107,7 @@ def test_real_replay_then_simulate_and_compare(server, tmp_path, capsys):
 
 def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, tmp_path, capsys):
     from stepserve.cli import main
-    from stepserve.scheduler.latency_model import load_profile
+    from stepserve.scheduler.latency_model import ServingCosts, load_profile
     from stepserve.traces.simulator import SimConfig
 
     out = tmp_path / "http.json"
@@ -111,10 +119,13 @@ def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, t
     assert prof["source"] == "measured-http"
     assert {p["scenario"] for p in prof["points"]} == {"decode", "prefill", "mixed"}
     assert prof["engine"]["max_context"] == 512 and prof["engine"]["kv_slots"] > 0
-    assert "request_overhead_s" in prof["engine"] or prof["engine"].get("request_overhead_s", 0) == 0
+    assert set(prof["engine"]) & {"request_overhead_s", "entry_s"} <= {"entry_s"}  # the old key is gone
     assert len(prof["noise"]["quantiles"]) == 101
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]
+    assert cfg.serving() == ServingCosts.from_engine(prof["engine"])
+    # the mixed points carry the streams decoding beside each probe
+    assert {p["streams"] for p in prof["points"] if p["scenario"] == "mixed"} == {2}
     assert load_profile(str(out)).model.predict(2, 100, 2) > 0
     # the round line, the final line and the file count the same points; the bar counts scenario runs:
     # 3 batch sizes x 2 contexts decode, prompts of 16, 24 and 40 tokens, 1 batch size x 2 contexts mixed
@@ -123,6 +134,38 @@ def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, t
     assert re.search(rf"^{len(prof['points'])} points \(.*\) from \d+ timed samples over 1 rounds", captured.out, re.M)
     assert int(round_points) == len(prof["points"])
     assert "11/11" in captured.err
+
+
+def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
+    """`stepserve validate` over two rates: per-rate tables, the engine's view
+    from the server's step log, the judgement, JSON and plot."""
+    from stepserve.cli import main
+
+    url, step_log = served
+    prof = {"kind": "stepserve-latency-profile", "source": "measured", "latency": {"form": "linear",
+            "coef": [2e-3, 1e-4, 1e-7, 1e-5]},
+            "engine": {"kv_slots": 20000, "max_context": 512, "vocab_size": 384, "delivery_s": 1e-3}}
+    (tmp_path / "p.json").write_text(json.dumps(prof))
+    out = tmp_path / "val.json"
+    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", url, "--profile", str(tmp_path / "p.json"),
+               "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--step-log", step_log, "--out", str(out), "--plot",
+               "--no-progress"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["kind"] == "stepserve-validation" and [r["rate"] for r in res["rates"]] == [4, 16]
+    for r in res["rates"]:
+        assert r["real"]["num_completed"] == r["sim"]["num_completed"] == 16
+        for key in ("ttft_p50", "tpot_p90", "itl_p99", "e2e_p50"):
+            c = r["latency"][key]
+            assert c["real"] > 0 and c["sim"] > 0 and c["error"] == pytest.approx(c["sim"] / c["real"] - 1)
+        (eng,) = r["engine"]
+        assert eng["steps"] > 0 and eng["busy_s"] > 0 and eng["step_ratio"]["p50"] > 0
+        assert eng["entry_s"]["n"] >= 1  # the first request of each run finds the engine idle
+    assert res["simulator"]["delivery_s"] == 1e-3
+    assert set(res["summary"]) >= {"goodput", "attainment", "ttft_p50", "tpot_p90", "knee", "all_met"}
+    assert (tmp_path / "val.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "rate 4 req/s" in printed and "goals:" in printed and "engine:" in printed
 
 
 def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, tmp_path, capsys):

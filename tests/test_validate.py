@@ -84,7 +84,7 @@ def test_judgement_of_a_sweep():
     real = [_report(1, 1.0, 1.0, 0.01, 0.01), _report(2, 1.9, 0.95, 0.02, 0.01), _report(4, 2.0, 0.5, 0.1, 0.02)]
     close = [_report(1, 1.0, 1.0, 0.0105, 0.0095), _report(2, 1.85, 0.92, 0.022, 0.011),
              _report(4, 2.05, 0.47, 0.11, 0.021)]
-    per = [compare_rate(a, b) for a, b in zip(real, close)]
+    per = [compare_rate([a], [b]) for a, b in zip(real, close)]
     assert per[1]["latency"]["ttft_p90"]["error"] == pytest.approx(0.1)
     assert per[2]["attainment_error"] == pytest.approx(-0.03)
     s = judge(per)
@@ -93,12 +93,74 @@ def test_judgement_of_a_sweep():
 
     # a simulator that saturates early: attainment off by 40 points, knee two grid steps early
     early = [_report(1, 0.8, 0.6, 0.03, 0.01), _report(2, 1.0, 0.5, 0.05, 0.02), _report(4, 1.0, 0.2, 0.5, 0.05)]
-    s = judge([compare_rate(a, b) for a, b in zip(real, early)])
+    s = judge([compare_rate([a], [b]) for a, b in zip(real, early)])
     assert not s["all_met"] and not s["attainment"]["met"] and not s["goodput"]["met"]
     assert s["knee"]["sim"] == 1 and s["knee"]["real"] == 4 and not s["knee"]["met"]
+
+
+def test_repeats_are_medians_with_the_real_spread():
+    reals = [_report(2, 1.8, 0.9, 0.02, 0.01), _report(2, 2.0, 1.0, 0.03, 0.01), _report(2, 1.9, 0.8, 0.025, 0.01)]
+    sims = [_report(2, 1.9, 0.95, 0.025, 0.01)] * 3
+    r = compare_rate(reals, sims)
+    assert r["repeats"] == 3 and r["real"]["goodput_rps"] == pytest.approx(1.9)
+    assert r["real"]["attainment_range"] == [0.8, 1.0] and r["real"]["slo_attainment"] == pytest.approx(0.9)
+    c = r["latency"]["ttft_p50"]
+    assert c["real"] == pytest.approx(0.025) and c["error"] == pytest.approx(0.0)
+    assert c["real_spread"] == pytest.approx(0.01 / 0.025)
+    assert r["goodput_error"] == pytest.approx(0.0) and r["attainment_error"] == pytest.approx(0.05)
 
 
 def test_knee_is_the_first_rate_below_the_level():
     assert knee([1, 2, 4, 8], [1.0, 0.95, 0.89, 0.2]) == 2
     assert knee([1, 2], [1.0, 0.95]) is None
     assert knee([1, 2], [0.5, 0.95]) == 0
+
+
+def test_calibration_from_a_step_log_recovers_each_cost():
+    """A synthetic step log made with known costs: busy steps follow the model
+    (times a +-5% scatter), steps after idle take wake_s more, probes reach the
+    idle engine entry_s after their send, and their first token reaches the
+    client delivery_s + stream_s * (tokens of its step) after the step ends."""
+    import random
+
+    from stepserve.traces.calibrate import calibrate
+
+    truth = LinearLatencyModel("linear", [4e-3, 1e-4, 1e-6, 1.5e-4])
+    entry, delivery, stream, wake = 0.4e-3, 2e-3, 1e-4, 3e-3
+    rng = random.Random(1)
+    lines, probes, t = [], [], 1000.0
+
+    def step(t, wait, adds, rows, ctx, new, pairs, extra=0.0):
+        dt = truth.predict(rows, ctx, new, pairs) * rng.uniform(0.95, 1.05) + extra
+        lines.append({"t": t, "wait": wait, "adds": adds, "cmd": 0.0, "rows": rows, "decode_rows": rows - (new > rows),
+                      "ctx": ctx, "new": new, "pairs": pairs, "step": dt, "fwd": dt, "out": 0.0, "emit": 0.0,
+                      "outs": rows})
+        return t + dt
+
+    for rep in range(40):
+        # a busy stretch of B decode rows
+        b = rng.choice([2, 4, 8, 16, 32])
+        for _ in range(20):
+            t = step(t, 0.0, 0, b, b * rng.randint(20, 400), b, 0.0)
+        # a probe of P tokens beside the same B decode rows (busy: no wake)
+        p = rng.choice([16, 64, 256])
+        send = t - 0.002  # sent during the last decode step
+        end = step(t, 0.0, 1, b + 1, b * 200 + p, b + p, p * (p + 1) / 2)
+        probes.append({"start": send, "first": end + delivery + stream * (b + 1), "prompt": p})
+        t = end
+        # the engine idles, then a probe alone wakes it
+        send = t + 0.2
+        t = send + entry
+        end = step(t, t - send + 0.1999, 1, 1, p, p, p * (p + 1) / 2, extra=wake)
+        probes.append({"start": send, "first": end + delivery + stream, "prompt": p})
+        t = end
+    cal = calibrate(lines, probes, 0.0, t + 1)
+    c = cal["costs"]
+    assert cal["model"].coef == pytest.approx(truth.coef, rel=0.1, abs=2e-7)
+    assert c.entry_s == pytest.approx(entry, rel=1e-6)
+    assert c.delivery_s == pytest.approx(delivery, rel=1e-6) and c.stream_s == pytest.approx(stream, rel=1e-6)
+    assert c.wake_s == pytest.approx(wake, abs=0.5e-3)
+    assert cal["samples"]["delivery"] == 80 and cal["samples"]["after_idle"] == 40
+    q = cal["noise"]["quantiles"]
+    assert len(q) == 101 and 0.93 < q[1] < q[50] < q[99] < 1.07
+    assert cal["fit"]["heldout_steps"]["median_ape"] < 0.05

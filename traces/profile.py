@@ -467,12 +467,21 @@ def _run_http(args) -> int:
     sweep = HTTPSweep(args.warmup, args.repeats, max_batched, args.sweep_seed)
     progress = SweepProgress(sweep, args.rounds, len(plan), not args.no_progress)
     t0 = time.perf_counter()
+    epoch0 = time.time()
 
     async def go():
         replayer = Replayer(ReplayConfig(url=args.url, api_key=args.api_key, warmup=0, progress=False), info)
         return await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
 
     points = asyncio.run(go())
+    calibration = None
+    if args.step_log:
+        from stepserve.engine.step_log import read_step_log
+        from stepserve.traces.calibrate import calibrate
+
+        time.sleep(0.2)  # the engine, idle now, flushes its log before it waits
+        form = "linear" if args.form == "auto" else args.form
+        calibration = calibrate(read_step_log(args.step_log), sweep.probes, epoch0, time.time(), form)
     slots, how = _server_engine_sizing(args, max_len)
     return _write_profile(
         args, points, source="measured-http", target="client-observed step time",
@@ -482,11 +491,12 @@ def _run_http(args) -> int:
                 "max_batched_tokens": max_batched, "max_context": max_len, "vocab_size": vocab},
         sweep={"batch_sizes": bss, "context_lens": ctxs, "prefill_lens": plens, "repeats": args.repeats,
                "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0},
+        calibration=calibration,
     )
 
 
 def _write_profile(args, points: list[dict], *, source: str, target: str, device: dict, model: dict, engine: dict,
-                   sweep: dict) -> int:
+                   sweep: dict, calibration: dict | None = None) -> int:
     from stepserve.traces.report import command_line, versions
 
     if len(points) < 5:
@@ -494,6 +504,23 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
     fit = fit_and_evaluate(points, args.holdout, args.sweep_seed, args.form)
     fitted: Fitted = fit["fit"]
     model_fit: LinearLatencyModel = fitted.model
+    noise = step_noise(points)
+    extra = {}
+    if calibration is not None:
+        # the step log measured what the client-timed fit infers: use it, and
+        # check it against the client's own points (which it never saw)
+        client = fitted
+        fitted = Fitted(calibration["model"], calibration["costs"])
+        model_fit = fitted.model
+        noise = calibration["noise"]
+        target = "engine loop iteration (server step log)"
+        errs = [abs(fitted.predict_point(p) - p["time"]) / p["time"] for p in points]
+        extra = {"calibration": {
+            "method": "server step log (traces/calibrate.py)", "step_log": args.step_log,
+            "samples": calibration["samples"], **calibration["fit"],
+            "client_points": _ape_summary(errs),
+            "client_fit": {"latency": client.model.to_dict(), "costs": client.costs.to_dict()},
+        }}
     if fitted.costs != ServingCosts():
         engine = {**engine, **fitted.costs.to_dict()}
     h = fit["heldout"]
@@ -516,7 +543,8 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
                       "heldout_steps": f["errors"]["steps"], "train_points": f["errors"]["train_points"]}
                   for n, f in fit["forms"].items()},
         "engine": engine,
-        "noise": step_noise(points),
+        "noise": noise,
+        **extra,
         "sweep": sweep,
         "points": [{k: v for k, v in p.items() if k not in ("features", "raw", "terms")}
                    | {"rows": p["features"].rows, "context_tokens": p["features"].context_tokens,
@@ -526,13 +554,18 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
                    for p in points],
     }
     write_report(profile, args.out)
-    print(f"{describe_points(points)} over {args.rounds} rounds; form {fit['form']}: "
-          + ", ".join(f"{n}={c:.4g}" for n, c in zip(FORMS[fit['form']], model_fit.coef))
+    print(f"{describe_points(points)} over {args.rounds} rounds; form {model_fit.form}: "
+          + ", ".join(f"{n}={c:.4g}" for n, c in zip(FORMS[model_fit.form], model_fit.coef))
           + "".join(f"; {name} {getattr(fitted.costs, name) * 1e3:.3f} ms" for name in ServingCosts.KEYS
                     if getattr(fitted.costs, name)))
     for n, f in fit["forms"].items():
         e = f["errors"]
         print(f"  {n:12s} held-out median APE {e['points']['median_ape']:.1%} (p90 {e['points']['p90_ape']:.1%}) "
               f"on points, {e['steps']['median_ape']:.1%} (p90 {e['steps']['p90_ape']:.1%}) on raw steps")
+    if calibration is not None:
+        c = extra["calibration"]
+        print(f"  from the step log ({c['busy_steps']} busy steps; used): held-out median APE "
+              f"{c['heldout_steps']['median_ape']:.1%} per step; on the client's points "
+              f"{c['client_points']['median_ape']:.1%} (p90 {c['client_points']['p90_ape']:.1%})")
     print(f"profile written to {args.out}")
     return 0

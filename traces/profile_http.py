@@ -46,6 +46,9 @@ from stepserve.traces.request_spec import RequestSpec, Segment
 class HTTPSweep:
     def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int, idle_s: float = 0.05):
         self.idle_s = idle_s
+        # every TTFT probe, in wall-clock seconds, for a calibration from the server's step log
+        self.probes: list[dict] = []
+        self._epoch = time.time() - time.perf_counter()
         self.warmup = warmup
         self.repeats = repeats
         self.max_batched = max_batched
@@ -61,6 +64,19 @@ class HTTPSweep:
 
     def _spec(self, plen: int, out: int) -> RequestSpec:
         return RequestSpec(f"profile-{self.rng.random()}", 0.0, out, (Segment(f"profile:{self.rng.random()}", plen),))
+
+    async def _probe(self, replayer, plen: int) -> RequestRecord:
+        """One request of `plen` prompt tokens and one output token; its send and
+        first-token times are kept (wall clock) in `probes`."""
+        spec = self._spec(plen, 1)
+        rec = RequestRecord(spec.request_id, 0.0, plen)
+        t0 = time.perf_counter()
+        await replayer._one(spec, rec, t0)
+        if rec.error:
+            raise RuntimeError(f"profile request failed: {rec.error}")
+        base = self._epoch + t0
+        self.probes.append({"start": base + rec.start_s, "first": base + rec.first_token_s, "prompt": plen})
+        return rec
 
     async def decode(self, replayer, bs: int, ctx: int) -> None:
         """B streams started together; each stream's time per token once all B decode in lockstep.
@@ -93,11 +109,7 @@ class HTTPSweep:
         f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
         for rep in range(self.warmup + self.repeats):
             await asyncio.sleep(self.idle_s)
-            spec = self._spec(plen, 1)
-            rec = RequestRecord(spec.request_id, 0.0, plen)
-            await replayer._one(spec, rec, time.perf_counter())
-            if rec.error:
-                raise RuntimeError(f"profile request failed: {rec.error}")
+            rec = await self._probe(replayer, plen)
             if rep >= self.warmup:
                 raw.append((f, rec.ttft))
         self._add({"scenario": "prefill", "prompt": plen, "from_request": True, "from_idle": True}, raw)
@@ -125,11 +137,7 @@ class HTTPSweep:
         for rep in range(self.warmup + self.repeats):
             gaps = [g for r in recs for g in r.itl_s[-4:]]
             await asyncio.sleep(self.rng.uniform(0, statistics.median(gaps) if gaps else 0.005))
-            spec = self._spec(plen, 1)
-            rec = RequestRecord(spec.request_id, 0.0, plen)
-            await replayer._one(spec, rec, time.perf_counter())
-            if rec.error:
-                raise RuntimeError(f"profile request failed: {rec.error}")
+            rec = await self._probe(replayer, plen)
             if any(t.done() for t in tasks):
                 break  # the batch is thinning: this probe no longer saw B decode rows
             if rep >= self.warmup:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
+import time
 
 import numpy as np
 
@@ -48,6 +48,9 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
     add_sim_engine_args(p)
     g = p.add_argument_group("validation")
+    g.add_argument("--repeats", type=int, default=1,
+                   help="runs per rate, interleaved over the grid (up, then down); figures are medians, and the "
+                        "real runs' spread is reported beside them")
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="the server's step log (`stepserve serve --step-log PATH`): adds the engine's own view per "
                         "rate")
@@ -59,18 +62,38 @@ def _rel(real, sim) -> float | None:
     return (sim - real) / real
 
 
-def compare_rate(real: dict, sim: dict) -> dict:
-    """Real and simulated figures of one rate, with the errors the goals judge."""
-    out = {"rate": real["scaling"].get("rate_rps"), "latency": {}, "real": {}, "sim": {}}
+def _median(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(np.median(xs)) if xs else None
+
+
+def _spread(xs: list) -> float | None:
+    """(max - min) / median of the repeats: how far apart two runs of the same rate land."""
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return None
+    m = float(np.median(xs))
+    return (max(xs) - min(xs)) / m if m else None
+
+
+def compare_rate(reals: list[dict], sims: list[dict]) -> dict:
+    """Real and simulated figures of one rate (medians over the repeats of
+    each), with the errors the goals judge, and the real runs' own spread."""
+    out = {"rate": reals[0]["scaling"].get("rate_rps"), "repeats": len(reals), "latency": {}, "real": {}, "sim": {}}
     for m in LATENCIES:
         for q in QUANTILES:
-            a, b = real[f"{m}_s"][q], sim[f"{m}_s"][q]
-            out["latency"][f"{m}_{q}"] = {"real": a, "sim": b, "error": _rel(a, b)}
+            a = [r[f"{m}_s"][q] for r in reals]
+            b = [r[f"{m}_s"][q] for r in sims]
+            out["latency"][f"{m}_{q}"] = {"real": _median(a), "sim": _median(b), "error": _rel(_median(a), _median(b)),
+                                          "real_spread": _spread(a)}
     for k in ("throughput_rps", "goodput_rps", "slo_attainment", "num_completed", "duration_s"):
-        out["real"][k] = real.get(k)
-        out["sim"][k] = sim.get(k)
-    out["goodput_error"] = _rel(real["goodput_rps"], sim["goodput_rps"])
-    out["attainment_error"] = sim["slo_attainment"] - real["slo_attainment"]
+        out["real"][k] = _median([r.get(k) for r in reals])
+        out["sim"][k] = _median([r.get(k) for r in sims])
+    out["real"]["goodput_spread"] = _spread([r["goodput_rps"] for r in reals])
+    att = [r["slo_attainment"] for r in reals]
+    out["real"]["attainment_range"] = [min(att), max(att)]
+    out["goodput_error"] = _rel(out["real"]["goodput_rps"], out["sim"]["goodput_rps"])
+    out["attainment_error"] = out["sim"]["slo_attainment"] - out["real"]["slo_attainment"]
     return out
 
 
@@ -180,17 +203,23 @@ def _pct(v) -> str:
 
 
 def format_rate(r: dict) -> str:
-    lines = [f"rate {r['rate']:.3g} req/s", f"  {'ms':6s} {'real':>9s} {'sim':>9s} {'error':>7s}"]
+    reps = r.get("repeats", 1)
+    head = f"rate {r['rate']:.3g} req/s" + (f" (medians of {reps} runs each)" if reps > 1 else "")
+    lines = [head, f"  {'ms':10s} {'real':>7s} {'sim':>7s} {'error':>7s}" + (f" {'real spread':>12s}" if reps > 1 else "")]
     for m in LATENCIES:
         for q in QUANTILES:
             c = r["latency"][f"{m}_{q}"]
-            lines.append(f"  {m.upper() + ' ' + q:10s} {_ms(c['real']):>5s} {_ms(c['sim']):>9s} {_pct(c['error']):>7s}")
-    lines.append(f"  {'goodput':10s} {r['real']['goodput_rps']:5.2f} {r['sim']['goodput_rps']:9.2f} "
+            line = f"  {m.upper() + ' ' + q:10s} {_ms(c['real']):>7s} {_ms(c['sim']):>7s} {_pct(c['error']):>7s}"
+            if reps > 1:
+                spread = "-" if c["real_spread"] is None else f"{c['real_spread']:.0%}"
+                line += f" {spread:>12s}"
+            lines.append(line)
+    lines.append(f"  {'goodput':10s} {r['real']['goodput_rps']:7.2f} {r['sim']['goodput_rps']:7.2f} "
                  f"{_pct(r['goodput_error']):>7s}  req/s")
-    lines.append(f"  {'attainment':10s} {r['real']['slo_attainment']:5.1%} {r['sim']['slo_attainment']:9.1%} "
-                 f"{r['attainment_error'] * 100:+6.1f}pt")
-    v = r.get("engine")
-    if v:
+    lo, hi = r["real"]["attainment_range"]
+    lines.append(f"  {'attainment':10s} {r['real']['slo_attainment']:7.1%} {r['sim']['slo_attainment']:7.1%} "
+                 f"{r['attainment_error'] * 100:+6.1f}pt" + (f"  (real runs {lo:.1%}-{hi:.1%})" if reps > 1 else ""))
+    for v in r.get("engine") or []:
         e = v["entry_s"]
         lines.append(f"  engine: {v['steps']} steps, busy {v['busy_s']:.2f} s (model {v['predicted_busy_s']:.2f} s); "
                      f"measured/predicted step p50 {v['step_ratio']['p50']:.2f} (p10 {v['step_ratio']['p10']:.2f}, "
@@ -283,19 +312,37 @@ def run_validate(args) -> int:
     if args.vocab_size is None and info.vocab_size:
         args.vocab_size = info.vocab_size  # one prompt vocabulary for both sides
         cfg = dataclasses.replace(cfg, vocab_size=info.vocab_size)
-    max_ctx = min(x for x in (info.max_model_len, cfg.max_context) if x) if (info.max_model_len or cfg.max_context) \
-        else None
+    limits = [x for x in (info.max_model_len, cfg.max_context) if x]
+    max_ctx = min(limits) if limits else None  # requests both sides can serve
+    rates = rates_from_args(args)
+    reals: list[list[dict]] = [[] for _ in rates]
+    sims: list[list[dict]] = [[] for _ in rates]
+    views: list[list[dict]] = [[] for _ in rates]
+    run = 0
+    for rep in range(args.repeats):
+        # interleaved: up the grid, then down, so a slow stretch of the machine
+        # does not land on one rate's every repeat
+        order = range(len(rates)) if rep % 2 == 0 else reversed(range(len(rates)))
+        for i in order:
+            sc = dataclasses.replace(scaling_from_args(args, max_ctx), rate=rates[i])
+            specs, sinfo = apply_scaling(trace.specs, sc)
+            real = replay_one(args, info, trace, slo, specs, sinfo, run)
+            run += 1
+            sim = simulate_one(args, prof, dataclasses.replace(cfg, noise_seed=args.seed + rep), trace, slo, specs,
+                               sinfo)
+            reals[i].append(real)
+            sims[i].append(sim)
+    if args.step_log:
+        time.sleep(0.2)  # the engine, idle now, flushes its log before it waits
+        lines = read_step_log(args.step_log)
+        for i in range(len(rates)):
+            views[i] = [v for v in (step_log_view(lines, real, prof.model) for real in reals[i]) if v is not None]
     per_rate = []
-    for k, rate in enumerate(rates_from_args(args)):
-        sc = dataclasses.replace(scaling_from_args(args, max_ctx), rate=rate)
-        specs, sinfo = apply_scaling(trace.specs, sc)
-        real = replay_one(args, info, trace, slo, specs, sinfo, k)
-        sim = simulate_one(args, prof, cfg, trace, slo, specs, sinfo)
-        r = compare_rate(real, sim)
-        if args.step_log:
-            r["engine"] = step_log_view(read_step_log(args.step_log), real, prof.model)
+    for i in range(len(rates)):
+        r = compare_rate(reals[i], sims[i])
+        if views[i]:
+            r["engine"] = views[i]
         per_rate.append(r)
-        print(format_rate(r), file=sys.stderr)
     summary = judge(per_rate)
     result = {
         "kind": VALIDATION_KIND, "command": command_line(), "versions": versions(), "trace": trace.info(),

@@ -1,0 +1,151 @@
+"""Calibration from the server's own step log: `stepserve profile --url URL
+--step-log PATH`.
+
+A sweep timed by its client sees each step and each request's costs only
+through the client's clock, and has to infer them jointly (traces/profile.py,
+`fit_points`): the step model, one overhead per request, a cost per stream, a
+wake-up. Measured on a 2-core server those inferences traded off against each
+other from one run to the next (the overhead fitted anywhere from 4 to 9 ms).
+The engine's step log (`engine/step_log.py`) measures them one by one instead,
+over the same sweep:
+
+  step model  fitted on every busy iteration of the engine loop (the step and
+              the loop's own costs around it: what the simulator's clock must
+              advance by), thousands of exact shapes instead of ~60 medians
+  wake_s      the median extra time, over the model, of the iterations that
+              followed an idle wait of at least `IDLE_S`
+  entry_s     the median time from a probe's send (client clock) to the
+              engine taking it in, for probes that reached an idle engine
+  delivery_s, stream_s
+              from the end of the iteration that made a probe's first token
+              to the client holding it, fitted as delivery_s + stream_s * k
+              over probes whose step made k tokens (1 alone, B + 1 beside B
+              streams)
+  noise       quantiles of (measured iteration / model) over busy iterations
+
+The server and the profiler must share a clock (one machine): the step log
+holds wall-clock times, and so do the probes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from stepserve.scheduler.latency_model import (
+    LinearLatencyModel, ServingCosts, StepFeatures, error_summary,
+)
+
+IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
+BUSY_S = 0.0005  # ... and one after less than this as busy
+
+
+def iteration_time(line: dict) -> float:
+    """An iteration's own time: commands, the step, outputs, the hand-over."""
+    return line["cmd"] + line.get("step", 0.0) + line.get("out", 0.0) + line["emit"]
+
+
+def step_lines(lines: list[dict]) -> list[tuple[float, dict]]:
+    """(idle wait before it, line) of every iteration that ran a step; the wait
+    includes that of command-only iterations just before it."""
+    out, acc = [], 0.0
+    for ln in lines:
+        acc += ln["wait"]
+        if "rows" in ln:
+            out.append((acc, ln))
+            acc = 0.0
+    return out
+
+
+def features(line: dict) -> StepFeatures:
+    return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0))
+
+
+def _folds(n: int, k: int = 4) -> list[np.ndarray]:
+    idx = np.random.default_rng(0).permutation(n)
+    return [idx[i::k] for i in range(k)]
+
+
+def fit_steps(steps: list[tuple[float, dict]], form: str) -> tuple[LinearLatencyModel, dict]:
+    """The step model on busy iterations, and its 4-fold held-out error per iteration."""
+    busy = [ln for idle, ln in steps if idle < BUSY_S]
+    if len(busy) < 10:
+        raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
+    feats = [features(ln) for ln in busy]
+    times = np.array([iteration_time(ln) for ln in busy])
+    errs = []
+    for test in _folds(len(busy)):
+        held = set(test.tolist())
+        train = [i for i in range(len(busy)) if i not in held]
+        m = LinearLatencyModel.fit([feats[i] for i in train], times[train], form)
+        errs.extend(abs(m.predict_features(feats[i]) - times[i]) / times[i] for i in test)
+    model = LinearLatencyModel.fit(feats, times, form)
+    e = np.array(errs)
+    heldout = {"n": int(e.size), "median_ape": float(np.median(e)), "p90_ape": float(np.percentile(e, 90)),
+               "mean_ape": float(e.mean())}
+    return model, {"heldout_steps": heldout, "train_steps": error_summary(model, feats, times),
+                   "busy_steps": len(busy)}
+
+
+def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], list[tuple[int, float]]]:
+    """(entry samples, [(tokens of the step, delivery)]) of the probes: each
+    probe is a request sent alone (`start` and `first`, wall-clock), so the
+    first iteration that took a request in at or after its send took it in,
+    and the first step from there with a prefill of its prompt made its token."""
+    entry, delivery = [], []
+    adds = [(i, ln) for i, ln in enumerate(lines) if ln["adds"]]
+    for p in probes:
+        hit = next(((i, ln) for i, ln in adds if ln["t"] >= p["start"]), None)
+        if hit is None:
+            continue
+        i, ln = hit
+        idle = ln["wait"] > BUSY_S  # the engine was waiting for it
+        if idle:
+            entry.append(ln["t"] - p["start"])
+        for step in lines[i:]:
+            if "rows" in step and step["new"] - step["decode_rows"] >= p["prompt"]:
+                end = step["t"] + iteration_time(step)
+                if p["first"] >= end:
+                    delivery.append((step["rows"], p["first"] - end))
+                break
+    return entry, delivery
+
+
+def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float, form: str = "linear") -> dict:
+    """The step model and the serving costs from the step log's lines between
+    t_from and t_to (wall clock) and the probes sent meanwhile."""
+    window = [ln for ln in lines if t_from <= ln["t"] <= t_to]
+    steps = step_lines(window)
+    model, fit = fit_steps(steps, form)
+    woke = [iteration_time(ln) - model.predict_features(features(ln)) for idle, ln in steps if idle >= IDLE_S]
+    busy_ratio = [iteration_time(ln) / model.predict_features(features(ln)) for idle, ln in steps if idle < BUSY_S]
+    entry, delivery = probe_costs(window, probes)
+    delivery_s = stream_s = 0.0
+    if delivery:
+        k = np.array([d[0] for d in delivery], dtype=float)
+        y = np.array([d[1] for d in delivery])
+        if len(set(k.tolist())) > 1:
+            # least absolute deviations would shrug off a late read; the median per
+            # token count, then a line through those medians, does the same simply
+            ks = sorted(set(k.tolist()))
+            med = np.array([np.median(y[k == v]) for v in ks])
+            stream_s, delivery_s = np.polyfit(np.array(ks), med, 1)
+            if stream_s < 0:  # no growth measured: one delay for all
+                stream_s, delivery_s = 0.0, float(np.median(y))
+        else:
+            delivery_s = float(np.median(y))
+    costs = ServingCosts(
+        entry_s=float(np.median(entry)) if entry else 0.0,
+        delivery_s=max(0.0, float(delivery_s)),
+        stream_s=max(0.0, float(stream_s)),
+        wake_s=max(0.0, float(np.median(woke))) if woke else 0.0,
+    )
+    q = np.percentile(np.asarray(busy_ratio), np.arange(101))
+    q = np.clip(q, q[1], q[99])
+    return {
+        "model": model,
+        "costs": costs,
+        "fit": fit,
+        "noise": {"kind": "measured/predicted iteration quantiles, busy steps of the step log, clipped to p1..p99",
+                  "n": len(busy_ratio), "quantiles": [float(x) for x in q]},
+        "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery)},
+    }

@@ -281,10 +281,13 @@ class ServingCosts:
                 together (a TTFT holds both): it stores the sum as delivery_s,
                 with entry_s 0.
     wake_s      extra time of the first step after the engine sat idle: its
-                threads asleep, caches cold. Step logs put it at ~3.5 ms
-                (x1.3 of a prefill step) on a 2-core server after 5 ms or more
-                of idling; busy steps do not pay it, so a model fitted on busy
-                steps misses it at low load.
+                threads asleep, caches cold. Busy steps do not pay it, so a
+                model fitted on busy steps misses it at low load.
+    wake_curve  the same as it grows with the idle time before the step:
+                ((idle_s, extra_s), ...) points, increasing in idle_s, read
+                piecewise linearly from (0, 0) and flat past the last. Step
+                logs of a 2-core server: ~1-3 ms after 5-20 ms of idling,
+                ~5 ms after 100 ms or more. When given, it replaces wake_s.
 
     The step policies (TAPER, speculation) choose between plans of one step
     of a busy engine: delivery does not change a step's time, and a busy
@@ -295,21 +298,43 @@ class ServingCosts:
     delivery_s: float = 0.0
     stream_s: float = 0.0
     wake_s: float = 0.0
+    wake_curve: tuple[tuple[float, float], ...] = ()
 
-    KEYS = ("entry_s", "delivery_s", "stream_s", "wake_s")
+    KEYS = ("entry_s", "delivery_s", "stream_s", "wake_s", "wake_curve")
+
+    def __post_init__(self):
+        xs = [x for x, _ in self.wake_curve]
+        if any(b <= a for a, b in zip(xs, xs[1:])) or any(x <= 0 for x in xs):
+            raise ValueError(f"wake_curve: idle times must be positive and increasing, got {xs}")
 
     @classmethod
     def from_engine(cls, engine: dict) -> "ServingCosts":
         """From a profile's `engine` section. Profiles written before the split
         hold one `request_overhead_s`, fitted from TTFTs: delivery, by the
         same reasoning as above."""
-        kw = {k: float(engine[k]) for k in cls.KEYS if engine.get(k) is not None}
+        kw = {k: float(engine[k]) for k in cls.KEYS[:4] if engine.get(k) is not None}
         if "delivery_s" not in kw and engine.get("request_overhead_s") is not None:
             kw["delivery_s"] = float(engine["request_overhead_s"])
+        if engine.get("wake_curve"):
+            kw["wake_curve"] = tuple((float(x), float(y)) for x, y in engine["wake_curve"])
         return cls(**kw)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.KEYS}
+        d = {k: getattr(self, k) for k in self.KEYS[:4]}
+        d["wake_curve"] = [list(p) for p in self.wake_curve]
+        return d
+
+    def wake(self, idle_s: float) -> float:
+        """Extra time of a step after `idle_s` seconds of idling."""
+        curve = self.wake_curve
+        if not curve:
+            return self.wake_s if idle_s > 0 else 0.0
+        x0, y0 = 0.0, 0.0
+        for x, y in curve:
+            if idle_s <= x:
+                return y0 + (y - y0) * (idle_s - x0) / (x - x0)
+            x0, y0 = x, y
+        return y0
 
     def delivery(self, tokens: int) -> float:
         """Delay from a step's end to its client holding a token, for a step that made `tokens`."""

@@ -244,3 +244,13 @@ def test_serving_costs_from_a_profile_engine_section():
     # profiles written before the split: their one overhead was fitted from TTFTs, and is delivery
     assert ServingCosts.from_engine({"request_overhead_s": 6e-3}) == ServingCosts(delivery_s=6e-3)
     assert ServingCosts.from_engine({"request_overhead_s": 6e-3, "delivery_s": 1e-3}).delivery_s == 1e-3
+
+
+def test_wake_curve_reads_piecewise_linearly_from_zero():
+    c = ServingCosts(wake_s=9.0, wake_curve=((0.01, 0.002), (0.1, 0.005)))
+    assert c.wake(0.0) == 0.0 and c.wake(0.005) == pytest.approx(0.001)
+    assert c.wake(0.055) == pytest.approx(0.0035) and c.wake(10.0) == 0.005 and c.wake(float("inf")) == 0.005
+    assert ServingCosts(wake_s=0.003).wake(0.5) == 0.003 and ServingCosts(wake_s=0.003).wake(0.0) == 0.0
+    assert ServingCosts.from_engine(c.to_dict()) == c
+    with pytest.raises(ValueError, match="increasing"):
+        ServingCosts(wake_curve=((0.1, 0.0), (0.01, 0.0)))

@@ -81,6 +81,16 @@ def test_wake_cost_only_on_the_first_step_after_idle():
     assert c.ttft == pytest.approx(0.004) and c.e2e == pytest.approx(0.005)
 
 
+def test_wake_curve_follows_the_idle_time():
+    """With a curve the wake-up grows with the idling before the step: the
+    first request finds an engine idle since forever (the curve's top), the
+    second one idle for 10 ms (halfway up its first segment)."""
+    cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, wake_curve=[[0.02, 0.004], [0.2, 0.006]])
+    a, b = Simulator(CONST_1MS, cfg).run([_spec(0, 0.0, 10, 1), _spec(1, 0.017, 10, 1)]).records
+    assert a.ttft == pytest.approx(0.007)  # 6 ms wake + 1 ms step; the engine is idle again at 7 ms
+    assert b.ttft == pytest.approx(0.002 + 0.001)  # idle 10 ms: 2 ms wake + 1 ms step
+
+
 def test_profile_serving_costs_reach_the_simulator():
     cfg = SimConfig.from_profile({"kv_slots": 100, "delivery_s": 0.002, "wake_s": 0.001, "entry_s": 0.0005,
                                   "stream_s": 0.0001})
@@ -97,6 +107,18 @@ def test_step_noise_is_seeded():
     assert _fingerprint(runs[0]) == _fingerprint(runs[1])
     assert _fingerprint(runs[0]) != _fingerprint(runs[2]) and _fingerprint(runs[0]) != _fingerprint(plain)
     assert min(runs[0].itl_s) < min(plain.itl_s) < max(plain.itl_s) < max(runs[0].itl_s)
+
+
+def test_step_noise_scatters_without_moving_the_mean():
+    """The draws are scaled to mean 1: quantiles that are all 2 (a profile whose
+    model runs 2x fast) leave every step as the model has it, and a skewed
+    set keeps the total busy time close to the model's."""
+    specs = _workload(seed=7, num=40)
+    plain = _sim_run(specs)
+    flat = _sim_run(specs, noise_quantiles=[2.0] * 101)
+    assert _fingerprint(flat)[:2] == _fingerprint(plain)[:2]
+    skewed = _sim_run(specs, noise_quantiles=list(np.linspace(0.8, 1.0, 90)) + list(np.linspace(1.5, 3.0, 11)))
+    assert skewed.stats["virtual_busy_s"] == pytest.approx(plain.stats["virtual_busy_s"], rel=0.15)
 
 
 def test_branches_decode_side_by_side():

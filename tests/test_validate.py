@@ -154,12 +154,16 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         end = step(t, t - send + 0.1999, 1, 1, p, p, p * (p + 1) / 2, extra=wake)
         probes.append({"start": send, "first": end + delivery + stream, "prompt": p})
         t = end
-    cal = calibrate(lines, probes, 0.0, t + 1)
+    cal = calibrate(lines, probes, 0.0, t + 1, form="linear")
     c = cal["costs"]
+    # the attention term's column is free here (no quadratic cost in the truth): auto may take either form
+    assert calibrate(lines, probes, 0.0, t + 1)["fit"]["form"] in ("linear", "linear+attn")
     assert cal["model"].coef == pytest.approx(truth.coef, rel=0.1, abs=2e-7)
     assert c.entry_s == pytest.approx(entry, rel=1e-6)
     assert c.delivery_s == pytest.approx(delivery, rel=1e-6) and c.stream_s == pytest.approx(stream, rel=1e-6)
     assert c.wake_s == pytest.approx(wake, abs=0.5e-3)
+    (point,) = c.wake_curve  # every probe idled ~0.2 s: one range of idle times
+    assert point[0] == pytest.approx(0.2, abs=1e-3) and point[1] == pytest.approx(wake, abs=0.5e-3)
     assert cal["samples"]["delivery"] == 80 and cal["samples"]["after_idle"] == 40
     q = cal["noise"]["quantiles"]
     assert len(q) == 101 and 0.93 < q[1] < q[50] < q[99] < 1.07

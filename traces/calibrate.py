@@ -14,6 +14,9 @@ over the same sweep:
               advance by), thousands of exact shapes instead of ~60 medians
   wake_s      the median extra time, over the model, of the iterations that
               followed an idle wait of at least `IDLE_S`
+  wake_curve  the same per range of idle time (`WAKE_BINS`): how the wake-up
+              grows with the idling before it (the probes idle for log-uniform
+              times, 2-300 ms)
   entry_s     the median time from a probe's send (client clock) to the
               engine taking it in, for probes that reached an idle engine
   delivery_s, stream_s
@@ -37,6 +40,8 @@ from stepserve.scheduler.latency_model import (
 
 IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
 BUSY_S = 0.0005  # ... and one after less than this as busy
+WAKE_BINS = (0.0005, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf"))  # idle seconds
+MIN_BIN = 5  # samples for a point of the wake curve
 
 
 def iteration_time(line: dict) -> float:
@@ -65,24 +70,42 @@ def _folds(n: int, k: int = 4) -> list[np.ndarray]:
     return [idx[i::k] for i in range(k)]
 
 
-def fit_steps(steps: list[tuple[float, dict]], form: str) -> tuple[LinearLatencyModel, dict]:
-    """The step model on busy iterations, and its 4-fold held-out error per iteration."""
+def _heldout(feats: list[StepFeatures], times: np.ndarray, form: str) -> np.ndarray:
+    """4-fold held-out relative error of each step."""
+    errs = np.zeros(len(feats))
+    for test in _folds(len(feats)):
+        held = set(test.tolist())
+        train = [i for i in range(len(feats)) if i not in held]
+        m = LinearLatencyModel.fit([feats[i] for i in train], times[train], form)
+        for i in test:
+            errs[i] = abs(m.predict_features(feats[i]) - times[i]) / times[i]
+    return errs
+
+
+def _summary(e: np.ndarray) -> dict:
+    return {"n": int(e.size), "median_ape": float(np.median(e)), "p90_ape": float(np.percentile(e, 90)),
+            "mean_ape": float(e.mean())}
+
+
+def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[LinearLatencyModel, dict]:
+    """The step model on busy iterations, and its 4-fold held-out error per
+    iteration. `auto`: linear+attn when its attention coefficient is positive
+    and it predicts the prefill steps (the only ones where the two forms
+    differ) no worse held out, else linear."""
     busy = [ln for idle, ln in steps if idle < BUSY_S]
     if len(busy) < 10:
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
     feats = [features(ln) for ln in busy]
     times = np.array([iteration_time(ln) for ln in busy])
-    errs = []
-    for test in _folds(len(busy)):
-        held = set(test.tolist())
-        train = [i for i in range(len(busy)) if i not in held]
-        m = LinearLatencyModel.fit([feats[i] for i in train], times[train], form)
-        errs.extend(abs(m.predict_features(feats[i]) - times[i]) / times[i] for i in test)
+    errs = {f: _heldout(feats, times, f) for f in (["linear", "linear+attn"] if form == "auto" else [form])}
+    if form == "auto":
+        prefill = np.array([f.prefill_pairs > 0 for f in feats])
+        attn = LinearLatencyModel.fit(feats, times, "linear+attn")
+        better = (not prefill.any()) or np.median(errs["linear+attn"][prefill]) <= np.median(errs["linear"][prefill])
+        form = "linear+attn" if attn.coef[-1] > 0 and better else "linear"
     model = LinearLatencyModel.fit(feats, times, form)
-    e = np.array(errs)
-    heldout = {"n": int(e.size), "median_ape": float(np.median(e)), "p90_ape": float(np.percentile(e, 90)),
-               "mean_ape": float(e.mean())}
-    return model, {"heldout_steps": heldout, "train_steps": error_summary(model, feats, times),
+    return model, {"form": form, "heldout_steps": _summary(errs[form]), "forms_heldout_steps":
+                   {f: _summary(e) for f, e in errs.items()}, "train_steps": error_summary(model, feats, times),
                    "busy_steps": len(busy)}
 
 
@@ -110,13 +133,26 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
     return entry, delivery
 
 
-def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float, form: str = "linear") -> dict:
+def wake_curve(samples: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """(median idle, median extra time) per `WAKE_BINS` range of idle time
+    with at least `MIN_BIN` samples; extra times below 0 count as 0."""
+    out = []
+    for lo, hi in zip(WAKE_BINS, WAKE_BINS[1:]):
+        got = [(idle, extra) for idle, extra in samples if lo <= idle < hi]
+        if len(got) >= MIN_BIN:
+            out.append((float(np.median([g[0] for g in got])), max(0.0, float(np.median([g[1] for g in got])))))
+    return tuple(out)
+
+
+def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float, form: str = "auto") -> dict:
     """The step model and the serving costs from the step log's lines between
     t_from and t_to (wall clock) and the probes sent meanwhile."""
     window = [ln for ln in lines if t_from <= ln["t"] <= t_to]
     steps = step_lines(window)
     model, fit = fit_steps(steps, form)
     woke = [iteration_time(ln) - model.predict_features(features(ln)) for idle, ln in steps if idle >= IDLE_S]
+    curve = wake_curve([(idle, iteration_time(ln) - model.predict_features(features(ln)))
+                        for idle, ln in steps if idle >= BUSY_S])
     busy_ratio = [iteration_time(ln) / model.predict_features(features(ln)) for idle, ln in steps if idle < BUSY_S]
     entry, delivery = probe_costs(window, probes)
     delivery_s = stream_s = 0.0
@@ -138,6 +174,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         delivery_s=max(0.0, float(delivery_s)),
         stream_s=max(0.0, float(stream_s)),
         wake_s=max(0.0, float(np.median(woke))) if woke else 0.0,
+        wake_curve=curve,
     )
     q = np.percentile(np.asarray(busy_ratio), np.arange(101))
     q = np.clip(q, q[1], q[99])

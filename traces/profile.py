@@ -460,7 +460,10 @@ def _run_http(args) -> int:
     bss, ctxs = _ints(args.batch_sizes), _ints(args.context_lens)
     ctxs = sorted({min(c, max_len // 2) for c in ctxs if c >= 1})
     max_batched = args.max_batched_tokens  # the server's own must match (the serve flag of the same name)
-    plens = sorted({c for c in _ints(args.chunk_sizes) + ctxs if c <= max_batched and c < max_len})
+    # and two long prompts (half and nearly all of the context): long prompts and
+    # long cached prefixes put the attention term's cost there, beyond the grid
+    plens = sorted({c for c in _ints(args.chunk_sizes) + ctxs + [max_len // 2, max_len - 2]
+                    if c <= max_batched and c < max_len})
     plan: list[tuple] = [("decode", b, c) for b in bss for c in ctxs] + [("prefill", p) for p in plens]
     plan += [("mixed", b, c, p) for b in _ints(args.mixed_batch_sizes) for c in ctxs[:: max(1, len(ctxs) // 2)]
              for p in _ints(args.chunk_sizes) if b + p <= max_batched]
@@ -480,8 +483,7 @@ def _run_http(args) -> int:
         from stepserve.traces.calibrate import calibrate
 
         time.sleep(0.2)  # the engine, idle now, flushes its log before it waits
-        form = "linear" if args.form == "auto" else args.form
-        calibration = calibrate(read_step_log(args.step_log), sweep.probes, epoch0, time.time(), form)
+        calibration = calibrate(read_step_log(args.step_log), sweep.probes, epoch0, time.time(), args.form)
     slots, how = _server_engine_sizing(args, max_len)
     return _write_profile(
         args, points, source="measured-http", target="client-observed step time",

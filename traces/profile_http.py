@@ -15,7 +15,7 @@ clients observe should use a profile measured where they are:
            on an idle server, sent exactly as `stepserve replay` sends it; its
            TTFT is the step plus the request's own way in and its token's way
            out (HTTP, the pipe, SSE), which a replay's TTFT contains too,
-           plus the wake-up of an engine that idled 50 ms. The fit separates
+           plus the wake-up of an engine that idled 2-300 ms. The fit separates
            them: a per-request overhead (its own column, stored as
            `engine.delivery_s`), a wake-up (a column for the points sent to an
            idle engine, `engine.wake_s`), and the step, charged per step
@@ -44,7 +44,8 @@ from stepserve.traces.request_spec import RequestSpec, Segment
 
 
 class HTTPSweep:
-    def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int, idle_s: float = 0.05):
+    def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int,
+                 idle_s: tuple[float, float] = (0.002, 0.3)):
         self.idle_s = idle_s
         # every TTFT probe, in wall-clock seconds, for a calibration from the server's step log
         self.probes: list[dict] = []
@@ -103,12 +104,14 @@ class HTTPSweep:
     async def prefill(self, replayer, plen: int) -> None:
         """TTFT on an idle server through the replay client's own path (the
         OpenAI completions route, streamed), so it holds the same per-request
-        overhead as a replay's TTFT. Each probe is sent after `idle_s` of
-        idling, as a request at low load finds the engine: asleep."""
+        overhead as a replay's TTFT. Each probe is sent after the engine idled
+        for a time drawn log-uniformly from `idle_s` (low, high), as requests
+        at different loads find it: the longer the idling, the deeper asleep."""
         raw = []
         f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
         for rep in range(self.warmup + self.repeats):
-            await asyncio.sleep(self.idle_s)
+            lo, hi = self.idle_s
+            await asyncio.sleep(lo * (hi / lo) ** self.rng.random())
             rec = await self._probe(replayer, plen)
             if rep >= self.warmup:
                 raw.append((f, rec.ttft))

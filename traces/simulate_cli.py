@@ -101,7 +101,7 @@ def sim_config(args, prof):
         noise=None if args.no_step_noise else prof.data.get("noise"), noise_seed=args.seed,
     )
     if args.no_serving_costs:
-        cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, wake_s=0.0)
+        cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[])
     if cfg.kv_slots is None:
         raise SystemExit("the profile records no KV pool size: pass --kv-slots")
     return cfg

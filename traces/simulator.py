@@ -51,18 +51,24 @@ class SimConfig:
     # from profiles measured through a server): a request reaches the scheduler
     # entry_s after its arrival (its TTFT still counts from the arrival); a token
     # reaches its client delivery_s + stream_s * (tokens of its step) after its
-    # step ends; the first step after the engine sat idle takes wake_s longer.
+    # step ends; the first step after the engine sat idle takes wake_s longer,
+    # or, with a wake_curve, as much as the curve says for how long it idled.
     entry_s: float = 0.0
     delivery_s: float = 0.0
     stream_s: float = 0.0
     wake_s: float = 0.0
+    wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
 
     def serving(self) -> ServingCosts:
-        return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s)
+        return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s,
+                            tuple((float(x), float(y)) for x, y in self.wake_curve))
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of
-    # the batch shape. Empty: no noise (roofline profiles have none).
+    # the batch shape. Empty: no noise (roofline profiles have none). The draws
+    # are scaled to mean 1: the scatter must not also move the mean step time,
+    # which is the model's (a 6% bias of a profile's raw quantiles put the
+    # simulated server past saturation at a rate the real one sustained).
     noise_quantiles: list[float] = field(default_factory=list)
     noise_seed: int = 0
 
@@ -98,16 +104,18 @@ class SimOutput:
 class SimRunner:
     """Stands in for the model runner: placeholder tokens, and the clock moved
     by the latency model's prediction (times a draw of the profile's noise),
-    plus `wake_s` when the engine was idle before the step (`idle` set)."""
+    plus the wake-up of `costs` when the engine idled before the step (`idle_s`
+    set: for how long)."""
 
     def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
-                 wake_s: float = 0.0):
+                 costs: ServingCosts | None = None):
         self.model = latency_model
         self.clock = clock
-        self.noise = list(noise_quantiles)
+        mean = sum(noise_quantiles) / len(noise_quantiles) if noise_quantiles else 1.0
+        self.noise = [q / mean for q in noise_quantiles]
         self.rng = random.Random(noise_seed)
-        self.wake_s = wake_s
-        self.idle = True  # an engine starts idle
+        self.costs = costs or ServingCosts()
+        self.idle_s = float("inf")  # an engine starts idle
 
     def reset(self, noise_seed: int) -> None:
         self.rng = random.Random(noise_seed)
@@ -121,9 +129,9 @@ class SimRunner:
 
     def run(self, plan, features: StepFeatures) -> SimOutput:
         dt = self.step_time(features)
-        if self.idle:
-            dt += self.wake_s
-            self.idle = False
+        if self.idle_s:
+            dt += self.costs.wake(self.idle_s)
+            self.idle_s = 0.0
         self.clock.t += dt
         return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples))
 
@@ -156,7 +164,7 @@ class Simulator:
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
         self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
-                                self.cfg.wake_s)
+                                self.cfg.serving())
         self.core: EngineCore | None = None
         self._itl = array("d")
         self._costs = self.cfg.serving()
@@ -228,8 +236,8 @@ class Simulator:
         clock = self.clock
         clock.t = 0.0
         self.runner.reset(cfg.noise_seed)
-        self.runner.idle = True
-        self._costs = cfg.serving()
+        self.runner.idle_s = float("inf")
+        self._costs = self.runner.costs = cfg.serving()
         self._seen = {}
         self.core = core = self._build_core()
         sched = core.scheduler
@@ -258,8 +266,9 @@ class Simulator:
                     continue
                 core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n), seeds=[0] * spec.n, ignore_eos=True)
             if not core.has_work():
-                clock.t = specs[i].arrival_s + oh
-                self.runner.idle = True
+                t_next = specs[i].arrival_s + oh
+                self.runner.idle_s += t_next - clock.t
+                clock.t = t_next
                 continue
             plan = core.step()
             if plan is None:

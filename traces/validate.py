@@ -89,6 +89,9 @@ def compare_rate(reals: list[dict], sims: list[dict]) -> dict:
     for k in ("throughput_rps", "goodput_rps", "slo_attainment", "num_completed", "duration_s"):
         out["real"][k] = _median([r.get(k) for r in reals])
         out["sim"][k] = _median([r.get(k) for r in sims])
+    out["sim"]["steps"] = _median([(r.get("simulator") or {}).get("steps") for r in sims])
+    out["sim"]["busy_s"] = _median([(r.get("simulator") or {}).get("virtual_busy_s") for r in sims])
+    out["sim"]["mean_rows"] = _median([(r.get("simulator") or {}).get("mean_rows") for r in sims])
     out["real"]["goodput_spread"] = _spread([r["goodput_rps"] for r in reals])
     att = [r["slo_attainment"] for r in reals]
     out["real"]["attainment_range"] = [min(att), max(att)]
@@ -179,6 +182,7 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
 
     return {
         "steps": len(steps),
+        "mean_rows": float(np.mean([ln["rows"] for ln in steps])),
         "busy_s": float(it.sum()),
         "predicted_busy_s": float(pred.sum()),
         "step_ratio": {"p10": q(ratio, 10), "p50": q(ratio, 50), "p90": q(ratio, 90),
@@ -219,9 +223,14 @@ def format_rate(r: dict) -> str:
     lo, hi = r["real"]["attainment_range"]
     lines.append(f"  {'attainment':10s} {r['real']['slo_attainment']:7.1%} {r['sim']['slo_attainment']:7.1%} "
                  f"{r['attainment_error'] * 100:+6.1f}pt" + (f"  (real runs {lo:.1%}-{hi:.1%})" if reps > 1 else ""))
+    sim = r["sim"]
+    if sim.get("steps") is not None:
+        lines.append(f"  simulator: {sim['steps']:.0f} steps, busy {sim['busy_s']:.2f} s, "
+                     f"{sim['mean_rows']:.1f} rows per step")
     for v in r.get("engine") or []:
         e = v["entry_s"]
-        lines.append(f"  engine: {v['steps']} steps, busy {v['busy_s']:.2f} s (model {v['predicted_busy_s']:.2f} s); "
+        lines.append(f"  engine: {v['steps']} steps, busy {v['busy_s']:.2f} s (model {v['predicted_busy_s']:.2f} s), "
+                     f"{v['mean_rows']:.1f} rows per step; "
                      f"measured/predicted step p50 {v['step_ratio']['p50']:.2f} (p10 {v['step_ratio']['p10']:.2f}, "
                      f"p90 {v['step_ratio']['p90']:.2f}); {v['steps_after_idle']} steps after idle, "
                      f"+{_ms(v['wake_extra_s_p50'])} ms p50; entry into an idle engine "

@@ -105,21 +105,31 @@ def test_real_replay_then_simulate_and_compare(server, tmp_path, capsys):
     assert "WARNING" not in table  # the saved trace is the same requests, though its labels differ
 
 
-def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, tmp_path, capsys):
+def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_path, capsys):
+    """The HTTP sweep with the server's step log: the step model from the
+    engine's own iterations, the serving costs measured, the client's points
+    kept as a check."""
     from stepserve.cli import main
     from stepserve.scheduler.latency_model import ServingCosts, load_profile
     from stepserve.traces.simulator import SimConfig
 
+    server, step_log = served
     out = tmp_path / "http.json"
     rc = main(["profile", "--url", server, "--model", llama_ckpt, "--batch-sizes", "1,2,4", "--context-lens", "16,40",
                "--chunk-sizes", "24", "--mixed-batch-sizes", "2", "--rounds", "1", "--repeats", "2", "--warmup", "1",
-               "--out", str(out)])
+               "--step-log", step_log, "--out", str(out)])
     assert rc == 0
     prof = json.loads(out.read_text())
     assert prof["source"] == "measured-http"
     assert {p["scenario"] for p in prof["points"]} == {"decode", "prefill", "mixed"}
     assert prof["engine"]["max_context"] == 512 and prof["engine"]["kv_slots"] > 0
-    assert set(prof["engine"]) & {"request_overhead_s", "entry_s"} <= {"entry_s"}  # the old key is gone
+    assert "request_overhead_s" not in prof["engine"]
+    cal = prof["calibration"]
+    assert cal["busy_steps"] >= 10 and cal["samples"]["delivery"] >= 1 and cal["samples"]["entry"] >= 1
+    assert cal["form"] == prof["latency"]["form"] and cal["client_points"]["n"] == len(prof["points"])
+    assert prof["target"].startswith("engine loop iteration")
+    costs = ServingCosts.from_engine(prof["engine"])
+    assert costs.entry_s > 0 and costs.delivery(1) > 0  # a real server spends time on both ways
     assert len(prof["noise"]["quantiles"]) == 101
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]
@@ -128,12 +138,13 @@ def test_profile_over_http_fits_steps_and_request_overhead(server, llama_ckpt, t
     assert {p["streams"] for p in prof["points"] if p["scenario"] == "mixed"} == {2}
     assert load_profile(str(out)).model.predict(2, 100, 2) > 0
     # the round line, the final line and the file count the same points; the bar counts scenario runs:
-    # 3 batch sizes x 2 contexts decode, prompts of 16, 24 and 40 tokens, 1 batch size x 2 contexts mixed
+    # 3 batch sizes x 2 contexts decode, prompts of 16, 24 and 40 tokens and the two long ones (256 and 510 of
+    # the 512-token context), 1 batch size x 2 contexts mixed
     captured = capsys.readouterr()
-    (round_points,) = re.findall(r"round 1/1 \(\d+ s\): 11 scenario runs; so far (\d+) points", captured.err)
+    (round_points,) = re.findall(r"round 1/1 \(\d+ s\): 13 scenario runs; so far (\d+) points", captured.err)
     assert re.search(rf"^{len(prof['points'])} points \(.*\) from \d+ timed samples over 1 rounds", captured.out, re.M)
     assert int(round_points) == len(prof["points"])
-    assert "11/11" in captured.err
+    assert "13/13" in captured.err
 
 
 def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):

@@ -115,8 +115,12 @@ class Replayer:
         import aiohttp
 
         if self._session is None:  # made inside the running event loop
+            # Idle pooled connections are closed after 2 s, before a server's own
+            # keep-alive timeout (uvicorn's: 5 s) can close one just as it is
+            # reused, which fails that request with ServerDisconnectedError
+            # (aiohttp's default, 15 s, lost a profile run that way).
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0),
+                connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=2.0),
                 timeout=aiohttp.ClientTimeout(total=self.cfg.timeout_s),
             )
         return self._session

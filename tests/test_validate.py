@@ -168,3 +168,33 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     q = cal["noise"]["quantiles"]
     assert len(q) == 101 and 0.93 < q[1] < q[50] < q[99] < 1.07
     assert cal["fit"]["heldout_steps"]["median_ape"] < 0.05
+
+
+def test_calibration_takes_the_attention_term_where_long_prefills_need_it():
+    """Steps whose cost has a quadratic attention part: most prefill chunks are
+    short, a tenth attend over long contexts; auto takes linear+attn and
+    recovers the attention coefficient. An explicit form is kept."""
+    import random
+
+    from stepserve.traces.calibrate import fit_steps
+
+    truth = LinearLatencyModel("linear+attn", [4e-3, 1e-4, 1e-6, 1.2e-4, 6e-8])
+    rng = random.Random(3)
+    steps = []
+    for _ in range(600):
+        b = rng.randint(1, 32)
+        if rng.random() < 0.5:
+            n, start = b, 0  # decode only
+            pairs = 0.0
+        else:
+            chunk = rng.choice([8, 16, 32]) if rng.random() < 0.9 else rng.choice([1024, 2048])
+            start = rng.randint(0, 64) if chunk < 100 else rng.randint(512, 1536)
+            n, pairs = b + chunk, chunk * start + chunk * (chunk + 1) / 2
+        ctx = b * 200 + n - b + start
+        t = truth.predict(b + (n > b), ctx, n, pairs) * rng.uniform(0.9, 1.1)
+        steps.append((0.0, {"rows": b + (n > b), "decode_rows": b, "ctx": ctx, "new": n, "pairs": pairs,
+                            "step": t, "cmd": 0.0, "out": 0.0, "emit": 0.0}))
+    model, fit = fit_steps(steps, "auto")
+    assert fit["form"] == "linear+attn" and model.coef[-1] == pytest.approx(6e-8, rel=0.2)
+    assert set(fit["forms_heldout_steps"]) == {"linear", "linear+attn"}
+    assert fit_steps(steps, "linear")[1]["form"] == "linear"

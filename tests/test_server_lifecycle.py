@@ -99,12 +99,15 @@ def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(llama_ckpt):
     """Past --shutdown-timeout the running requests are cut: a stream ends
     with an SSE error event and [DONE], a whole response is a 503, each cut
     is one log line (no traceback), and the server exits 0."""
-    proc, url = start(llama_ckpt, "--shutdown-timeout", "0.5", "--api-key", "k", "--max-model-len", "512")
+    # Both requests must still be running when the timeout ends: 8 branches of
+    # 500 tokens each are 4,000 streamed tokens, against 0.2 s of sleep plus a
+    # 0.2 s timeout (1 branch and 0.5 s let a fast run finish before the cut).
+    proc, url = start(llama_ckpt, "--shutdown-timeout", "0.2", "--api-key", "k", "--max-model-len", "512")
     auth = {"Authorization": "Bearer k"}
     try:
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         out, started = {}, threading.Event()
-        body = {"prompt": "a long one", "max_tokens": 500, "ignore_eos": True}
+        body = {"prompt": "a long one", "max_tokens": 500, "n": 8, "ignore_eos": True}
         t = threading.Thread(target=stream_completion, args=(url, body, out, started, auth))
         t.start()
         started.wait(60)
@@ -112,12 +115,12 @@ def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(llama_ckpt):
 
         def post_whole():
             r = httpx.post(url + "/v1/completions", timeout=120, headers=auth,
-                           json={"prompt": "whole", "max_tokens": 500, "ignore_eos": True})
+                           json={"prompt": "whole", "max_tokens": 500, "n": 8, "ignore_eos": True})
             whole["status"], whole["body"] = r.status_code, r.json()
 
         t2 = threading.Thread(target=post_whole)
         t2.start()
-        time.sleep(0.3)  # (so that it is in flight; not a timing assertion)
+        time.sleep(0.2)  # (so that it is in flight; not a timing assertion)
         proc.send_signal(signal.SIGTERM)
         t.join(120)
         t2.join(120)

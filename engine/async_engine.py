@@ -162,8 +162,9 @@ class EngineLoop:
             t1 = t2 = clock()
             stepped = False
             if not self.paused and not self.stopped and eng.has_unfinished():
+                before = eng.step_id
                 changed = eng.step()
-                stepped = True
+                stepped = eng.step_id != before  # a step that scheduled nothing leaves no record
                 t2 = clock()
                 for req in changed:
                     out = req.output(delta=True)
@@ -175,7 +176,7 @@ class EngineLoop:
             if log is not None and (stepped or cmds):
                 line = {"t": round(t0 + log.offset, 6), "wait": round(t0 - t_wait, 6),
                         "adds": sum(1 for c in cmds if type(c) is AddRequest), "cmd": round(t1 - t0, 6)}
-                if stepped and eng.records:
+                if stepped:
                     r = eng.records[-1]
                     line.update(rows=r.rows, decode_rows=r.decode_rows, ctx=r.context_tokens, new=r.new_tokens,
                                 pairs=r.prefill_pairs, step=round(r.wall_s, 6), fwd=round(r.forward_s, 6),

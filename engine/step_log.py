@@ -30,6 +30,10 @@ from __future__ import annotations
 import json
 import time
 
+# How long a reader waits for an engine that has just gone idle to flush its
+# log (it flushes before it blocks for the next command).
+SETTLE_S = 0.2
+
 FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "step", "fwd", "out", "emit",
           "outs")
 
@@ -40,8 +44,7 @@ class StepLog:
         self.flush_every = flush_every
         self._n = 0
         self._flushed = 0
-        # epoch = perf_counter + offset: one conversion, so intervals keep perf_counter's resolution
-        self.offset = time.time() - time.perf_counter()
+        self.offset = wall_offset()
 
     def write(self, line: dict) -> None:
         self.f.write(json.dumps(line, separators=(",", ":")))
@@ -60,8 +63,19 @@ class StepLog:
             self.f.close()
 
 
-def read_step_log(path: str) -> list[dict]:
-    """The lines of a step log (a partial last line, from a live writer, is skipped)."""
+def wall_offset() -> float:
+    """Wall-clock (epoch) time = time.perf_counter() + this. One conversion, so
+    intervals keep perf_counter's resolution; the step log and the clients
+    whose times are set against it (replay, the profile's probes) use it."""
+    return time.time() - time.perf_counter()
+
+
+def read_step_log(path: str, settle_s: float = 0.0) -> list[dict]:
+    """The lines of a step log (a partial last line, from a live writer, is
+    skipped), after `settle_s` seconds (`SETTLE_S`: of an engine that has just
+    gone idle, every step)."""
+    if settle_s:
+        time.sleep(settle_s)
     out = []
     with open(path) as f:
         for line in f:

@@ -48,6 +48,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "a body holds the event loop ~6 ms per MiB while it is read and parsed)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="append the engine loop's timeline to PATH, one JSON line per iteration (what "
+                        "`stepserve profile --step-log` and `stepserve validate --step-log` read)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     g.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
     g.add_argument("--engine-thread", action="store_true",
@@ -80,6 +83,7 @@ def run_serve(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine_cfg = engine_config(args)
+    engine_cfg.step_log = args.step_log
     if not args.engine_thread and engine_cfg.cpu_threads is None:
         engine_cfg.cpu_threads = default_engine_threads()
     engine = AsyncEngine(engine_cfg, process=not args.engine_thread)

@@ -23,9 +23,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads of the engine's process (default: torch's, one per core)")
-    g.add_argument("--step-log", default=None, metavar="PATH",
-                   help="append the engine loop's timeline to PATH, one JSON line per step (what `stepserve "
-                        "validate` reads); for `profile --url`: the server's step log, to calibrate from")
 
 
 def engine_config(args):
@@ -45,7 +42,6 @@ def engine_config(args):
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cpu_threads=args.cpu_threads,
-        step_log=getattr(args, "step_log", None),
     )
 
 

@@ -198,3 +198,12 @@ def test_calibration_takes_the_attention_term_where_long_prefills_need_it():
     assert fit["form"] == "linear+attn" and model.coef[-1] == pytest.approx(6e-8, rel=0.2)
     assert set(fit["forms_heldout_steps"]) == {"linear", "linear+attn"}
     assert fit_steps(steps, "linear")[1]["form"] == "linear"
+
+
+def test_profile_refuses_a_step_log_it_would_not_read(tmp_path):
+    """--step-log names a server's log; the in-process sweep has none to read."""
+    from stepserve.cli import main
+
+    with pytest.raises(SystemExit, match="needs --url"):
+        main(["profile", "--step-log", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "p.json")])
+    assert not (tmp_path / "p.json").exists()

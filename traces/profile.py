@@ -64,6 +64,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="profile a running server over HTTP instead (client-observed step times; the engine "
                         "flags must then describe that server: --max-batched-tokens, --kv-memory-gb, ...)")
     g.add_argument("--api-key", default=None)
+    g.add_argument("--step-log", default=None, metavar="PATH",
+                   help="with --url: the server's step log (`stepserve serve --step-log PATH`, same machine); the "
+                        "step model and serving costs are then measured from the engine's own steps")
     g.add_argument("--no-progress", action="store_true", help="no progress bar (the per-round lines remain)")
 
 
@@ -356,6 +359,9 @@ def fit_and_evaluate(points: list[dict], holdout: float, seed: int, form: str = 
 def run_profile(args) -> int:
     if args.url:
         return _run_http(args)
+    if args.step_log:
+        raise SystemExit("stepserve profile: --step-log names the server's step log, to calibrate from; it needs "
+                         "--url (the in-process sweep reads its engine's steps directly)")
     import torch
 
     from stepserve.cli import engine_config
@@ -479,11 +485,11 @@ def _run_http(args) -> int:
     points = asyncio.run(go())
     calibration = None
     if args.step_log:
-        from stepserve.engine.step_log import read_step_log
+        from stepserve.engine.step_log import SETTLE_S, read_step_log
         from stepserve.traces.calibrate import calibrate
 
-        time.sleep(0.2)  # the engine, idle now, flushes its log before it waits
-        calibration = calibrate(read_step_log(args.step_log), sweep.probes, epoch0, time.time(), args.form)
+        lines = read_step_log(args.step_log, settle_s=SETTLE_S)
+        calibration = calibrate(lines, sweep.probes, epoch0, time.time(), args.form)
     slots, how = _server_engine_sizing(args, max_len)
     return _write_profile(
         args, points, source="measured-http", target="client-observed step time",

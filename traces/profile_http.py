@@ -38,6 +38,7 @@ import random
 import statistics
 import time
 
+from stepserve.engine.step_log import wall_offset
 from stepserve.scheduler.latency_model import StepFeatures
 from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.request_spec import RequestSpec, Segment
@@ -49,7 +50,7 @@ class HTTPSweep:
         self.idle_s = idle_s
         # every TTFT probe, in wall-clock seconds, for a calibration from the server's step log
         self.probes: list[dict] = []
-        self._epoch = time.time() - time.perf_counter()
+        self._epoch = wall_offset()
         self.warmup = warmup
         self.repeats = repeats
         self.max_batched = max_batched

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from stepserve.engine.step_log import wall_offset
 from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.progress import progress_bar
 from stepserve.traces.request_spec import PromptBuilder, RequestSpec, Segment
@@ -183,7 +184,7 @@ class Replayer:
         bar = progress_bar(len(specs), "replay", "req", self.cfg.progress)
         tasks = []
         t0 = time.perf_counter()
-        self.t0_epoch = time.time() - (time.perf_counter() - t0)  # lines the records up with a server's step log
+        self.t0_epoch = t0 + wall_offset()  # lines the records up with a server's step log
 
         async def tracked(spec, rec):
             await self._one(spec, rec, t0)

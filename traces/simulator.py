@@ -113,12 +113,13 @@ class SimRunner:
         self.clock = clock
         mean = sum(noise_quantiles) / len(noise_quantiles) if noise_quantiles else 1.0
         self.noise = [q / mean for q in noise_quantiles]
-        self.rng = random.Random(noise_seed)
-        self.costs = costs or ServingCosts()
-        self.idle_s = float("inf")  # an engine starts idle
+        self.reset(noise_seed, costs or ServingCosts())
 
-    def reset(self, noise_seed: int) -> None:
+    def reset(self, noise_seed: int, costs: ServingCosts) -> None:
+        """A new run: the noise's seed, the serving costs, an idle engine."""
         self.rng = random.Random(noise_seed)
+        self.costs = costs
+        self.idle_s = float("inf")
 
     def step_time(self, f: StepFeatures) -> float:
         dt = self.model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs)
@@ -163,11 +164,9 @@ class Simulator:
         self.policies = list(policies)
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
-        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
-                                self.cfg.serving())
+        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed)
         self.core: EngineCore | None = None
         self._itl = array("d")
-        self._costs = self.cfg.serving()
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
 
     def kv_capacity(self) -> int:
@@ -200,7 +199,7 @@ class Simulator:
         pass
 
     def updated(self, plan, out, got) -> None:
-        t = self.clock.t + self._costs.delivery(len(plan.samples))  # when the client holds this step's tokens
+        t = self.clock.t + self.runner.costs.delivery(len(plan.samples))  # when the client holds this step's tokens
         seen = self._seen
         itl = self._itl
         FINISHED = SeqStatus.FINISHED
@@ -235,9 +234,7 @@ class Simulator:
         builder = PromptBuilder(cfg.vocab_size or DEFAULT_VOCAB, cfg.seed)
         clock = self.clock
         clock.t = 0.0
-        self.runner.reset(cfg.noise_seed)
-        self.runner.idle_s = float("inf")
-        self._costs = self.runner.costs = cfg.serving()
+        self.runner.reset(cfg.noise_seed, cfg.serving())
         self._seen = {}
         self.core = core = self._build_core()
         sched = core.scheduler

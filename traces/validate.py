@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import time
 
 import numpy as np
 
+from stepserve.traces.calibrate import features, iteration_time, step_lines
 from stepserve.traces.options import add_trace_args, rates_from_args, scaling_from_args, slo_from_args
 
 VALIDATION_KIND = "stepserve-validation"
@@ -150,21 +150,15 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
         return None
     t_end = t0 + max(ends) + 0.05
     window = [ln for ln in lines if t0 - 0.001 <= ln["t"] <= t_end]
-    steps = [ln for ln in window if "rows" in ln]
-    if not steps:
+    timed = step_lines(window)  # (idle before it, line) per step
+    if not timed:
         return None
-    it = np.array([ln["step"] + ln["out"] + ln["emit"] + ln["cmd"] for ln in steps])
-    pred = np.array([model.predict(ln["rows"], ln["ctx"], ln["new"], ln.get("pairs", 0.0)) for ln in steps])
+    steps = [ln for _, ln in timed]
+    it = np.array([iteration_time(ln) for ln in steps])
+    feats = [features(ln) for ln in steps]  # any LatencyModel: `predict` is its one method
+    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats])
     ratio = it / pred
-    # idle before each step: its own wait plus that of command-only iterations just before it
-    idle_before, acc = [], 0.0
-    for ln in window:
-        acc += ln["wait"]
-        if "rows" in ln:
-            idle_before.append(acc)
-            acc = 0.0
-    idle_before = np.array(idle_before)
-    after_idle = idle_before > 0.001
+    after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
     # arrived, so (pickup - client send) is its way in, with no step to wait for
     starts = sorted(t0 + r["start_s"] for r in recs if r.get("start_s") is not None)
@@ -175,7 +169,7 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
                 if busy_until is None or busy_until < starts[k]:
                     entry.append(ln["t"] - starts[k])
                 k += 1
-        busy_until = ln["t"] + ln["cmd"] + ln.get("step", 0.0) + ln.get("out", 0.0) + ln["emit"]
+        busy_until = ln["t"] + iteration_time(ln)
 
     def q(a, p):
         return float(np.percentile(a, p)) if len(a) else None
@@ -298,7 +292,7 @@ def plot_validation(result: dict, path: str) -> str:
 
 
 def run_validate(args) -> int:
-    from stepserve.engine.step_log import read_step_log
+    from stepserve.engine.step_log import SETTLE_S, read_step_log
     from stepserve.scheduler.latency_model import load_profile
     from stepserve.traces.load import load_trace
     from stepserve.traces.replay import server_info
@@ -342,8 +336,7 @@ def run_validate(args) -> int:
             reals[i].append(real)
             sims[i].append(sim)
     if args.step_log:
-        time.sleep(0.2)  # the engine, idle now, flushes its log before it waits
-        lines = read_step_log(args.step_log)
+        lines = read_step_log(args.step_log, settle_s=SETTLE_S)
         for i in range(len(rates)):
             views[i] = [v for v in (step_log_view(lines, real, prof.model) for real in reals[i]) if v is not None]
     per_rate = []

@@ -23,11 +23,13 @@ from stepserve.engine.request import Branch, Request, TokenLogprob
 from stepserve.engine.sampler import derive_seed
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
+from stepserve.scheduler.branch_admission import BranchAdmissionSpec
 from stepserve.scheduler.core import EngineCore
 from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.plan import StepPlan
+from stepserve.scheduler.policies import branch_admission_policy, policy_stats
 from stepserve.scheduler.policy import StepPolicy
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -51,8 +53,18 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of requests that give none
     check_invariants: bool = False  # run the KV integrity check after every step
     cpu_threads: int | None = None  # torch intra-op threads, process-wide (None: leave torch's setting)
-    policies: list[StepPolicy] = field(default_factory=list)
+    policies: list[StepPolicy] = field(default_factory=list)  # run after the built-in ones below
+    # branch admission (scheduler/branch_admission.py): eager | off | cap:N | taper[:rho=R,utility=U]
+    branch_admission: str = "eager"
+    slo_ttft_s: float | None = None  # the SLOs TAPER plans against (taper needs slo_tpot_s)
+    slo_tpot_s: float | None = None
+    latency_profile: str | None = None  # a `stepserve profile` JSON: the step model TAPER starts from
     step_log: str | None = None  # append the loop's timeline here, one JSON line per iteration (engine/step_log.py)
+
+    def __post_init__(self):
+        if BranchAdmissionSpec.parse(self.branch_admission).mode == "taper" and not (self.slo_tpot_s or 0) > 0:
+            raise ValueError("branch admission 'taper' needs a TPOT SLO (slo_tpot_s, --slo-tpot): "
+                             "its rows' deadlines")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -93,6 +105,7 @@ class EngineStats:
     kv_capacity: int = 1
     step_times: list = field(default_factory=list)  # wall_s of steps after since_step
     last_step: int = -1
+    policy: dict = field(default_factory=dict)  # the step policies' own counters (`policies.policy_stats`)
 
 
 @dataclass
@@ -103,6 +116,18 @@ class KVReport:
     protected: int  # cached slots locked by running requests
     accounted: int  # free + cached slots; equals capacity when nothing runs
     capacity: int
+
+
+def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
+    """The step policies `config` names (branch admission), in their fixed order."""
+    model = None
+    if config.latency_profile:
+        from stepserve.scheduler.latency_model import load_profile
+
+        model = load_profile(config.latency_profile).model
+    branch = branch_admission_policy(config.branch_admission, latency_model=model, slo_ttft_s=config.slo_ttft_s,
+                                     slo_tpot_s=config.slo_tpot_s)
+    return [branch] if branch is not None else []
 
 
 def load_tokenizer(path: str):
@@ -153,6 +178,7 @@ class Engine:
         self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1, self.device)
         kv = KVManager(SlotAllocator(kv_slots + 1, self.device), self.req_pool, config.prefix_caching)
+        self.policies = builtin_policies(config) + list(config.policies)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.max_running,
@@ -162,7 +188,7 @@ class Engine:
                 prefix_caching=config.prefix_caching,
             ),
             kv,
-            config.policies,
+            self.policies,
         )
         if config.attention_backend not in ("auto", "torch"):
             raise ValueError(f"unknown attention backend {config.attention_backend!r} (auto, torch)")
@@ -349,6 +375,7 @@ class Engine:
             kv_capacity=max(sched.kv.capacity, 1),
             step_times=new,
             last_step=self.step_id - 1,
+            policy=policy_stats(self.policies),
         )
 
     def kv_report(self) -> KVReport:

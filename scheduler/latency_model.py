@@ -158,6 +158,36 @@ class LinearLatencyModel:
         return cls(form, [float(x) for x in coef])
 
 
+def sweep_features(max_rows: int = 256, max_context: int = 32768) -> list[StepFeatures]:
+    """The shapes of an offline sweep, as `stepserve profile` times them on an
+    engine: decode steps over batch size x context length (powers of 2 and 4),
+    and prefill steps of a few chunk sizes and batch sizes, so that every term
+    of every form is identified."""
+    feats = []
+    rows = [1]
+    while rows[-1] * 2 <= max_rows:
+        rows.append(rows[-1] * 2)
+    ctxs = [c for c in (64, 256, 1024, 4096, 16384, 65536) if c <= max_context] or [max_context]
+    for b in rows:
+        for c in ctxs:
+            feats.append(StepFeatures(b, b * c, b, 0.0))
+    for b in (1, 2, 4):
+        for n in (128, 512, 2048):
+            for start in (0, 1024):
+                if start + n <= max_context:
+                    feats.append(StepFeatures(b, b * (start + n), b * n, float(b * (n * start + n * (n + 1) // 2))))
+    return feats
+
+
+def linear_fit_of(model, form: str = "linear", max_rows: int = 256, max_context: int = 32768) -> LinearLatencyModel:
+    """A linear model of `form` fitted to another model's predictions over an
+    offline sweep (`sweep_features`): what a policy that plans with the linear
+    form starts from when the profile is a roofline model."""
+    feats = sweep_features(max_rows, max_context)
+    times = [model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats]
+    return LinearLatencyModel.fit(feats, times, form)
+
+
 def relative_errors(model, feats: list[StepFeatures], times) -> np.ndarray:
     pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats])
     y = np.asarray(times, dtype=np.float64)

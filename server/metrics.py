@@ -29,6 +29,27 @@ _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0
                  0.2, 0.3, 0.5, 1.0, 2.0)
 
 
+# the step policies' counters (`EngineStats.policy`) that are exported, with their kind and help
+_POLICY_METRICS = {
+    "branch_steps": ("counter", "Steps that had a request with more than one branch decoding"),
+    "branch_rows_candidate": ("counter", "Decode rows of requests with several branches, summed over steps"),
+    "branch_rows_deferred": ("counter", "Of those, branch rows the branch-admission policy deferred a step"),
+    "taper_calibrated": ("gauge", "1 when TAPER has a step-latency model to plan with; 0 while it runs eager"),
+    "taper_uncalibrated_steps": ("counter", "Branching steps TAPER ran eager for lack of a calibrated model"),
+    "taper_refits": ("counter", "Online refits of TAPER's step-latency model"),
+    "taper_plan_seconds": ("counter", "Time spent in TAPER's per-step planning"),
+}
+
+
+def _policy_metrics(stats: dict):
+    for key, (kind, doc) in _POLICY_METRICS.items():
+        value = stats.get(key.replace("_seconds", "_s"))
+        if value is None:
+            continue
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        yield cls(P + key, doc, value=float(value))
+
+
 class _EngineCollector:
     def __init__(self, metrics: "ServerMetrics"):
         self.metrics = metrics
@@ -54,6 +75,7 @@ class _EngineCollector:
         yield GaugeMetricFamily(P + "num_requests_running", "Requests with a sequence in the running batch",
                                 value=s.running)
         yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for admission", value=s.waiting)
+        yield from _policy_metrics(s.policy)
         yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV slots in use (cached and evictable "
                                 "slots count as free)", value=s.kv_used / s.kv_capacity)
 

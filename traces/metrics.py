@@ -5,9 +5,17 @@ Shared by the replay client and the simulator, so their reports have one shape.
 Definitions (DESIGN, "Figures every benchmark reports"):
 - TTFT: first token time - the time the request was sent (replay) or arrived (simulator).
 - E2E: last token time - that same start.
-- TPOT = (E2E - TTFT) / (output tokens - 1), per request with >= 2 tokens per
-  branch; with n branches the tokens are one branch's (the longest), since
-  branches decode side by side.
+- TPOT = (E2E - TTFT) / (output tokens - n), per request: the time per token
+  the request received after its first delivery (which carries each of its n
+  branches' first token), over all its branches. For n = 1 that is the usual
+  (E2E - TTFT) / (output tokens - 1); a request whose n branches decode side by
+  side gets n tokens a step, so its TPOT is the step time over n, and one that
+  decodes one branch a step has the step time. This is the request-level rate
+  that branch admission trades (TAPER's goodput counts requests meeting it);
+  a client reading one choice's stream sees that choice's own gaps, in ITL.
+  Requests with no token after the first delivery have no TPOT.
+- Victim TPOT: the TPOT of serial requests (n = 1) that ran at the same time
+  as some branching request (n > 1): what branches cost their neighbours.
 - ITL: the gaps between successive token deliveries of one branch, pooled over
   all requests (a delivery may carry several tokens when a client reads late).
 - Percentiles: linear interpolation between order statistics (numpy's default);
@@ -53,7 +61,7 @@ class RequestRecord:
     first_token_s: float | None = None
     end_s: float | None = None
     output_tokens: int = 0  # all branches together
-    branch_tokens: int = 0  # tokens of the longest branch (what TPOT divides by)
+    branch_tokens: int = 0  # tokens of the longest branch
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when known
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
@@ -72,9 +80,10 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if not self.completed or self.branch_tokens < 2:
+        n = max(self.n, 1)
+        if not self.completed or self.output_tokens <= n:
             return None
-        return (self.end_s - self.first_token_s) / (self.branch_tokens - 1)
+        return (self.end_s - self.first_token_s) / (self.output_tokens - n)
 
     def meets(self, slo: SLO) -> bool:
         if not self.completed:
@@ -107,6 +116,24 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
         return {"mean": None, **{f"p{p}": None for p in ps}}
     q = np.percentile(a, ps)
     return {"mean": float(a.mean()), **{f"p{p}": float(v) for p, v in zip(ps, q)}}
+
+
+def victim_tpots(done: list[RequestRecord]) -> list[float] | None:
+    """TPOTs of the serial requests whose lifetime overlapped some branching
+    request's; None when the run has no branching or no serial requests."""
+    branchy = sorted((r.start_s, r.end_s) for r in done if r.n > 1)
+    serial = [r for r in done if r.n <= 1]
+    if not branchy or not serial:
+        return None
+    starts = np.array([a for a, _ in branchy])
+    # the latest end among branching requests started at or before each start
+    ends = np.maximum.accumulate(np.array([b for _, b in branchy]))
+    out = []
+    for r in serial:
+        i = int(np.searchsorted(starts, r.end_s, side="right")) - 1  # the branching requests started by r's end
+        if i >= 0 and ends[i] > r.start_s and r.tpot is not None:
+            out.append(r.tpot)
+    return out
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: SLO, itl_values=None) -> dict:
@@ -142,7 +169,14 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO, itl_val
         "tpot_s": percentiles([t for t in (r.tpot for r in done) if t is not None]),
         "itl_s": percentiles(itl_values),
         "e2e_s": percentiles([r.e2e for r in done]),
+        **_victims(done),
     }
+
+
+def _victims(done: list[RequestRecord]) -> dict:
+    """num_victims is None when the run had no mix of branching and serial requests."""
+    v = victim_tpots(done)
+    return {"num_victims": None if v is None else len(v), "victim_tpot_s": percentiles(v or [])}
 
 
 FIGURE_KEYS = (

@@ -141,6 +141,10 @@ def format_summary(r: dict) -> str:
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         p = r[key]
         lines.append(f"  {key[:-2].upper():6s} " + " ".join(f"{_ms(p[q]):>9s}" for q in ("mean", "p50", "p90", "p99")))
+    if r.get("num_victims"):
+        p = r["victim_tpot_s"]
+        lines.append(f"  {'victim':6s} " + " ".join(f"{_ms(p[q]):>9s}" for q in ("mean", "p50", "p90", "p99"))
+                     + f"   (TPOT of the {r['num_victims']} serial requests that ran beside branching ones)")
     if "sweep" in r:
         lines.append(f"  {'rate':>8s} {'req/s':>8s} {'goodput':>8s} {'attain':>7s} {'TTFTp90':>8s} {'TPOTp90':>8s}")
         for s in r["sweep"]:

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import sys
 
+from stepserve.cli import add_branch_admission_arg
 from stepserve.traces.options import (
     add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
 )
@@ -22,8 +23,10 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default=None,
                    help="latency profile: a JSON from `stepserve profile`, or a built-in roofline DEVICE[xN]:MODEL "
                         "(e.g. h100:llama3-8b, h100x8:qwen3-32b, a10x8:llama2-70b)")
+    add_branch_admission_arg(g)
     g.add_argument("--policy", action="append", default=[],
-                   help="step policy by name (repeatable; applied in the order given); 'noop' is built in")
+                   help="another step policy by name (repeatable; applied in the order given, after branch "
+                        "admission): noop, branch:SPEC")
     g.add_argument("--max-running", type=int, default=None, help="default: the profile's")
     g.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
     g.add_argument("--kv-slots", type=int, default=None, help="KV pool in tokens (default: the profile's)")
@@ -38,23 +41,19 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps only: leave out the profile's request entry, token delivery and wake-up costs")
 
 
-def make_policies(names: list[str], latency_model) -> list:
-    """Policies by name. Only 'noop' is built in here; the scheduler's policy
-    registry (`stepserve.scheduler.policies.make_policy`), where present, resolves
-    the rest and receives the latency model."""
-    from stepserve.scheduler.policy import NoopPolicy
+def make_policies(args, latency_model, slo) -> list:
+    """The simulated engine's step policies: branch admission, then those
+    named by --policy (`scheduler.policies.make_policy`), all given the
+    profile's step model and the run's SLOs."""
+    from stepserve.scheduler.policies import branch_admission_policy, make_policy
 
-    out = []
-    for name in names:
-        if name == "noop":
-            out.append(NoopPolicy())
-            continue
-        try:
-            from stepserve.scheduler.policies import make_policy  # type: ignore[import-not-found]
-        except ImportError:
-            raise SystemExit(f"unknown policy {name!r}: this build has only 'noop' (no scheduler.policies registry)")
-        out.append(make_policy(name, latency_model=latency_model))
-    return out
+    kw = dict(latency_model=latency_model, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+    try:
+        branch = branch_admission_policy(args.branch_admission, **kw)
+        named = [make_policy(name, **kw) for name in args.policy]
+    except ValueError as e:
+        raise SystemExit(f"stepserve: {e}") from None
+    return ([branch] if branch is not None else []) + named
 
 
 def run_simulate(args) -> int:
@@ -114,7 +113,7 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
     from stepserve.traces.report import build_report
     from stepserve.traces.simulator import Simulator
 
-    policies = make_policies(args.policy, prof.model)
+    policies = make_policies(args, prof.model, slo)
     online = None
     if args.online_refit:
         base = prof.model if isinstance(prof.model, LinearLatencyModel) else None
@@ -146,7 +145,8 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
     return build_report(
         mode="simulate", records=res.records, duration_s=res.duration_s, slo=slo, trace=trace.info(),
         scaling=sinfo.to_dict(),
-        config={"profile": args.profile, "profile_source": prof.source, "policies": args.policy,
+        config={"profile": args.profile, "profile_source": prof.source, "branch_admission": args.branch_admission,
+                "policies": args.policy,
                 **dataclasses.asdict(cfg)},
         itl_values=res.itl_s, extra=extra, with_itl=False,
     )

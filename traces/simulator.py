@@ -24,6 +24,7 @@ from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.latency_model import ServingCosts, StepFeatures
 from stepserve.scheduler.limits import Limits
+from stepserve.scheduler.policies import policy_stats
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from stepserve.scheduler.sequence import SeqStatus
 from stepserve.traces.metrics import RequestRecord
@@ -296,5 +297,6 @@ class Simulator:
             "cpu_s": time.process_time() - cpu0,
             "wall_s": time.perf_counter() - wall0,
             "config": asdict(cfg),
+            "policy": policy_stats(self.policies),
         }
         return SimResult(records, duration, itl, stats)

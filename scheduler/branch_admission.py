@@ -1,0 +1,289 @@
+"""Branch admission: how many of a request's parallel branches decode each step.
+
+A request with several branches (OpenAI `n > 1`) has one decode row per
+branch. Running all of them every step (`eager`, what vLLM and SGLang do)
+makes the shared step longer for every request in the batch; running one
+(`off`) wastes the parallelism. This step policy decides, each step, which
+extra branch rows run; a deferred row keeps its KV (branches share their
+prefix, so narrowing frees nothing) and simply skips the step, becoming more
+urgent for the next one.
+
+Modes (`BranchAdmission.parse`):
+
+  eager     every branch, every step (the default: the plan is untouched)
+  off       one row per request: its most urgent branch
+  cap:N     at most N rows per request, the most urgent first
+  taper     TAPER (Gandhi, Hari, Dally, Kozyrakis, "Regulating Branch
+            Parallelism in LLM Serving", 2026), below
+
+TAPER, each step:
+
+  * Every request's most urgent decode row runs, and every prefill row (the
+    baseline plan). The most urgent of a request's rows is the one that has
+    waited longest for a token.
+  * A request's deadline is its last token (of any branch) plus the TPOT SLO,
+    or, before its first token, its arrival plus the TTFT SLO (when given).
+    With one row of every request running each step, a request whose steps
+    come within the TPOT SLO is on time, however many of its branches wait:
+    the SLO is the request's (its TPOT counts the tokens of all its branches,
+    `traces/metrics.py`). A per-row clock would count a deferred branch late
+    at once and, with the budget below, shrink every later step to the
+    baseline for good.
+  * slack = the least time left to the deadline of a request in the step;
+    T0 = the predicted time of the baseline step;
+    budget = T0 + rho * max(0, slack - T0).
+  * Extra rows are added greedily by utility gain per marginal predicted
+    latency while the predicted step stays within the budget. Utility of a
+    request running k extra rows: `linear` k, or `concave` log(1 + k) (the
+    default: a second branch of a request that has none running is worth more
+    than a fifth of one that has four). Among equal ratios the staler row
+    wins.
+  * The prediction comes from the shared step-latency model
+    (`latency_model.py`): an offline fit when given, refitted online on the
+    steps this policy observes. Until it is calibrated (no offline fit and
+    fewer than `min_samples` steps seen) TAPER runs eager and counts those
+    steps (`stats()['uncalibrated_steps']`).
+
+Only decode rows are ever deferred: a prefill chunk is the request's way to
+its first token, and the admission of new requests is the scheduler's.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+
+from stepserve.scheduler.latency_model import (
+    LinearLatencyModel, OnlineLatencyModel, linear_fit_of, plan_features,
+)
+from stepserve.scheduler.plan import StepPlan, StepRecord
+from stepserve.scheduler.policy import EngineView
+
+MODES = ("eager", "off", "cap", "taper")
+UTILITIES = ("concave", "linear")
+
+
+@dataclass(frozen=True)
+class BranchAdmissionSpec:
+    mode: str = "eager"
+    cap: int = 0  # cap:N
+    rho: float = 0.8  # taper: share of the slack beyond the baseline step it may spend
+    utility: str = "concave"  # taper: concave | linear
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"branch admission must be one of eager, off, cap:N, taper; got {self.mode!r}")
+        if self.mode == "cap" and self.cap < 1:
+            raise ValueError(f"cap:N needs N >= 1, got {self.cap}")
+        if not 0.0 <= self.rho <= 1.0:
+            raise ValueError(f"taper rho must be in [0, 1], got {self.rho}")
+        if self.utility not in UTILITIES:
+            raise ValueError(f"taper utility must be one of {', '.join(UTILITIES)}; got {self.utility!r}")
+
+    @classmethod
+    def parse(cls, spec: str) -> "BranchAdmissionSpec":
+        """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear]`."""
+        head, _, rest = spec.strip().partition(":")
+        if head == "cap":
+            try:
+                return cls("cap", cap=int(rest))
+            except ValueError:
+                raise ValueError(f"cap:N needs an integer N, got {spec!r}") from None
+        if head == "taper":
+            kw: dict = {}
+            for item in filter(None, rest.split(",")):
+                k, eq, v = item.partition("=")
+                if not eq or k not in ("rho", "utility"):
+                    raise ValueError(f"taper options are rho=R and utility=concave|linear; got {item!r}")
+                kw[k] = float(v) if k == "rho" else v
+            return cls("taper", **kw)
+        if rest:
+            raise ValueError(f"branch admission {head!r} takes no options; got {spec!r}")
+        return cls(head)
+
+    def __str__(self) -> str:
+        if self.mode == "cap":
+            return f"cap:{self.cap}"
+        if self.mode == "taper":
+            return f"taper:rho={self.rho:g},utility={self.utility}"
+        return self.mode
+
+
+def _staleness(row) -> float:
+    """When a row last got a token (its request's arrival before any): the
+    smaller, the more urgent among its request's rows."""
+    seq = row.seq
+    return seq.last_token_time if seq.last_token_time is not None else seq.arrival
+
+
+class BranchAdmissionPolicy:
+    """The `StepPolicy` of branch admission (see the module docstring).
+
+    `latency_model`: the offline step model TAPER starts from. A
+    `LinearLatencyModel` (a measured profile) is used as it is; another kind
+    (a roofline profile) is swept like an engine and fitted with the linear
+    form (`linear_fit_of`), as the authors fit theirs on an offline sweep.
+    Without one TAPER calibrates online only. The online refits lean on the
+    offline fit (a ridge towards it): a window of steps that all have the
+    same width cannot tell a per-row cost from a fixed one, and a planner
+    that stops widening would never show it otherwise.
+    `slo_tpot_s` is required by taper; `slo_ttft_s` gives rows before their
+    first token a deadline (without it they have none).
+    """
+
+    name = "branch-admission"
+
+    def __init__(self, spec: BranchAdmissionSpec | str = "eager", *, latency_model=None,
+                 slo_tpot_s: float | None = None, slo_ttft_s: float | None = None,
+                 window: int = 200, min_samples: int = 32, refit_period_s: float = 600.0):
+        self.spec = BranchAdmissionSpec.parse(spec) if isinstance(spec, str) else spec
+        self.slo_tpot_s = slo_tpot_s
+        self.slo_ttft_s = slo_ttft_s
+        self.predictor: OnlineLatencyModel | None = None
+        if self.spec.mode == "taper":
+            if not slo_tpot_s or slo_tpot_s <= 0:
+                raise ValueError("taper branch admission needs a TPOT SLO (its rows' deadlines)")
+            base = latency_model
+            if base is not None and not isinstance(base, LinearLatencyModel):
+                base = linear_fit_of(base)
+            self.predictor = OnlineLatencyModel(base=base, window=window, min_samples=min_samples,
+                                                refit_period_s=refit_period_s, clock=self._now)
+        self._t = 0.0  # the scheduler's clock at the last plan
+        self._planned = False  # the last plan() ran the taper planner (its step is observed)
+        self.steps = 0  # steps that had a request with more than one decode row
+        self.uncalibrated_steps = 0  # of those, taper ran eager: no calibrated predictor yet
+        self.rows_candidate = 0  # decode rows of multi-row requests, summed over steps
+        self.rows_deferred = 0  # of those, rows that skipped their step
+        self.plan_s = 0.0  # time spent planning (taper)
+        self.last_budget_s = 0.0
+        self.last_predicted_s = 0.0
+
+    def _now(self) -> float:
+        return self._t
+
+    # -- StepPolicy -------------------------------------------------------------
+    def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
+        self._t = view.now
+        mode = self.spec.mode
+        if mode == "eager" or plan.num_rows < 2:
+            return plan
+        groups: dict[int, list] = {}
+        multi = False
+        for r in plan.rows:
+            if r.num_new == 1 and r.sample:
+                g = groups.setdefault(id(r.seq.group), [])
+                g.append(r)
+                if len(g) == 2:
+                    multi = True
+        if not multi:
+            return plan
+        self.steps += 1
+        branchy = [g for g in groups.values() if len(g) > 1]
+        for g in branchy:
+            g.sort(key=_staleness)  # the row that waited longest for a token first
+        self.rows_candidate += sum(len(g) for g in branchy)
+        if mode == "taper":
+            if not self.predictor.calibrated:
+                self.uncalibrated_steps += 1
+                return plan
+            t0 = time.perf_counter()
+            deferred = self._taper(plan, branchy, view.now)
+            self.plan_s += time.perf_counter() - t0
+        else:
+            width = 1 if mode == "off" else self.spec.cap
+            deferred = {id(r) for g in branchy for r in g[width:]}
+        if deferred:
+            self.rows_deferred += len(deferred)
+            plan.rows = [r for r in plan.rows if id(r) not in deferred]
+        return plan
+
+    def observe(self, plan: StepPlan, record: StepRecord) -> None:
+        if self.predictor is not None:
+            self.predictor.observe(plan, record)
+
+    # -- TAPER --------------------------------------------------------------------
+    def slack(self, plan: StepPlan, now: float) -> float:
+        """The least time left to a deadline of a request with a row in `plan`.
+        A request's deadline is its last token (of any branch) plus the TPOT
+        SLO, or before its first token its arrival plus the TTFT SLO. Every
+        request runs at least one row each step, so a request that gets its
+        token on time is on time, however many of its branches waited."""
+        last: dict[int, float] = {}
+        first: dict[int, float] = {}
+        for r in plan.rows:
+            seq = r.seq
+            k = id(seq.group)
+            t = seq.last_token_time
+            if t is not None:
+                if t > last.get(k, -math.inf):
+                    last[k] = t
+            elif k not in first:
+                first[k] = seq.arrival
+        d = math.inf
+        if last:
+            d = min(last.values()) + self.slo_tpot_s
+        if self.slo_ttft_s:
+            for k, a in first.items():
+                if k not in last and a + self.slo_ttft_s < d:
+                    d = a + self.slo_ttft_s
+        return d - now
+
+    def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:
+        slack = self.slack(plan, now)
+        # the baseline: every row but the extra branch rows (each request's stalest row runs)
+        candidates = [g[1:] for g in branchy]
+        extra_ids = {id(r) for g in candidates for r in g}
+        f = plan_features(plan)  # of the whole plan; take the extras back out
+        rows, ctx, new, pairs = f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs
+        for g in candidates:
+            for r in g:
+                rows -= 1
+                ctx -= r.start + 1
+                new -= 1
+        predict = self.predictor.predict
+        t_base = predict(rows, ctx, new, pairs)
+        budget = t_base + self.spec.rho * max(0.0, slack - t_base)
+        self.last_budget_s = budget
+        # greedy by utility gain per marginal latency: one heap entry per request, its next row
+        concave = self.spec.utility == "concave"
+        heap = []
+        for gi, g in enumerate(candidates):
+            r = g[0]
+            cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs) - t_base
+            gain = math.log(2.0) if concave else 1.0
+            heap.append((-gain / max(cost, 1e-12), _staleness(r), gi, 0, cost))
+        heapq.heapify(heap)
+        t = t_base
+        admitted = set()
+        while heap:
+            _, _, gi, k, cost = heapq.heappop(heap)
+            if t + cost > budget:
+                continue  # this request's later rows cost about the same: it is done
+            g = candidates[gi]
+            admitted.add(id(g[k]))
+            t += cost
+            k += 1
+            if k < len(g):
+                r = g[k]
+                cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs) - t_base
+                gain = math.log((k + 2) / (k + 1)) if concave else 1.0
+                heapq.heappush(heap, (-gain / max(cost, 1e-12), _staleness(r), gi, k, cost))
+        self.last_predicted_s = t
+        return extra_ids - admitted
+
+    # -- reporting ----------------------------------------------------------------
+    def stats(self) -> dict:
+        d = {
+            "branch_admission": str(self.spec),
+            "branch_steps": self.steps,
+            "branch_rows_candidate": self.rows_candidate,
+            "branch_rows_deferred": self.rows_deferred,
+        }
+        if self.predictor is not None:
+            p = self.predictor
+            d.update(taper_calibrated=p.calibrated, taper_uncalibrated_steps=self.uncalibrated_steps,
+                     taper_refits=p.num_refits, taper_plan_s=self.plan_s,
+                     taper_plan_ms_per_step=(1e3 * self.plan_s / max(self.steps - self.uncalibrated_steps, 1)))
+        return d

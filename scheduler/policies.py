@@ -1,0 +1,43 @@
+"""Step policies by name: what the CLI's `--branch-admission` and `--policy`
+build, for the engine and the simulator alike.
+
+Built-in order, when several run: branch admission first (it decides which
+rows exist), then any policy given by name (observers such as the online
+latency refit see the plan as it will run).
+"""
+
+from __future__ import annotations
+
+from stepserve.scheduler.branch_admission import BranchAdmissionPolicy, BranchAdmissionSpec
+from stepserve.scheduler.policy import NoopPolicy
+
+
+def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=None, slo_ttft_s: float | None = None,
+                            slo_tpot_s: float | None = None) -> BranchAdmissionPolicy | None:
+    """The branch-admission policy of `spec`, or None for `eager` (every row
+    runs: the plan needs no policy)."""
+    spec = BranchAdmissionSpec.parse(spec) if isinstance(spec, str) else spec
+    if spec.mode == "eager":
+        return None
+    return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+
+
+def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):
+    """`noop`, or `branch:SPEC` (SPEC as `--branch-admission` takes it)."""
+    if name == "noop":
+        return NoopPolicy()
+    head, _, rest = name.partition(":")
+    if head == "branch" and rest:
+        spec = BranchAdmissionSpec.parse(rest)
+        return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    raise ValueError(f"unknown step policy {name!r} (noop, branch:eager|off|cap:N|taper[:rho=R,utility=U])")
+
+
+def policy_stats(policies) -> dict:
+    """The merged `stats()` of the policies that report any."""
+    out: dict = {}
+    for p in policies:
+        stats = getattr(p, "stats", None)
+        if stats is not None:
+            out.update(stats())
+    return out

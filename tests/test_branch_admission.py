@@ -1,0 +1,317 @@
+"""Branch admission (scheduler/branch_admission.py): the modes through the
+engine and the simulator, and TAPER's budget and greedy choice against a
+brute-force reference on hand-made plans."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from stepserve import LLM, SamplingParams
+from stepserve.engine.engine import EngineConfig
+from stepserve.scheduler.branch_admission import BranchAdmissionPolicy, BranchAdmissionSpec
+from stepserve.scheduler.latency_model import LinearLatencyModel, linear_fit_of, load_profile, sweep_features
+from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.policy import EngineView
+from stepserve.scheduler.sequence import Seq
+from stepserve.traces.metrics import SLO, RequestRecord, summarize, victim_tpots
+from stepserve.traces.request_spec import RequestSpec, Segment
+from stepserve.traces.simulator import SimConfig, Simulator
+
+
+# -- specs --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,mode,cap,rho,utility", [
+    ("eager", "eager", 0, 0.8, "concave"), ("off", "off", 0, 0.8, "concave"), ("cap:3", "cap", 3, 0.8, "concave"),
+    ("taper", "taper", 0, 0.8, "concave"), ("taper:rho=0.5,utility=linear", "taper", 0, 0.5, "linear"),
+])
+def test_spec_parse(text, mode, cap, rho, utility):
+    s = BranchAdmissionSpec.parse(text)
+    assert (s.mode, s.cap, s.rho, s.utility) == (mode, cap, rho, utility)
+    assert BranchAdmissionSpec.parse(str(s)) == s
+
+
+@pytest.mark.parametrize("bad", ["wide", "cap", "cap:0", "cap:x", "taper:rho=2", "taper:gamma=1",
+                                 "taper:utility=cubic", "off:1"])
+def test_spec_refuses(bad):
+    with pytest.raises(ValueError):
+        BranchAdmissionSpec.parse(bad)
+
+
+def test_taper_needs_a_tpot_slo():
+    with pytest.raises(ValueError, match="TPOT"):
+        BranchAdmissionPolicy("taper")
+    with pytest.raises(ValueError, match="TPOT"):
+        EngineConfig(branch_admission="taper")
+
+
+# -- the engine: deferral changes timing, never tokens -----------------------------------
+
+PROMPTS = ["In the beginning", "And God said", "Let there be light"]
+
+
+def _run(ckpt, mode, **kw):
+    llm = LLM(ckpt, check_invariants=True, branch_admission=mode, **kw)
+    params = [SamplingParams(n=n, max_tokens=12, temperature=1.5, seed=11 + i, ignore_eos=True)
+              for i, n in enumerate((4, 1, 3))]
+    eng = llm.engine
+    widths = []  # per step: the most rows any one request had, and the refits of TAPER's model by then
+    taper = next((p for p in eng.policies if isinstance(p, BranchAdmissionPolicy)), None)
+
+    class Watch:
+        name = "watch"
+
+        def plan(self, plan, view):
+            return plan
+
+        def observe(self, plan, record):
+            per = {}
+            for r in plan.rows:
+                if r.num_new == 1:
+                    per[id(r.seq.group)] = per.get(id(r.seq.group), 0) + 1
+            refits = taper.predictor.num_refits if taper is not None and taper.predictor else 0
+            widths.append((max(per.values(), default=0), refits))
+
+    eng.scheduler.policies.append(Watch())  # the step loop's list (the core shares it)
+    outs = llm.generate(PROMPTS, params)
+    sched = eng.scheduler
+    assert not sched.running and not sched.waiting and sched.kv.tree.protected_size() == 0
+    kv = sched.kv
+    assert kv.allocator.available() + kv.tree.total_size() == kv.capacity
+    return [[tuple(c.token_ids) for c in o.outputs] for o in outs], widths, eng
+
+
+@pytest.mark.parametrize("mode,width", [("off", 1), ("cap:2", 2)])
+def test_narrow_modes_keep_tokens_and_cap_width(llama_ckpt, mode, width):
+    """Seeded sampling is keyed on the branch's seed and position, so a branch
+    deferred for some steps samples the same tokens: only the width changes."""
+    eager, w_eager, e_eng = _run(llama_ckpt, "eager")
+    narrow, w_narrow, n_eng = _run(llama_ckpt, mode)
+    assert narrow == eager
+    assert max(w for w, _ in w_eager) == 4 and max(w for w, _ in w_narrow) == width
+    assert n_eng.step_id > e_eng.step_id
+    st = n_eng.stats().policy
+    assert st["branch_admission"] == mode and st["branch_rows_deferred"] > 0
+
+
+def test_taper_in_the_engine(llama_ckpt):
+    """Uncalibrated (no profile) it runs eager for its branching steps and says
+    so; tokens never change."""
+    eager, _, _ = _run(llama_ckpt, "eager")
+    out, widths, eng = _run(llama_ckpt, "taper", slo_tpot_s=0.05)
+    st = eng.stats().policy
+    assert out == eager and max(w for w, _ in widths) == 4
+    assert st["taper_uncalibrated_steps"] == st["branch_steps"] and st["branch_rows_deferred"] == 0
+    assert st["taper_calibrated"] is False
+
+
+def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
+    """A profile whose decode rows cost 10 ms each against a 15 ms TPOT SLO:
+    only the baseline (one row per request) fits the budget."""
+    import json
+
+    from stepserve.scheduler.latency_model import PROFILE_KIND
+
+    prof = {"kind": PROFILE_KIND, "source": "measured",
+            "latency": {"form": "linear", "coef": [1e-3, 1e-2, 0.0, 0.0]}}
+    path = tmp_path / "slow.json"
+    path.write_text(json.dumps(prof))
+    eager, _, _ = _run(llama_ckpt, "eager")
+    out, widths, eng = _run(llama_ckpt, "taper", slo_tpot_s=0.015, latency_profile=str(path))
+    st = eng.stats().policy
+    assert out == eager
+    assert st["taper_calibrated"] is True and st["taper_uncalibrated_steps"] == 0
+    # until the first online refit (after 32 observed steps) it plans with the profile: one row each
+    before = [w for w, refits in widths if refits == 0]
+    assert st["branch_rows_deferred"] > 0 and len(before) > 5 and max(before) == 1
+
+
+# -- TAPER's planning against brute force -----------------------------------------------
+
+class _Req:
+    pass
+
+
+def _plan(groups, now=1.0):
+    """groups: per request a list of (context start, last token time) of its
+    decode rows; plus one prefill row of 16 tokens in its own request."""
+    plan = StepPlan()
+    sid = itertools.count()
+    for rows in groups:
+        g = _Req()
+        for start, last in rows:
+            s = Seq(next(sid), [1] * (start + 1), 4, 100, 0.0, group=g)
+            s.last_token_time = last
+            plan.rows.append(ScheduledRow(s, start, 1, True))
+    p = Seq(next(sid), [1] * 16, 16, 10, 0.5, group=_Req())
+    plan.rows.append(ScheduledRow(p, 0, 16, True))
+    return plan
+
+
+def _brute_force(policy, groups, now):
+    """The best admissible set by exhaustive search, where the greedy is exact:
+    linear utility and rows that all cost the same, so the count of extras is
+    what matters: the largest count that fits."""
+    m = policy.predictor.current()
+    slack = min(max(t for _, t in rows) for rows in groups) + policy.slo_tpot_s - now
+    base_rows = len(groups) + 1
+    base_ctx = sum(min(rows, key=lambda x: x[1])[0] + 1 for rows in groups) + 16
+    t0 = m.predict(base_rows, base_ctx, len(groups) + 16)
+    budget = t0 + policy.spec.rho * max(0.0, slack - t0)
+    extras = [r for rows in groups for r in sorted(rows, key=lambda x: x[1])[1:]]
+    best = 0
+    for k in range(len(extras) + 1):
+        for combo in itertools.combinations(extras, k):
+            t = m.predict(base_rows + k, base_ctx + sum(s + 1 for s, _ in combo), len(groups) + 16 + k)
+            if t <= budget + 1e-12:
+                best = max(best, k)
+                break
+    return best, budget
+
+
+@pytest.mark.parametrize("slo,rho", [(0.010, 0.8), (0.020, 0.8), (0.020, 0.3), (0.050, 1.0), (0.003, 0.8)])
+def test_taper_budget_and_greedy_match_brute_force(slo, rho):
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])  # 1 ms per row, context free
+    pol = BranchAdmissionPolicy(f"taper:rho={rho},utility=linear", latency_model=model, slo_tpot_s=slo)
+    now = 1.0
+    groups = [[(40, 0.995), (41, 0.990), (42, 0.993)], [(10, 0.999)], [(7, 0.996), (8, 0.994)],
+              [(30, 0.998), (31, 0.998), (32, 0.997), (33, 0.992)]]
+    plan = _plan(groups, now)
+    best, budget = _brute_force(pol, groups, now)
+    out = pol.plan(plan, EngineView(now, 8, 0, 100, 100))
+    kept_decode = [r for r in out.rows if r.num_new == 1]
+    assert pol.last_budget_s == pytest.approx(budget)
+    assert len(kept_decode) == len(groups) + best
+    # every request keeps its stalest row, and the prefill row stays
+    for rows in groups:
+        stalest = min(rows, key=lambda x: x[1])
+        assert any(r.start == stalest[0] for r in kept_decode)
+    assert any(r.num_new == 16 for r in out.rows)
+    assert pol.last_predicted_s <= budget + 1e-12
+
+
+def test_taper_concave_utility_spreads_width():
+    """With room for two of three extra rows of about equal cost, concave
+    utility gives each request one; linear utility takes the two cheapest."""
+    model = LinearLatencyModel("linear", [1e-3, 0.0, 1e-5, 0.0])  # 10 us per context token
+    groups = [[(100, 0.999), (50, 0.999), (51, 0.999)], [(100, 0.999), (52, 0.999)]]
+    # baseline: contexts 101 + 101 + 16 -> T0 = 3.18 ms; extras cost 0.51, 0.52 and 0.53 ms;
+    # rho = 1 and a slack of 4.48 ms leave 1.3 ms for them
+    for utility, expect in (("concave", {51, 53}), ("linear", {51, 52})):
+        pol = BranchAdmissionPolicy(f"taper:rho=1,utility={utility}", latency_model=model, slo_tpot_s=5.48e-3)
+        out = pol.plan(_plan(groups), EngineView(1.0, 5, 0, 100, 100))
+        extra = {r.start + 1 for r in out.rows if r.num_new == 1} - {101}
+        assert extra == expect, (utility, extra)
+        assert pol.last_budget_s == pytest.approx(4.48e-3)
+
+
+def test_taper_refits_online_toward_the_offline_fit():
+    """Observing steps refits the predictor; a roofline profile is swept and
+    fitted with the linear form to start from."""
+    roof = load_profile("h100:llama3-8b").model
+    pol = BranchAdmissionPolicy("taper", latency_model=roof, slo_tpot_s=0.05)
+    base = pol.predictor.base
+    ref = linear_fit_of(roof)
+    assert base.coef == pytest.approx(ref.coef)
+    feats = sweep_features()
+    errs = [abs(base.predict_features(f) - roof.predict_features(f)) / roof.predict_features(f) for f in feats]
+    assert sorted(errs)[len(errs) // 2] < 0.15
+
+
+# -- the simulator ----------------------------------------------------------------------
+
+def _sim(mode, specs, slo=0.06, **cfg):
+    model = LinearLatencyModel("linear", [5e-3, 2e-3, 0.0, 0.0])  # 2 ms per row
+    pol = []
+    if mode != "eager":
+        pol = [BranchAdmissionPolicy(mode, latency_model=model, slo_tpot_s=slo, slo_ttft_s=1.0)]
+    sim = Simulator(model, SimConfig(kv_slots=20000, max_context=512, vocab_size=100, check_every=1, **cfg), pol)
+    return sim.run(specs), pol
+
+
+def _specs():
+    out = []
+    for i in range(12):
+        n = 4 if i % 3 else 1
+        out.append(RequestSpec(f"r{i}", 0.01 * i, 40, (Segment(f"p{i}", 32),), n=n))
+    return out
+
+
+def test_simulator_modes_order_width_and_victims():
+    """Eager runs the widest steps and makes the serial requests' TPOT worst;
+    off the narrowest; taper in between, its steps kept within the SLO budget
+    whenever the baseline fits."""
+    res = {m: _sim(m, _specs()) for m in ("eager", "off", "cap:2", "taper")}
+    rows = {m: r.stats["max_rows"] for m, (r, _) in res.items()}
+    assert rows["off"] <= 12 and rows["cap:2"] <= 2 * 8 + 4 and rows["eager"] > 2 * 8 + 4
+    assert rows["off"] < rows["taper"] < rows["eager"]
+    victims = {m: summarize(r.records, r.duration_s, SLO(tpot_s=0.06))["victim_tpot_s"]["p50"]
+               for m, (r, _) in res.items()}
+    assert victims["off"] < victims["taper"] < victims["eager"]
+    for m, (r, _) in res.items():
+        assert all(rec.completed and rec.output_tokens == 40 * rec.n for rec in r.records), m
+    st = res["taper"][0].stats["policy"]
+    assert st["taper_calibrated"] and st["branch_rows_deferred"] > 0
+
+
+def test_victim_tpot_counts_only_overlapping_serial_requests():
+    def rec(i, n, start, end):
+        return RequestRecord(f"r{i}", start, 4, n=n, start_s=start, first_token_s=start + 0.1, end_s=end,
+                             output_tokens=11 * n)
+
+    recs = [rec(0, 3, 1.0, 2.0), rec(1, 1, 0.0, 0.9), rec(2, 1, 1.5, 3.5), rec(3, 1, 0.5, 1.1), rec(4, 1, 2.5, 3.0)]
+    v = victim_tpots(recs)
+    assert sorted(v) == sorted([recs[2].tpot, recs[3].tpot])
+    assert recs[0].tpot == pytest.approx(0.9 / (33 - 3))
+    assert victim_tpots([r for r in recs if r.n == 1]) is None
+    s = summarize(recs, 4.0, SLO())
+    assert s["num_victims"] == 2 and s["victim_tpot_s"]["p50"] == pytest.approx(
+        sorted([recs[2].tpot, recs[3].tpot])[0] * 0.5 + sorted([recs[2].tpot, recs[3].tpot])[1] * 0.5)
+    assert math.isclose(recs[1].tpot, 0.8 / 10)
+    alone = summarize(recs[1:], 4.0, SLO())  # no branching request: no victims, same keys
+    assert alone["num_victims"] is None and alone["victim_tpot_s"]["p50"] is None
+
+
+# -- over HTTP ------------------------------------------------------------------------------
+
+def test_server_branch_admission_over_http(llama_ckpt):
+    """`n` choices from a server that defers branches are the same as from an
+    eager one (seeded), streamed or not; the metrics count the deferrals."""
+    import openai
+    from server_util import ServerThread
+
+    def ask(srv):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        kw = dict(model="test-model", prompt="In the beginning", max_tokens=8, n=3, temperature=1.2, seed=5,
+                  extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw)
+        texts = {c.index: c.text for c in full.choices}
+        streamed: dict[int, str] = {}
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed[c.index] = streamed.get(c.index, "") + c.text
+        srv.wait_idle()
+        srv.kv_report()
+        return texts, streamed, srv.metrics()
+
+    with ServerThread(llama_ckpt) as srv:
+        eager, eager_stream, m_eager = ask(srv)
+    with ServerThread(llama_ckpt, branch_admission="off") as srv:
+        off, off_stream, m_off = ask(srv)
+    assert off == eager == eager_stream == off_stream and len(eager) == 3
+    assert "stepserve:branch_rows_deferred_total" not in m_eager
+    assert m_off["stepserve:branch_rows_deferred_total"] > 0
+    assert m_off["stepserve:branch_rows_candidate_total"] >= m_off["stepserve:branch_rows_deferred_total"]
+
+
+def test_cli_refuses_bad_branch_admission(capsys):
+    from stepserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--branch-admission", "wide"])
+    assert e.value.code == 2 and "branch admission" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--branch-admission", "taper", "--port", "1"])
+    assert "TPOT SLO" in str(e.value.code)

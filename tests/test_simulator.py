@@ -257,3 +257,21 @@ def test_simulate_cli_report_plot_and_compare(tmp_path, capsys):
     table = capsys.readouterr().out
     assert "goodput req/s" in table and "vs a" in table
     assert (tmp_path / "cmp.png").stat().st_size > 0
+
+
+def test_max_concurrency_is_a_closed_loop():
+    """All arrive at 0: with max_concurrency 1 each request is sent when the one
+    before completes; 3 lets three run side by side and finishes sooner; the
+    latencies count from the send."""
+    specs = [_spec(i, 0.0, 8, 5) for i in range(6)]
+    one = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100)).run(specs, max_concurrency=1)
+    recs = sorted(one.records, key=lambda r: r.start_s)
+    for a, b in zip(recs, recs[1:]):
+        assert b.start_s == pytest.approx(a.end_s)
+    assert all(r.e2e == pytest.approx(5e-3) for r in recs)  # alone: prefill+first token, then 4 steps
+    three = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100)).run(specs,
+                                                                                              max_concurrency=3)
+    assert three.duration_s < one.duration_s
+    assert sum(1 for r in three.records if r.start_s == 0.0) == 3
+    with pytest.raises(ValueError):
+        Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100)).run(specs, max_concurrency=0)

@@ -17,6 +17,10 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                         "prefix_len=64,turns=3,burstiness=0.5,arrival=gamma,branch_fraction=0.2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     g.add_argument("--save-trace", default=None, help="also write the scaled requests as stepserve JSONL here")
+    g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="keep at most N requests in flight: one arriving beyond that is sent when one completes, "
+                        "and its latencies count from then (vLLM's benchmark option; with a --rate far above what the "
+                        "server sustains, a closed loop at N)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="prompt token ids come from [16, VOCAB) (default: the server's vocab_size, or the profile's "
                         "model vocabulary; else 256)")

@@ -54,6 +54,7 @@ class ReplayConfig:
     timeout_s: float = 3600.0
     warmup: int = 1  # untimed requests first (lazy initialisation, kernel builds)
     progress: bool = True
+    max_concurrency: int | None = None  # requests in flight at most; later arrivals wait for a completion
 
 
 def server_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> ServerInfo:
@@ -186,8 +187,14 @@ class Replayer:
         t0 = time.perf_counter()
         self.t0_epoch = t0 + wall_offset()  # lines the records up with a server's step log
 
+        limit = asyncio.Semaphore(self.cfg.max_concurrency) if self.cfg.max_concurrency else None
+
         async def tracked(spec, rec):
-            await self._one(spec, rec, t0)
+            if limit is None:
+                await self._one(spec, rec, t0)
+            else:
+                async with limit:  # the send (start_s) waits for a free slot
+                    await self._one(spec, rec, t0)
             bar.update(1)
             if rec.error:
                 bar.set_postfix_str(f"failed: {sum(1 for r in records if r.error)}")

@@ -66,7 +66,8 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
 
     cfg = ReplayConfig(url=args.url, model=args.served_model, api_key=args.api_key, vocab_size=args.vocab_size,
                        seed=args.seed + k, warmup=args.warmup if k == 0 else 0,
-                       timeout_s=args.request_timeout, progress=not args.no_progress)
+                       timeout_s=args.request_timeout, progress=not args.no_progress,
+                       max_concurrency=args.max_concurrency)
     print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
           file=sys.stderr)
     records, duration, t0_epoch = replay(specs, cfg, info)
@@ -76,7 +77,8 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
         scaling=sinfo.to_dict(),
         config={"url": args.url, "model": cfg.model or info.model, "server_max_model_len": info.max_model_len,
                 "vocab_size": cfg.vocab_size or info.vocab_size, "prompt_seed": cfg.seed,
-                "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup},
+                "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup,
+                "max_concurrency": args.max_concurrency},
         extra={"client_lag_s": percentiles(lag), "t0_epoch": t0_epoch},
         with_itl=not args.no_itl_records,
     )

@@ -130,7 +130,7 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
             bar.update(n_arrived - last[0])
             last[0] = n_arrived
 
-    res = sim.run(specs, progress=progress)
+    res = sim.run(specs, progress=progress, max_concurrency=args.max_concurrency)
     bar.close()
     extra = {
         "simulator": res.stats,
@@ -147,6 +147,7 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
         scaling=sinfo.to_dict(),
         config={"profile": args.profile, "profile_source": prof.source, "branch_admission": args.branch_admission,
                 "policies": args.policy,
+                "max_concurrency": args.max_concurrency,
                 **dataclasses.asdict(cfg)},
         itl_values=res.itl_s, extra=extra, with_itl=False,
     )

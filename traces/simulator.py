@@ -13,6 +13,8 @@ same work, and their reports (traces/report.py) have the same shape.
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 import time
 from array import array
@@ -169,6 +171,7 @@ class Simulator:
         self.core: EngineCore | None = None
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
+        self._freed: list[float] | None = None  # `run`'s client slots, under max_concurrency
 
     def kv_capacity(self) -> int:
         return self.cfg.kv_slots
@@ -200,6 +203,7 @@ class Simulator:
         pass
 
     def updated(self, plan, out, got) -> None:
+        freed = self._freed
         t = self.clock.t + self.runner.costs.delivery(len(plan.samples))  # when the client holds this step's tokens
         seen = self._seen
         itl = self._itl
@@ -226,10 +230,19 @@ class Simulator:
                 if live.left == 0:
                     rec.end_s = t
                     rec.cached_tokens = live.cached
+                    if freed is not None:
+                        heapq.heappush(freed, t)
 
     # -- the run ----------------------------------------------------------------
-    def run(self, specs: list[RequestSpec], progress=None) -> SimResult:
+    def run(self, specs: list[RequestSpec], progress=None, max_concurrency: int | None = None) -> SimResult:
+        """`max_concurrency`: a client that keeps at most this many requests in
+        flight (vLLM's benchmark option): a request is sent at its arrival or,
+        when that many are out, as soon as one completes (its client holds the
+        last token); its TTFT and E2E count from the send. With every arrival
+        at 0 that is a closed loop at this concurrency."""
         cfg = self.cfg
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         if cfg.kv_slots is None:
             raise ValueError("SimConfig.kv_slots is not set (the profile gives none: pass --kv-slots)")
         builder = PromptBuilder(cfg.vocab_size or DEFAULT_VOCAB, cfg.seed)
@@ -247,31 +260,45 @@ class Simulator:
         max_rows = 0
         i, n = 0, len(specs)
         oh = cfg.entry_s
+        # the client's free slots: completion times (a heap), once max_concurrency requests were sent
+        self._freed = freed = [] if max_concurrency is not None else None
+        sent = 0
+
+        def send_time(spec) -> float:  # when the client sends `spec` (inf: waits for a completion)
+            if freed is None or sent < max_concurrency:
+                return spec.arrival_s
+            return max(spec.arrival_s, freed[0]) if freed else math.inf
+
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while i < n or core.has_work():
             t = clock.t
-            while i < n and specs[i].arrival_s + oh <= t:
+            while i < n and send_time(specs[i]) + oh <= t:
                 spec = specs[i]
+                at = send_time(spec)
+                if freed is not None and sent >= max_concurrency:
+                    heapq.heappop(freed)
+                sent += 1
                 i += 1
-                at = spec.arrival_s
-                rec = RequestRecord(spec.request_id, at, spec.prompt_len, n=spec.n, start_s=at)
+                rec = RequestRecord(spec.request_id, spec.arrival_s, spec.prompt_len, n=spec.n, start_s=at)
                 records.append(rec)
                 ids = builder.prompt(spec)
                 try:  # the engine's own refusals, as a server would answer 400
                     max_tokens = core.check_request(ids, spec.output_len)
                 except RequestError as e:
                     rec.error = str(e)
+                    if freed is not None:
+                        heapq.heappush(freed, at)  # answered at once: the slot is free again
                     continue
                 core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n), seeds=[0] * spec.n, ignore_eos=True)
             if not core.has_work():
-                t_next = specs[i].arrival_s + oh
+                t_next = send_time(specs[i]) + oh
                 self.runner.idle_s += t_next - clock.t
                 clock.t = t_next
                 continue
             plan = core.step()
             if plan is None:
-                if i < n:  # nothing fits until more work arrives (should not happen; be safe)
-                    clock.t = max(clock.t, specs[i].arrival_s + oh)
+                if i < n and send_time(specs[i]) < math.inf:  # nothing fits until more work arrives (be safe)
+                    clock.t = max(clock.t, send_time(specs[i]) + oh)
                     continue
                 raise RuntimeError("simulator: the scheduler made no progress with work queued")
             rec = core.records[-1]

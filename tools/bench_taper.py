@@ -1,0 +1,85 @@
+"""Cost of TAPER's per-step planning (`BranchAdmissionPolicy.plan`).
+
+Builds decode plans of R rows -- R/B requests of B branches each, with
+contexts of a few hundred to a few thousand tokens and staggered last-token
+times, plus one prefill chunk -- and times `plan()` on fresh copies, median
+over many repeats, with the budget set so that about half the extra rows are
+admitted (the greedy's longest path: it neither stops at once nor takes all).
+
+    .venv/bin/python tools/bench_taper.py [--rows 64,256,1024] [--branches 8] [--repeats 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from stepserve.scheduler.branch_admission import BranchAdmissionPolicy
+from stepserve.scheduler.latency_model import LinearLatencyModel
+from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.policy import EngineView
+from stepserve.scheduler.sequence import Seq
+
+
+class _Request:
+    pass
+
+
+def make_rows(rows: int, branches: int, rng: random.Random, now: float) -> list[ScheduledRow]:
+    out = []
+    sid = 0
+    for _ in range(rows // branches):
+        group = _Request()
+        base = rng.randint(200, 3000)
+        for b in range(branches):
+            start = base + rng.randint(0, 64)
+            s = Seq(sid, [1] * (start + 1), base, 1000, 0.0, group=group, branch=b)
+            s.last_token_time = now - rng.uniform(0.0, 0.03)
+            out.append(ScheduledRow(s, start, 1, True))
+            sid += 1
+    p = Seq(sid, [1] * 512, 512, 100, now - 0.1, group=_Request())
+    out.append(ScheduledRow(p, 0, 512, True))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="64,256,1024")
+    ap.add_argument("--branches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=300)
+    args = ap.parse_args()
+    rng = random.Random(0)
+    now = 100.0
+    # an H100-like decode step: 14 ms + 50 us per row + 50 ns per context token
+    model = LinearLatencyModel("linear", [14e-3, 5e-5, 5e-8, 0.0])
+    print(f"{'rows':>6s} {'requests':>8s} {'admitted':>9s} {'plan p50 (ms)':>14s} {'p90 (ms)':>9s}")
+    for rows in (int(x) for x in args.rows.split(",")):
+        template = make_rows(rows, args.branches, rng, now)
+        n_req = rows // args.branches
+        full = model.predict(len(template), sum(r.start + r.num_new for r in template), rows + 512)
+        base = model.predict(n_req + 1, 0, n_req + 512)
+        # a TPOT SLO that puts the budget (rho = 1: the slack) halfway between the baseline and the full step
+        last: dict[int, float] = {}
+        for r in template:
+            if r.seq.last_token_time is not None:
+                k = id(r.seq.group)
+                last[k] = max(last.get(k, 0.0), r.seq.last_token_time)
+        slo = (base + full) / 2 + now - min(last.values())
+        pol = BranchAdmissionPolicy("taper:rho=1", latency_model=model, slo_tpot_s=slo)
+        times, kept = [], 0
+        for _ in range(args.repeats):
+            plan = StepPlan(rows=list(template))
+            view = EngineView(now, rows, 0, 10**6, 10**6)
+            t0 = time.perf_counter()
+            out = pol.plan(plan, view)
+            times.append(time.perf_counter() - t0)
+            kept = len(out.rows)
+        times.sort()
+        print(f"{rows:6d} {n_req:8d} {kept - n_req - 1:4d}/{rows - n_req:<4d} "
+              f"{statistics.median(times) * 1e3:14.3f} {times[int(0.9 * len(times))] * 1e3:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

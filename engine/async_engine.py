@@ -50,6 +50,7 @@ class AddRequest(NamedTuple):
     request_id: str
     prompt: str | Sequence[int]
     params: SamplingParams
+    stages: list | None = None  # a fork/join request's later stages (`Engine.add_request`)
 
 
 class AbortRequest(NamedTuple):
@@ -112,9 +113,9 @@ class EngineLoop:
     def handle(self, cmd: Command, outputs: Outputs, replies: Replies) -> None:
         eng = self.engine
         match cmd:
-            case AddRequest(request_id=rid, prompt=prompt, params=params):
+            case AddRequest(request_id=rid, prompt=prompt, params=params, stages=stages):
                 try:
-                    eng.add_request(prompt, params, rid)
+                    eng.add_request(prompt, params, rid, stages=stages)
                 except Exception as e:  # validation errors go back to the caller
                     outputs.append((rid, e))
             case AbortRequest(request_id=rid):
@@ -219,8 +220,11 @@ class AsyncEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        stages: list[dict] | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields output deltas (new text/tokens per branch) until the request ends.
+        `stages`: a fork/join request (`Engine.add_request`); each output's
+        `index` is its branch's within the request and `stage` its stage.
 
         Deltas that queued up while the caller was busy come as one (merged),
         so a slow consumer does less work per token, not more. Leaving the
@@ -234,7 +238,7 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._core.send(AddRequest(request_id, prompt, params or SamplingParams()))
+        self._core.send(AddRequest(request_id, prompt, params or SamplingParams(), stages))
         finished = False
         try:
             while True:

@@ -24,7 +24,7 @@ from stepserve.engine.sampler import derive_seed
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
 from stepserve.scheduler.branch_admission import BranchAdmissionSpec
-from stepserve.scheduler.core import EngineCore
+from stepserve.scheduler.core import EngineCore, Stage
 from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.limits import Limits
@@ -116,6 +116,12 @@ class KVReport:
     protected: int  # cached slots locked by running requests
     accounted: int  # free + cached slots; equals capacity when nothing runs
     capacity: int
+
+
+def _positive_int(v, what: str) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise RequestError(f"{what} must be a positive integer, got {v!r}", "stages")
+    return v
 
 
 def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
@@ -229,7 +235,15 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        stages: Sequence[dict] | None = None,
     ) -> Request:
+        """`stages`: a fork/join request. Its first stage is this prompt and
+        `params.max_tokens` (with n = 1); each later stage, started when the one
+        before has finished, is `{"max_tokens": N}` (serial: generation goes
+        on) or `{"branches": [{"prompt": SUFFIX, "max_tokens": N}, ...]}`
+        (parallel: each branch continues from everything so far plus its own
+        suffix, text or token ids). After a parallel stage the context is
+        everything before it plus each branch's output, in branch order."""
         params = (params or SamplingParams()).check_token_ids(self.model_config.vocab_size)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
@@ -237,6 +251,7 @@ class Engine:
             text, ids = None, [int(t) for t in prompt]
         plen = len(ids)
         max_tokens = self.core.check_request(ids, params.max_tokens)
+        later = self._parse_stages(stages, params, max_tokens, ids) if stages else None
         if request_id is None:
             request_id = f"req-{self._next_req_id}"
             self._next_req_id += 1
@@ -246,29 +261,86 @@ class Engine:
         req = Request(request_id, text, ids, params, now)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         full_prefill = params.prompt_logprobs is not None and plen > 1
+        n_later = sum(len(st.branches) for st in later) if later else 0
         seqs = self.core.add_sequences(
             list(ids), max_tokens, now, req, seeds=[derive_seed(base_seed, b) for b in range(params.n)],
+            stages=later, stage_seeds=[derive_seed(base_seed, b) for b in range(1, 1 + n_later)] if later else None,
             eos_token_ids=self.eos_token_ids, stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, full_prefill=full_prefill,
             sampling=params, plain_greedy=req.plain_greedy,
         )
-        for seq in seqs:
-            branch = Branch(seq, IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens))
-            if params.logprobs is not None:
-                branch.logprobs = []
-            if params.logits_processor_factory is not None:
-                seq.logits_processor = params.logits_processor_factory()
-            req.branches.append(branch)
+        req.stages_left = len(later) if later else 0
+        self._add_branches(req, seqs, ids, 0)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * plen  # the first prompt token has no logprob
         self.requests[request_id] = req
         self.totals["prompt_tokens"] += plen
         return req
 
+    def _add_branches(self, req: Request, seqs: list, context: list[int], stage: int) -> None:
+        params = req.params
+        for seq in seqs:
+            branch = Branch(seq, IncrementalDetokenizer(self.tokenizer, context, params.skip_special_tokens),
+                            stage=stage)
+            if params.logprobs is not None:
+                branch.logprobs = []
+            if params.logits_processor_factory is not None:
+                seq.logits_processor = params.logits_processor_factory()
+            req.branches.append(branch)
+
+    def _parse_stages(self, stages, params: SamplingParams, max_tokens: int, ids: list[int]) -> list[Stage]:
+        """The later stages of a fork/join request, tokenized and checked."""
+        if params.n != 1:
+            raise RequestError("a fork/join request (stages) takes n = 1: its branches are its stages'", "n")
+        if params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs is not supported with stages", "prompt_logprobs")
+        vocab = self.model_config.vocab_size
+        out = []
+        for k, st in enumerate(stages, start=1):
+            if not isinstance(st, dict) or ("branches" in st) == ("max_tokens" in st) or set(st) - {
+                    "branches", "max_tokens"}:
+                raise RequestError(f"stage {k}: give either max_tokens (a serial stage) or branches "
+                                   "(a parallel stage), and nothing else", "stages")
+            if "max_tokens" in st:
+                out.append(Stage([([], _positive_int(st["max_tokens"], f"stage {k} max_tokens"))]))
+                continue
+            branches = st["branches"]
+            if not isinstance(branches, list) or not branches:
+                raise RequestError(f"stage {k}: branches must be a non-empty list", "stages")
+            parsed = []
+            for b, br in enumerate(branches):
+                if not isinstance(br, dict) or "max_tokens" not in br or set(br) - {"prompt", "max_tokens"}:
+                    raise RequestError(f"stage {k} branch {b}: give max_tokens and, optionally, prompt", "stages")
+                suffix = br.get("prompt", "")
+                if isinstance(suffix, str):
+                    sid = self.tokenize(suffix) if suffix else []
+                elif isinstance(suffix, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in suffix):
+                    sid = list(suffix)
+                    bad = [t for t in sid if not 0 <= t < vocab]
+                    if bad:
+                        raise RequestError(f"stage {k} branch {b}: token ids {bad[:5]} are outside the "
+                                           f"vocabulary of {vocab}", "stages")
+                else:
+                    raise RequestError(f"stage {k} branch {b}: prompt must be a string or token ids", "stages")
+                parsed.append((sid, _positive_int(br["max_tokens"], f"stage {k} branch {b} max_tokens")))
+            out.append(Stage(parsed))
+        self.core.check_stages(ids, max_tokens, out)
+        return out
+
+    def staged(self, group, seqs) -> None:
+        """A fork/join request's next stage began."""
+        req: Request = group
+        req.stages_left -= 1
+        stage = req.branches[-1].stage + 1
+        for seq in seqs:
+            self._add_branches(req, [seq], seq.token_ids[: seq.prompt_len], stage)
+
     def abort_request(self, request_id: str) -> Request | None:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.core.drop_stages(req)
+        req.stages_left = 0
         for seq in req.seqs:
             self.scheduler.abort(seq)
         self._mark_finished(req)

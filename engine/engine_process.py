@@ -105,6 +105,7 @@ class OutputBatch(NamedTuple):
     stop_reason: list[str | int | None]
     logprobs: list[list | None]
     cumulative_logprob: list[float | None]
+    stage: dict[int, int]  # completion row -> its fork/join stage, for the rows of a stage after the first
     failed: list[RequestFailed]
     replies: list[CallReply]
 
@@ -131,6 +132,7 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
     index, text, token_ids, finish_reason, stop_reason, logprobs, cumulative_logprob = [], [], [], [], [], [], []
     prompt_ids: dict[int, list[int]] = {}
     prompt_lps: dict[int, list] = {}
+    stage: dict[int, int] = {}
     failed: list[RequestFailed] = []
     for rid, out in outputs:  # one loop of appends: ~20% faster than a comprehension per column
         row = len(request_id)
@@ -152,6 +154,8 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
         finished_time.append(m.finished_time)
         num_outputs.append(len(out.outputs))
         for o in out.outputs:
+            if o.stage:
+                stage[len(index)] = o.stage
             index.append(o.index)
             text.append(o.text)
             token_ids.append(o.token_ids)
@@ -164,7 +168,7 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
         first_token_time=first_token_time, finished_time=finished_time, num_outputs=num_outputs,
         prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids, index=index, text=text, token_ids=token_ids,
         finish_reason=finish_reason, stop_reason=stop_reason, logprobs=logprobs,
-        cumulative_logprob=cumulative_logprob, failed=failed, replies=replies,
+        cumulative_logprob=cumulative_logprob, stage=stage, failed=failed, replies=replies,
     )
 
 
@@ -182,6 +186,8 @@ def decode_batch(batch: OutputBatch, prompts: dict[str, Any]) -> tuple[Outputs, 
     and dropped at its last."""
     comps = list(map(CompletionOutput, batch.index, batch.text, batch.token_ids, batch.finish_reason,
                      batch.stop_reason, batch.logprobs, batch.cumulative_logprob))
+    for row, st in batch.stage.items():
+        comps[row].stage = st
     metrics = map(RequestMetrics, batch.arrival_time, batch.first_token_time, batch.finished_time)
     prompt_lps, prompt_ids = batch.prompt_logprobs, batch.prompt_token_ids
     outputs: Outputs = []

@@ -28,8 +28,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        stages: list[dict] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in prompt order."""
+        """Runs every prompt to completion; outputs come back in prompt order.
+        `stages` makes every prompt a fork/join request with these later
+        stages (`Engine.add_request`); its outputs are every branch of every
+        stage, `index` in order and `stage` saying which."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
@@ -42,7 +46,7 @@ class LLM:
         reqs = []
         try:
             for p, sp in zip(prompts, params):
-                reqs.append(self.engine.add_request(p, sp))
+                reqs.append(self.engine.add_request(p, sp, stages=stages))
         except Exception:
             for r in reqs:
                 self.engine.abort_request(r.request_id)

@@ -25,6 +25,7 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token that ended it
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
+    stage: int = 0  # a fork/join request's stage this output belongs to (0: the first)
 
     @property
     def finished(self) -> bool:
@@ -91,6 +92,7 @@ class Branch:
     sent_text: int = 0
     sent_tokens: int = 0
     done_reported: bool = False
+    stage: int = 0
 
 
 @dataclass(eq=False)
@@ -105,6 +107,7 @@ class Request:
     finished_time: float | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
     prompt_logprobs_sent: bool = False
+    stages_left: int = 0  # a fork/join request: stages not started yet
 
     @property
     def plain_greedy(self) -> bool:
@@ -118,7 +121,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(b.seq.finished for b in self.branches)
+        return self.stages_left == 0 and all(b.seq.finished for b in self.branches)
 
     def sync_text(self, branch: Branch) -> str | None:
         """Detokenizes the output tokens not yet turned into text; returns the
@@ -194,6 +197,7 @@ class Request:
                     stop_reason=b.stop_reason,
                     logprobs=lps,
                     cumulative_logprob=b.cumulative_logprob if b.logprobs is not None else None,
+                    stage=b.stage,
                 )
             )
         first = [b.seq.first_token_time for b in self.branches if b.seq.first_token_time is not None]

@@ -63,6 +63,7 @@ from stepserve.scheduler.policy import EngineView
 
 MODES = ("eager", "off", "cap", "taper")
 UTILITIES = ("concave", "linear")
+CLOCKS = ("average", "token")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class BranchAdmissionSpec:
     cap: int = 0  # cap:N
     rho: float = 0.8  # taper: share of the slack beyond the baseline step it may spend
     utility: str = "concave"  # taper: concave | linear
+    clock: str = "average"  # taper: average (a request's TPOT so far) | token (its last token)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -81,10 +83,12 @@ class BranchAdmissionSpec:
             raise ValueError(f"taper rho must be in [0, 1], got {self.rho}")
         if self.utility not in UTILITIES:
             raise ValueError(f"taper utility must be one of {', '.join(UTILITIES)}; got {self.utility!r}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"taper clock must be one of {', '.join(CLOCKS)}; got {self.clock!r}")
 
     @classmethod
     def parse(cls, spec: str) -> "BranchAdmissionSpec":
-        """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear]`."""
+        """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token]`."""
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
@@ -95,8 +99,9 @@ class BranchAdmissionSpec:
             kw: dict = {}
             for item in filter(None, rest.split(",")):
                 k, eq, v = item.partition("=")
-                if not eq or k not in ("rho", "utility"):
-                    raise ValueError(f"taper options are rho=R and utility=concave|linear; got {item!r}")
+                if not eq or k not in ("rho", "utility", "clock"):
+                    raise ValueError("taper options are rho=R, utility=concave|linear and clock=average|token; "
+                                     f"got {item!r}")
                 kw[k] = float(v) if k == "rho" else v
             return cls("taper", **kw)
         if rest:
@@ -107,15 +112,25 @@ class BranchAdmissionSpec:
         if self.mode == "cap":
             return f"cap:{self.cap}"
         if self.mode == "taper":
-            return f"taper:rho={self.rho:g},utility={self.utility}"
+            return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}"
         return self.mode
 
 
+def _clock_key(seq) -> int:
+    return id(seq.clock)
+
+
+def _group_key(seq) -> int:
+    return id(seq.group)
+
+
 def _staleness(row) -> float:
-    """When a row last got a token (its request's arrival before any): the
-    smaller, the more urgent among its request's rows."""
+    """When a row last got a token (before any: when its stage began, or its
+    request arrived): the smaller, the more urgent among its request's rows."""
     seq = row.seq
-    return seq.last_token_time if seq.last_token_time is not None else seq.arrival
+    if seq.last_token_time is not None:
+        return seq.last_token_time
+    return seq.stage_start if seq.stage_start is not None else seq.arrival
 
 
 class BranchAdmissionPolicy:
@@ -205,29 +220,45 @@ class BranchAdmissionPolicy:
 
     # -- TAPER --------------------------------------------------------------------
     def slack(self, plan: StepPlan, now: float) -> float:
-        """The least time left to a deadline of a request with a row in `plan`.
-        A request's deadline is its last token (of any branch) plus the TPOT
-        SLO, or before its first token its arrival plus the TTFT SLO. Every
-        request runs at least one row each step, so a request that gets its
-        token on time is on time, however many of its branches waited."""
-        last: dict[int, float] = {}
-        first: dict[int, float] = {}
-        for r in plan.rows:
-            seq = r.seq
-            k = id(seq.group)
-            t = seq.last_token_time
-            if t is not None:
-                if t > last.get(k, -math.inf):
-                    last[k] = t
-            elif k not in first:
-                first[k] = seq.arrival
+        """The least time left to a deadline of a request with a row in `plan`
+        (see the module docstring): under the `average` clock, when its next
+        token is due for its TPOT since its clock started (`RequestClock`) to
+        meet the SLO; under the `token` clock, its last token plus the TPOT
+        SLO. Before its first token, its arrival plus the TTFT SLO (without
+        one, no deadline)."""
+        tpot = self.slo_tpot_s
         d = math.inf
-        if last:
-            d = min(last.values()) + self.slo_tpot_s
-        if self.slo_ttft_s:
-            for k, a in first.items():
-                if k not in last and a + self.slo_ttft_s < d:
-                    d = a + self.slo_ttft_s
+        if self.spec.clock == "average":
+            seen = set()
+            for r in plan.rows:
+                c = r.seq.clock
+                if c is None or c.start is None or id(c) in seen:
+                    continue
+                seen.add(id(c))
+                t = c.deadline(tpot)
+                if t < d:
+                    d = t
+            started = seen
+            key = _clock_key
+        else:
+            last: dict[int, float] = {}
+            for r in plan.rows:
+                seq = r.seq
+                t = seq.last_token_time if seq.last_token_time is not None else seq.stage_start
+                if t is not None and t > last.get(id(seq.group), -math.inf):
+                    last[id(seq.group)] = t
+            if last:
+                d = min(last.values()) + tpot
+            started = last
+            key = _group_key
+        ttft = self.slo_ttft_s
+        if ttft:
+            for r in plan.rows:
+                seq = r.seq
+                if seq.first_token_time is None and seq.stage_start is None and key(seq) not in started:
+                    t = seq.arrival + ttft
+                    if t < d:
+                        d = t
         return d - now
 
     def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:

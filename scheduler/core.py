@@ -11,7 +11,9 @@ or change happens here, once, so a policy behaves the same in both.
 The core also owns what both sides do when a request enters: the refusals
 (`check_request`: `Limits`, raising `RequestError` with the parameter at fault) and the
 creation of a request's sequences (`add_sequences`: one per branch, the first
-queued, the rest forked from it when its prefill completes).
+queued, the rest forked from it when its prefill completes), and, for a
+fork/join request, of each later stage's sequences when the stage before it
+has finished (`Stage`; the owner hears of them through `StepHooks.staged`).
 
 What stays with the owner, through `StepHooks`: what a step's tokens mean to
 its requests (text, logprobs, stop strings for the engine; timing records for
@@ -21,13 +23,58 @@ the simulator).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from stepserve.scheduler.latency_model import StepFeatures, plan_features
+from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.scheduler import Scheduler
-from stepserve.scheduler.sequence import Seq
+from stepserve.scheduler.sequence import RequestClock, Seq
+
+
+@dataclass
+class Stage:
+    """A stage of a fork/join request after its first (serial) one: one or
+    more branches, each a (suffix token ids, max_tokens) pair. A branch
+    continues from the request's context -- its prompt and every earlier
+    stage's output, a parallel stage's outputs in branch order -- plus its own
+    suffix. A serial stage is one branch with an empty suffix. Its sequences
+    are queued at the front (the request is already running), and carry the
+    time the stage began (`Seq.stage_start`): a policy's clock for them starts
+    there, not late for the wait on the stage before."""
+
+    branches: list[tuple[list[int], int]]
+
+    def __post_init__(self):
+        if not self.branches:
+            raise ValueError("a stage needs at least one branch")
+
+
+@dataclass
+class _Staged:
+    """The core's state of a fork/join request between its stages."""
+
+    stages: list[Stage]
+    seeds: list[int]  # one per branch of every stage after the first, in order
+    fields: dict  # the Seq fields every stage's sequences share
+    arrival: float
+    current: list[Seq] = field(default_factory=list)
+    next: int = 0  # the stage to start when `current` has finished
+    index: int = 1  # the next branch's index within the request
+
+
+def stage_context(current: list[Seq]) -> list[int]:
+    """What the next stage continues from: a serial stage's whole sequence, or
+    a parallel stage's context plus each branch's output in order."""
+    if len(current) == 1:
+        return list(current[0].token_ids)
+    first = current[0]
+    ctx = first.token_ids[: first.prompt_len - first.suffix_len]
+    for s in current:
+        ctx = ctx + s.output_ids
+    return ctx
 
 
 class RunOutput(Protocol):
@@ -50,6 +97,10 @@ class StepHooks(Protocol):
         """The scheduler appended a token to each of `got` (and ended those
         that stop on a token); the owner applies what else the tokens mean."""
 
+    def staged(self, group: Any, seqs: list[Seq]) -> None:
+        """A fork/join request's next stage began: `seqs` are its sequences,
+        queued (their `branch` is their index within the request)."""
+
 
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: StepRunner, hooks: StepHooks, limits: Limits, *,
@@ -66,6 +117,7 @@ class EngineCore:
         self.records: list[StepRecord] = []  # ring of the most recent steps
         self.max_records = max_records
         self._next_seq_id = 0
+        self._staged: dict[int, _Staged] = {}  # id(group) -> a fork/join request's later stages
 
     # -- requests -------------------------------------------------------------
     @property
@@ -77,19 +129,90 @@ class EngineCore:
         self.limits.check_prompt(token_ids)
         return self.limits.max_tokens(len(token_ids), max_tokens)
 
+    def check_stages(self, token_ids: list[int], max_tokens: int, stages: list[Stage]) -> None:
+        """Refuses a fork/join request whose longest context could pass the
+        model's (every stage generating its whole max_tokens)."""
+        cap = min(self.limits.max_context, self.limits.kv_capacity)
+        ctx = len(token_ids) + max_tokens
+        for k, st in enumerate(stages):
+            for b, (suffix, mt) in enumerate(st.branches):
+                if mt < 1:
+                    raise RequestError(f"stage {k + 1} branch {b}: max_tokens must be at least 1", "stages")
+                if ctx + len(suffix) + mt > cap:
+                    raise RequestError(
+                        f"stage {k + 1} branch {b} could reach {ctx + len(suffix) + mt} tokens of context, "
+                        f"more than the {cap} the model and the KV pool allow", "stages")
+            ctx += st.branches[0][1] if len(st.branches) == 1 else sum(mt for _, mt in st.branches)
+
     def add_sequences(self, token_ids: list[int], max_tokens: int, arrival: float, group: Any, *,
-                      seeds: list[int], **seq_fields) -> list[Seq]:
+                      seeds: list[int], stages: list[Stage] | None = None, stage_seeds: list[int] | None = None,
+                      **seq_fields) -> list[Seq]:
         """One sequence per seed (branch); the first is queued, the others fork
-        from it when its prefill completes and share its prompt's KV."""
+        from it when its prefill completes and share its prompt's KV.
+
+        `stages` (after `check_stages`): a fork/join request, whose first stage
+        is this one sequence (one seed) and whose later stages start as each
+        finishes, with `stage_seeds` (one per later branch, in order)."""
+        if stages:
+            if len(seeds) != 1:
+                raise ValueError("a fork/join request starts with one sequence (n = 1)")
+            n_later = sum(len(st.branches) for st in stages)
+            if stage_seeds is None or len(stage_seeds) != n_later:
+                raise ValueError(f"stage_seeds: want {n_later}, one per branch of the later stages")
         seqs = []
         plen = len(token_ids)
+        clock = RequestClock()
         for b, seed in enumerate(seeds):
             seqs.append(Seq(self._next_seq_id, token_ids if b == 0 else list(token_ids), plen, max_tokens,
-                            arrival, branch=b, seed=seed, group=group, **seq_fields))
+                            arrival, branch=b, seed=seed, group=group, clock=clock, **seq_fields))
             self._next_seq_id += 1
         seqs[0].fork_children = seqs[1:]
+        if stages:
+            self._staged[id(group)] = _Staged(list(stages), list(stage_seeds), seq_fields, arrival, current=seqs)
         self.scheduler.add(seqs[0])
         return seqs
+
+    def stages_left(self, group: Any) -> int:
+        st = self._staged.get(id(group))
+        return 0 if st is None else len(st.stages) - st.next
+
+    def drop_stages(self, group: Any) -> None:
+        """Forgets a fork/join request's later stages (it was aborted)."""
+        self._staged.pop(id(group), None)
+
+    def _advance_stages(self, got: list[Seq]) -> None:
+        staged = self._staged
+        for seq in got:
+            if not seq.finished:
+                continue
+            key = id(seq.group)
+            st = staged.get(key)
+            if st is None or seq not in st.current or not all(s.finished for s in st.current):
+                continue
+            if any(s.finish_reason == "abort" for s in st.current):
+                del staged[key]
+                continue
+            ctx = stage_context(st.current)
+            stage = st.stages[st.next]
+            now = self.scheduler.clock()  # the clock the scheduler stamps tokens with
+            clock = seq.clock
+            clock.reset(now)
+            new = []
+            for suffix, mt in stage.branches:
+                ids = ctx + list(suffix)
+                s = Seq(self._next_seq_id, ids, len(ids), mt, st.arrival,
+                        branch=st.index, seed=st.seeds[st.index - 1], group=seq.group, suffix_len=len(suffix),
+                        stage_start=now, clock=clock, **st.fields)
+                self._next_seq_id += 1
+                st.index += 1
+                new.append(s)
+            st.current = new
+            st.next += 1
+            if st.next == len(st.stages):
+                del staged[key]
+            for s in reversed(new):
+                self.scheduler.add(s, front=True)
+            self.hooks.staged(seq.group, new)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -113,6 +236,8 @@ class EngineCore:
         hooks.ran(plan, out)
         got = sched.update(plan, out.token_ids)
         hooks.updated(plan, out, got)
+        if self._staged:
+            self._advance_stages(got)
         t3 = clock()
         rec = StepRecord(step=self.step_id, rows=features.rows, decode_rows=plan.num_decode,
                          context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=t3 - t0,

@@ -19,10 +19,17 @@ plain least squares would fit the big steps and leave the small ones -- the
 common case -- with large relative errors.
 
 `OnlineLatencyModel` refits on a rolling window of observed steps (TAPER
-authors' defaults: last 200 steps, at least 32 samples, every 600 s), pulled
-towards the offline fit by a small ridge term so that a window with little
-variety (e.g. only decode steps, where rows == new_tokens) cannot drive the
-coefficients anywhere absurd. It is a `StepPolicy` that only observes.
+authors' defaults: last 200 steps, at least 32 samples, every 600 s). With an
+offline fit it refits only a scale of it, T = alpha * base: the window is
+what the engine ran lately, one operating point with little variety (a
+planner that keeps steps narrow never shows what wide ones cost), and a free
+fit of every coefficient there extrapolates anywhere (seen: a first refit on
+32 early steps of a simulated TAPER run predicted 62 ms for a step that takes
+25). An offset beside the scale is no better: on such a window the two trade
+off against each other. The sweep's shape stays; the machine's drift, a
+slower or faster machine, is tracked.
+Without an offline fit every coefficient is fitted. It is a `StepPolicy` that
+only observes.
 
 `ServingCosts` are the serving system's costs around the steps, which a
 model of the step alone cannot see; measured on a 2-core CPU server they
@@ -121,6 +128,10 @@ class LinearLatencyModel:
     def to_dict(self) -> dict:
         return {"form": self.form, "terms": list(FORMS[self.form]), "coef": list(self.coef)}
 
+    def rescaled(self, alpha: float) -> "LinearLatencyModel":
+        """alpha * this model."""
+        return LinearLatencyModel(self.form, [alpha * c for c in self.coef], self.min_s)
+
     @classmethod
     def from_dict(cls, d: dict) -> "LinearLatencyModel":
         return cls(d["form"], [float(x) for x in d["coef"]])
@@ -203,6 +214,12 @@ def error_summary(model, feats: list[StepFeatures], times) -> dict:
             "mean_ape": float(e.mean())}
 
 
+def _scale_fit(base: LinearLatencyModel, feats: list[StepFeatures], times: list[float]) -> float:
+    """The alpha minimising the relative error of alpha * base over the steps."""
+    r = np.asarray([base.predict_features(f) for f in feats]) / np.maximum(np.asarray(times, dtype=np.float64), 1e-9)
+    return float(r.sum() / max(float((r * r).sum()), 1e-18))
+
+
 class OnlineLatencyModel:
     """Refits a linear model on the last `window` observed steps.
 
@@ -223,7 +240,6 @@ class OnlineLatencyModel:
         min_samples: int = 32,
         refit_period_s: float = 600.0,
         refit_every_steps: int | None = None,
-        ridge: float = 1e-3,
         target: str = "wall_s",
         clock: Callable[[], float] = time.monotonic,
     ):
@@ -233,7 +249,6 @@ class OnlineLatencyModel:
         self.min_samples = min_samples
         self.refit_period_s = refit_period_s
         self.refit_every_steps = refit_every_steps
-        self.ridge = ridge
         self.target = target
         self.clock = clock
         self.model: LinearLatencyModel | None = None
@@ -279,10 +294,10 @@ class OnlineLatencyModel:
     def refit(self, now: float | None = None) -> LinearLatencyModel:
         feats = [f for f, _ in self.window]
         times = [t for _, t in self.window]
-        # Without an offline fit to lean on, only a whisker of ridge: enough to keep a
-        # rank-deficient window solvable, too little to bias a well-posed one.
-        ridge = self.ridge if self.base is not None else 1e-9
-        self.model = LinearLatencyModel.fit(feats, times, self.form, prior=self.base, ridge=ridge)
+        if self.base is not None:
+            self.model = self.base.rescaled(_scale_fit(self.base, feats, times))
+        else:  # a whisker of ridge keeps a rank-deficient window solvable, too little to bias a well-posed one
+            self.model = LinearLatencyModel.fit(feats, times, self.form, ridge=1e-9)
         self.num_refits += 1
         self._last_refit_t = self.clock() if now is None else now
         self._since_refit = 0

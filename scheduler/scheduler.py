@@ -66,11 +66,16 @@ class Scheduler:
         self.prefix_hit_tokens = 0
 
     # -- queue ---------------------------------------------------------------
-    def add(self, seq: Seq) -> None:
+    def add(self, seq: Seq, front: bool = False) -> None:
+        """Queues `seq` (at the front: a running request's next stage, like a
+        retracted sequence)."""
         seq.status = SeqStatus.WAITING
         for c in seq.fork_children:
             c.status = SeqStatus.FORK_PENDING
-        self.waiting.append(seq)
+        if front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -261,6 +266,13 @@ class Scheduler:
                 if seq.fork_children:
                     seq.fork_children = []  # forked: the siblings are independent now
             seq.last_token_time = now
+            c = seq.clock
+            if c is not None:
+                if c.start is None:
+                    c.start = now
+                if c.start == now:
+                    c.first += 1
+                c.tokens += 1
             got.append(seq)
             # token-level stops, inlined: this loop runs once per row per step
             n_out = len(ids) - seq.prompt_len

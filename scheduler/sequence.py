@@ -19,6 +19,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+class RequestClock:
+    """A request's progress against a TPOT SLO, shared by all its sequences
+    (branches and stages): when its clock started (its first token, or the
+    start of its current fork/join stage) and the tokens it got since, all
+    branches together; `first` of them came in the first delivery (one per
+    branch that sampled its first token at the start). `Scheduler.update`
+    counts; a fork/join stage resets it (`EngineCore`)."""
+
+    __slots__ = ("start", "tokens", "first")
+
+    def __init__(self):
+        self.start: float | None = None
+        self.tokens = 0
+        self.first = 0
+
+    def reset(self, start: float) -> None:
+        self.start, self.tokens, self.first = start, 0, 0
+
+    def deadline(self, tpot_s: float) -> float:
+        """When its next token is due for its TPOT since the start to stay within `tpot_s`."""
+        return self.start + (self.tokens - self.first + 1) * tpot_s
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or retracted and requeued)
     RUNNING = "running"  # holds KV; prefilling (chunked) or decoding
@@ -55,6 +78,9 @@ class Seq:
     node: Any = None
     # compute every prompt position (prompt logprobs): no prefix-cache match until the prompt is done
     full_prefill: bool = False
+    suffix_len: int = 0  # a fork/join branch: the last tokens of its prompt are its own suffix
+    stage_start: float | None = None  # a fork/join stage after the first: when it began
+    clock: RequestClock | None = None  # the request's, shared by its sequences (`EngineCore.add_sequences`)
     # bookkeeping
     num_retractions: int = 0
     first_token_time: float | None = None

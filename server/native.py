@@ -2,10 +2,19 @@
 
 In: `text` or `input_ids`, and `sampling_params` in the engine's own names.
 Out: `{"id", "prompt_token_ids", "prompt_logprobs", "outputs": [{"index",
-"text", "token_ids", "finish_reason", "stop_reason", "logprobs"}], "usage"}`;
-streamed, each event carries only the new text and tokens (the first one with
-a token also the prompt logprobs, when asked for), and the last one the usage.
-`prompt_logprobs` has an entry per prompt token, null for the first.
+"stage", "text", "token_ids", "finish_reason", "stop_reason", "logprobs"}],
+"usage"}`; streamed, each event carries only the new text and tokens (the
+first one with a token also the prompt logprobs, when asked for), and the last
+one the usage. `prompt_logprobs` has an entry per prompt token, null for the
+first.
+
+`stages` makes a fork/join request: after the first stage (the prompt and
+`sampling_params.max_tokens`, n = 1), each stage is `{"max_tokens": N}`
+(serial: generation goes on) or `{"branches": [{"prompt": SUFFIX,
+"max_tokens": N}, ...]}` (parallel: each branch continues from everything so
+far plus its own suffix, text or token ids); after a parallel stage the
+context is everything before it plus each branch's output in order. Every
+branch of every stage is an output, `index` in order, `stage` its stage.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from stepserve.server.serving import EngineClient, new_id
 def _output(o, logprobs: bool) -> dict:
     return {
         "index": o.index,
+        "stage": o.stage,
         "text": o.text,
         "token_ids": list(o.token_ids),
         "finish_reason": o.finish_reason,
@@ -43,10 +53,11 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
     if sp.json_schema is not None:
         fmt = ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"schema": sp.json_schema}})
         kw["logits_processor_factory"] = await client.compile_grammar(fmt)
-    names = {k: f"sampling_params.{k}" for k in kw} | {"prompt": param}
+    names = {k: f"sampling_params.{k}" for k in kw} | {"prompt": param, "stages": "stages"}
     params = client.sampling_params(names, **kw)
     rid = new_id("gen")
-    gen = await client.start(request, [ids], [params], rid, sp.n, names)
+    stages = [st.engine_dict() for st in req.stages] if req.stages else None
+    gen = await client.start(request, [ids], [params], rid, sp.n, names, stages)
     acc = gen.acc
     want_lp = sp.logprobs is not None
 
@@ -62,6 +73,7 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
         outputs = [
             {
                 "index": idx,
+                "stage": st.stage,
                 "text": "".join(st.text),
                 "token_ids": st.token_ids,
                 "finish_reason": st.finish_reason,

@@ -54,6 +54,7 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    stage: int = 0  # a fork/join request's stage (native route)
 
 
 class Accumulator:
@@ -79,7 +80,9 @@ class Accumulator:
         res = []
         for o in out.outputs:
             idx = prompt_index * self.n + o.index
-            st = self.choices.setdefault(idx, ChoiceState())
+            st = self.choices.get(idx)
+            if st is None:
+                st = self.choices[idx] = ChoiceState(stage=o.stage)
             st.text.append(o.text)
             st.token_ids.extend(o.token_ids)
             if o.logprobs:

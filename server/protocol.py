@@ -21,6 +21,8 @@ MAX_PROMPTS = 64  # prompts in one completions request
 MAX_LOGIT_BIAS_ENTRIES = 1024
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_INT = 2**31 - 1  # bound for counts: absurd values fail validation, not arithmetic
+MAX_STAGES = 64  # a fork/join request's later stages
+MAX_STAGE_BRANCHES = 64  # branches of one parallel stage
 
 
 def _utf8(s: str) -> str:
@@ -159,14 +161,39 @@ class NativeSamplingParams(_Model):
     json_schema: Optional[dict] = None  # constrain the output to this JSON schema
 
 
+class StageBranch(_Model):
+    prompt: Union[Text, list[TokenId]] = ""  # the branch's own suffix
+    max_tokens: int = Field(ge=1, le=MAX_INT)
+
+
+class Stage(_Model):
+    """A fork/join stage after the first: serial (`max_tokens`) or parallel (`branches`)."""
+
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    branches: Optional[Annotated[list[StageBranch], Field(min_length=1, max_length=MAX_STAGE_BRANCHES)]] = None
+
+    @model_validator(mode="after")
+    def _one_kind(self):
+        if (self.max_tokens is None) == (self.branches is None):
+            raise ValueError("give either max_tokens (a serial stage) or branches (a parallel stage)")
+        return self
+
+    def engine_dict(self) -> dict:
+        if self.branches is None:
+            return {"max_tokens": self.max_tokens}
+        return {"branches": [{"prompt": b.prompt, "max_tokens": b.max_tokens} for b in self.branches]}
+
+
 class GenerateRequest(_Model):
-    """`POST /generate`: exactly one of `text` and `input_ids`."""
+    """`POST /generate`: exactly one of `text` and `input_ids`; `stages` makes
+    it a fork/join request (`Engine.add_request`)."""
 
     text: Optional[Text] = None
     input_ids: Optional[Annotated[list[TokenId], Field(min_length=1)]] = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
     model: Optional[Text] = None
+    stages: Optional[Annotated[list[Stage], Field(min_length=1, max_length=MAX_STAGES)]] = None
 
     @model_validator(mode="after")
     def _one_prompt(self):

@@ -369,12 +369,13 @@ class EngineClient:
         params: Sequence[SamplingParams],
         request_id: str,
         names: dict[str, str] | None = None,
+        stages: list[dict] | None = None,
     ) -> list[Stream]:
         """Submits one engine request per prompt and primes them all. On any
-        failure nothing stays submitted."""
+        failure nothing stays submitted. `stages`: each is a fork/join request."""
         start = time.perf_counter()
         gens = [
-            self.async_engine.generate(p, sp, f"{request_id}-{i}" if len(prompts) > 1 else request_id)
+            self.async_engine.generate(p, sp, f"{request_id}-{i}" if len(prompts) > 1 else request_id, stages=stages)
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         async def prime(g):
@@ -401,13 +402,14 @@ class EngineClient:
         request_id: str,
         n: int,
         names: dict[str, str] | None = None,
+        stages: list[dict] | None = None,
     ) -> Generation:
         """Admits the request (one slot per prompt, or 429), then opens its
         streams (see `open`) unless the client leaves first; on any failure the
         slots are given back."""
         ticket = self.acquire(len(prompts))
         try:
-            streams = await until_disconnected(request, self.open(prompts, params, request_id, names))
+            streams = await until_disconnected(request, self.open(prompts, params, request_id, names, stages))
         except BaseException:
             ticket.release()
             raise

@@ -319,9 +319,11 @@ def test_wire_format_round_trips_every_field():
 
     def output(rid, prompt, ids, finished, **completion):
         comp = dict(index=1, text="x", token_ids=[7], finish_reason=None, stop_reason=None,
-                    logprobs=[TokenLogprob(7, -0.5, [(7, -0.5), (3, -2.0)])], cumulative_logprob=-0.5) | completion
+                    logprobs=[TokenLogprob(7, -0.5, [(7, -0.5), (3, -2.0)])], cumulative_logprob=-0.5,
+                    stage=0) | completion
         return build(RequestOutput, request_id=rid, prompt=prompt, prompt_token_ids=ids,
-                     outputs=[build(CompletionOutput, **comp), build(CompletionOutput, **(comp | {"index": 2}))],
+                     outputs=[build(CompletionOutput, **comp),
+                              build(CompletionOutput, **(comp | {"index": 2, "stage": 1}))],
                      finished=finished, num_cached_tokens=1,
                      metrics=build(RequestMetrics, arrival_time=1.0, first_token_time=2.0, finished_time=3.0),
                      prompt_logprobs=[None, TokenLogprob(6, -1.0, [])])

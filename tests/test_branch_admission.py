@@ -15,7 +15,7 @@ from stepserve.scheduler.branch_admission import BranchAdmissionPolicy, BranchAd
 from stepserve.scheduler.latency_model import LinearLatencyModel, linear_fit_of, load_profile, sweep_features
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.policy import EngineView
-from stepserve.scheduler.sequence import Seq
+from stepserve.scheduler.sequence import RequestClock, Seq
 from stepserve.traces.metrics import SLO, RequestRecord, summarize, victim_tpots
 from stepserve.traces.request_spec import RequestSpec, Segment
 from stepserve.traces.simulator import SimConfig, Simulator
@@ -26,15 +26,17 @@ from stepserve.traces.simulator import SimConfig, Simulator
 @pytest.mark.parametrize("text,mode,cap,rho,utility", [
     ("eager", "eager", 0, 0.8, "concave"), ("off", "off", 0, 0.8, "concave"), ("cap:3", "cap", 3, 0.8, "concave"),
     ("taper", "taper", 0, 0.8, "concave"), ("taper:rho=0.5,utility=linear", "taper", 0, 0.5, "linear"),
+    ("taper:clock=token", "taper", 0, 0.8, "concave"),
 ])
 def test_spec_parse(text, mode, cap, rho, utility):
     s = BranchAdmissionSpec.parse(text)
     assert (s.mode, s.cap, s.rho, s.utility) == (mode, cap, rho, utility)
+    assert s.clock == ("token" if "clock=token" in text else "average")
     assert BranchAdmissionSpec.parse(str(s)) == s
 
 
 @pytest.mark.parametrize("bad", ["wide", "cap", "cap:0", "cap:x", "taper:rho=2", "taper:gamma=1",
-                                 "taper:utility=cubic", "off:1"])
+                                 "taper:utility=cubic", "taper:clock=wall", "off:1"])
 def test_spec_refuses(bad):
     with pytest.raises(ValueError):
         BranchAdmissionSpec.parse(bad)
@@ -119,7 +121,9 @@ def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     path = tmp_path / "slow.json"
     path.write_text(json.dumps(prof))
     eager, _, _ = _run(llama_ckpt, "eager")
-    out, widths, eng = _run(llama_ckpt, "taper", slo_tpot_s=0.015, latency_profile=str(path))
+    # the token clock: on this machine the real steps run far below the SLO, and the average
+    # clock would bank that time and let the steps widen
+    out, widths, eng = _run(llama_ckpt, "taper:clock=token", slo_tpot_s=0.015, latency_profile=str(path))
     st = eng.stats().policy
     assert out == eager
     assert st["taper_calibrated"] is True and st["taper_uncalibrated_steps"] == 0
@@ -136,26 +140,44 @@ class _Req:
 
 def _plan(groups, now=1.0):
     """groups: per request a list of (context start, last token time) of its
-    decode rows; plus one prefill row of 16 tokens in its own request."""
+    decode rows; plus one prefill row of 16 tokens in its own request. Each
+    branch got its first token 2 ms per output token before its last one."""
     plan = StepPlan()
     sid = itertools.count()
     for rows in groups:
         g = _Req()
+        clock = RequestClock()  # as `Scheduler.update` keeps it: one token at the start, then the rest
         for start, last in rows:
-            s = Seq(next(sid), [1] * (start + 1), 4, 100, 0.0, group=g)
+            s = Seq(next(sid), [1] * (start + 1), 4, 100, 0.0, group=g, clock=clock)
             s.last_token_time = last
+            s.first_token_time = last - 2e-3 * (s.num_output - 1)
+            clock.start = min(clock.start if clock.start is not None else 1e9, s.first_token_time)
+            clock.tokens += s.num_output
             plan.rows.append(ScheduledRow(s, start, 1, True))
+        clock.first = 1
     p = Seq(next(sid), [1] * 16, 16, 10, 0.5, group=_Req())
     plan.rows.append(ScheduledRow(p, 0, 16, True))
     return plan
 
 
-def _brute_force(policy, groups, now):
+def _slack(plan, slo, clock, now):
+    """The slack by the definitions, request by request."""
+    by: dict = {}
+    for r in plan.rows:
+        if r.seq.first_token_time is not None:
+            by.setdefault(id(r.seq.group), []).append(r.seq)
+    if clock == "token":
+        return min(max(s.last_token_time for s in seqs) for seqs in by.values()) + slo - now
+    return min(min(s.first_token_time for s in seqs) + sum(s.num_output for s in seqs) * slo
+               for seqs in by.values()) - now
+
+
+def _brute_force(policy, plan, groups, now):
     """The best admissible set by exhaustive search, where the greedy is exact:
     linear utility and rows that all cost the same, so the count of extras is
     what matters: the largest count that fits."""
     m = policy.predictor.current()
-    slack = min(max(t for _, t in rows) for rows in groups) + policy.slo_tpot_s - now
+    slack = _slack(plan, policy.slo_tpot_s, policy.spec.clock, now)
     base_rows = len(groups) + 1
     base_ctx = sum(min(rows, key=lambda x: x[1])[0] + 1 for rows in groups) + 16
     t0 = m.predict(base_rows, base_ctx, len(groups) + 16)
@@ -171,15 +193,19 @@ def _brute_force(policy, groups, now):
     return best, budget
 
 
-@pytest.mark.parametrize("slo,rho", [(0.010, 0.8), (0.020, 0.8), (0.020, 0.3), (0.050, 1.0), (0.003, 0.8)])
-def test_taper_budget_and_greedy_match_brute_force(slo, rho):
+@pytest.mark.parametrize("clock", ["token", "average"])
+@pytest.mark.parametrize("slo,rho", [(0.010, 0.8), (0.020, 0.8), (0.020, 0.3), (0.050, 1.0), (0.003, 0.8),
+                                     (0.0025, 0.8)])
+def test_taper_budget_and_greedy_match_brute_force(slo, rho, clock):
     model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])  # 1 ms per row, context free
-    pol = BranchAdmissionPolicy(f"taper:rho={rho},utility=linear", latency_model=model, slo_tpot_s=slo)
+    pol = BranchAdmissionPolicy(f"taper:rho={rho},utility=linear,clock={clock}", latency_model=model,
+                                slo_tpot_s=slo)
     now = 1.0
     groups = [[(40, 0.995), (41, 0.990), (42, 0.993)], [(10, 0.999)], [(7, 0.996), (8, 0.994)],
               [(30, 0.998), (31, 0.998), (32, 0.997), (33, 0.992)]]
     plan = _plan(groups, now)
-    best, budget = _brute_force(pol, groups, now)
+    best, budget = _brute_force(pol, plan, groups, now)
+    assert pol.slack(plan, now) == pytest.approx(_slack(plan, slo, clock, now))
     out = pol.plan(plan, EngineView(now, 8, 0, 100, 100))
     kept_decode = [r for r in out.rows if r.num_new == 1]
     assert pol.last_budget_s == pytest.approx(budget)
@@ -192,6 +218,23 @@ def test_taper_budget_and_greedy_match_brute_force(slo, rho):
     assert pol.last_predicted_s <= budget + 1e-12
 
 
+def test_average_clock_banks_time_and_owes_it():
+    """The average clock: a request ahead of its TPOT SLO (its tokens came
+    faster) has slack beyond one SLO; one behind it has less than the token
+    clock would give it, down to below zero."""
+    now = 1.0
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])
+    fast = _plan([[(44, 0.999)]], now)  # 41 tokens at 2 ms each, against a 10 ms SLO: 0.4 s banked
+    avg = BranchAdmissionPolicy("taper", latency_model=model, slo_tpot_s=0.010)
+    tok = BranchAdmissionPolicy("taper:clock=token", latency_model=model, slo_tpot_s=0.010)
+    assert avg.slack(fast, now) == pytest.approx(0.999 - 0.08 + 41 * 0.010 - now)
+    assert tok.slack(fast, now) == pytest.approx(0.999 + 0.010 - now)
+    slow = _plan([[(44, 0.999)]], now)  # the same tokens at 2 ms each, against a 1 ms SLO: 41 ms owed
+    avg1 = BranchAdmissionPolicy("taper", latency_model=model, slo_tpot_s=0.001)
+    owed = avg1.slack(slow, now)
+    assert owed == pytest.approx(0.999 - 0.08 + 41 * 0.001 - now) and owed < 0
+
+
 def test_taper_concave_utility_spreads_width():
     """With room for two of three extra rows of about equal cost, concave
     utility gives each request one; linear utility takes the two cheapest."""
@@ -200,7 +243,8 @@ def test_taper_concave_utility_spreads_width():
     # baseline: contexts 101 + 101 + 16 -> T0 = 3.18 ms; extras cost 0.51, 0.52 and 0.53 ms;
     # rho = 1 and a slack of 4.48 ms leave 1.3 ms for them
     for utility, expect in (("concave", {51, 53}), ("linear", {51, 52})):
-        pol = BranchAdmissionPolicy(f"taper:rho=1,utility={utility}", latency_model=model, slo_tpot_s=5.48e-3)
+        pol = BranchAdmissionPolicy(f"taper:rho=1,utility={utility},clock=token", latency_model=model,
+                                    slo_tpot_s=5.48e-3)
         out = pol.plan(_plan(groups), EngineView(1.0, 5, 0, 100, 100))
         extra = {r.start + 1 for r in out.rows if r.num_new == 1} - {101}
         assert extra == expect, (utility, extra)

@@ -254,3 +254,22 @@ def test_wake_curve_reads_piecewise_linearly_from_zero():
     assert ServingCosts.from_engine(c.to_dict()) == c
     with pytest.raises(ValueError, match="increasing"):
         ServingCosts(wake_curve=((0.1, 0.0), (0.01, 0.0)))
+
+
+def test_online_refit_with_a_base_rescales_it():
+    """A window from one narrow operating point of a machine 1.5x slower than
+    the sweep: the refit scales the offline fit and so predicts wide steps it
+    never saw at 1.5x too, where a free fit of every coefficient on such a
+    window cannot be trusted away from it."""
+    base = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    slow = base.rescaled(1.5)
+    m = OnlineLatencyModel(base=base, min_samples=32, refit_every_steps=32)
+    rng = np.random.default_rng(0)
+    for i in range(64):
+        f = StepFeatures(6, int(6 * rng.integers(900, 1100)), 6)
+        m.observe(None, FakeRecord(f, slow.predict_features(f)))
+    assert m.num_refits == 2
+    wide = StepFeatures(256, 256 * 4000, 256)
+    assert m.current().predict_features(wide) == pytest.approx(slow.predict_features(wide), rel=1e-6)
+    free = LinearLatencyModel.fit([f for f, _ in m.window], [t for _, t in m.window], "linear")
+    assert free.predict_features(wide) != pytest.approx(slow.predict_features(wide), rel=0.05)

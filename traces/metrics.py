@@ -14,8 +14,10 @@ Definitions (DESIGN, "Figures every benchmark reports"):
   that branch admission trades (TAPER's goodput counts requests meeting it);
   a client reading one choice's stream sees that choice's own gaps, in ITL.
   Requests with no token after the first delivery have no TPOT.
-- Victim TPOT: the TPOT of serial requests (n = 1) that ran at the same time
-  as some branching request (n > 1): what branches cost their neighbours.
+- Victim TPOT: the TPOT of serial requests (n = 1, one stage) that ran at the
+  same time as some branching request (n > 1, or a fork/join request): what
+  branches cost their neighbours. A fork/join request's first delivery is its
+  first stage's one token; its TPOT counts every later token of every stage.
 - ITL: the gaps between successive token deliveries of one branch, pooled over
   all requests (a delivery may carry several tokens when a client reads late).
 - Percentiles: linear interpolation between order statistics (numpy's default);
@@ -56,7 +58,8 @@ class RequestRecord:
     request_id: str
     arrival_s: float  # scheduled arrival, seconds from the run's start
     prompt_tokens: int
-    n: int = 1  # branches
+    n: int = 1  # branches of the first stage (its first delivery carries one token of each)
+    stages: int = 1  # a fork/join request's stages (more than one: it branches later)
     start_s: float | None = None  # actually sent (replay) / entered the engine (simulator)
     first_token_s: float | None = None
     end_s: float | None = None
@@ -65,6 +68,10 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when known
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+
+    @property
+    def branching(self) -> bool:
+        return self.n > 1 or self.stages > 1
 
     @property
     def completed(self) -> bool:
@@ -101,6 +108,7 @@ class RequestRecord:
         d = {
             "request_id": self.request_id, "arrival_s": self.arrival_s, "start_s": self.start_s,
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens, "n": self.n,
+            "stages": self.stages,
             "cached_tokens": self.cached_tokens, "ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e,
             "first_token_s": self.first_token_s, "end_s": self.end_s, "error": self.error,
         }
@@ -121,8 +129,8 @@ def percentiles(values, ps=(50, 90, 99)) -> dict:
 def victim_tpots(done: list[RequestRecord]) -> list[float] | None:
     """TPOTs of the serial requests whose lifetime overlapped some branching
     request's; None when the run has no branching or no serial requests."""
-    branchy = sorted((r.start_s, r.end_s) for r in done if r.n > 1)
-    serial = [r for r in done if r.n <= 1]
+    branchy = sorted((r.start_s, r.end_s) for r in done if r.branching)
+    serial = [r for r in done if not r.branching]
     if not branchy or not serial:
         return None
     starts = np.array([a for a, _ in branchy])

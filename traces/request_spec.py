@@ -36,6 +36,15 @@ class RequestSpec:
     segments: tuple[Segment, ...]  # the prompt, in order
     n: int = 1  # branches (parallel samples sharing the prompt)
     meta: dict = field(default_factory=dict)  # source-specific: conversation id, turn, group ...
+    # a fork/join request: its stages after the first (which is the prompt and output_len, n = 1);
+    # each stage a tuple of branches (suffix segment or None, output tokens); one branch
+    # without a suffix is a serial stage (see scheduler.core.Stage)
+    stages: tuple[tuple[tuple[Segment | None, int], ...], ...] = ()
+
+    @property
+    def total_output(self) -> int:
+        """Tokens every branch of every stage generates (EOS is ignored)."""
+        return self.output_len * self.n + sum(out for st in self.stages for _, out in st)
 
     @property
     def prompt_len(self) -> int:
@@ -48,6 +57,9 @@ class RequestSpec:
             d["n"] = self.n
         if self.meta:
             d["meta"] = self.meta
+        if self.stages:
+            d["stages"] = [[[None if seg is None else [seg.key, seg.length], out] for seg, out in st]
+                           for st in self.stages]
         return d
 
     @classmethod
@@ -59,6 +71,8 @@ class RequestSpec:
             segments=tuple(Segment(str(k), int(n)) for k, n in d["segments"]),
             n=int(d.get("n", 1)),
             meta=dict(d.get("meta", {})),
+            stages=tuple(tuple((None if seg is None else Segment(str(seg[0]), int(seg[1])), int(out))
+                               for seg, out in st) for st in d.get("stages", ())),
         )
 
 

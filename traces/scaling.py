@@ -68,6 +68,10 @@ def _scale_len(n: int, s: float) -> int:
     return n if s == 1.0 else max(1, round(n * s))
 
 
+def _cap(n: int, cap: int | None) -> int:
+    return n if cap is None else min(n, cap)
+
+
 def _truncate(segments: tuple[Segment, ...], cap: int) -> tuple[Segment, ...]:
     out = []
     left = cap
@@ -117,8 +121,15 @@ def apply_scaling(specs: list[RequestSpec], sc: Scaling) -> tuple[list[RequestSp
         if cap_in is not None and plen > cap_in:
             segs = _truncate(segs, max(1, cap_in))
             clipped_in += 1
+        stages = s.stages
+        if stages:  # a fork/join request's later stages scale like its prompt and output (not clipped to the
+            # context: one whose stages cannot fit is refused, as the engine would)
+            stages = tuple(tuple((None if g is None else Segment(g.key, _scale_len(g.length, sc.input_scale)),
+                                  _cap(_scale_len(o, sc.output_scale), sc.max_output)) for g, o in st)
+                           for st in stages)
         out.append(dataclasses.replace(
-            s, arrival_s=(s.arrival_s - t0) / time_scale, segments=segs, output_len=olen, meta=dict(s.meta)))
+            s, arrival_s=(s.arrival_s - t0) / time_scale, segments=segs, output_len=olen, meta=dict(s.meta),
+            stages=stages))
     applied = dataclasses.asdict(sc)
     applied["time_scale"] = time_scale
     info = ScalingInfo(

@@ -21,7 +21,7 @@ from array import array
 from dataclasses import asdict, dataclass, field
 
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator
-from stepserve.scheduler.core import EngineCore
+from stepserve.scheduler.core import EngineCore, Stage
 from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.latency_model import ServingCosts, StepFeatures
@@ -202,6 +202,9 @@ class Simulator:
     def ran(self, plan, out) -> None:
         pass
 
+    def staged(self, group, seqs) -> None:
+        pass  # `_Live.left` counted every stage's branches when the request came in
+
     def updated(self, plan, out, got) -> None:
         freed = self._freed
         t = self.clock.t + self.runner.costs.delivery(len(plan.samples))  # when the client holds this step's tokens
@@ -279,17 +282,25 @@ class Simulator:
                     heapq.heappop(freed)
                 sent += 1
                 i += 1
-                rec = RequestRecord(spec.request_id, spec.arrival_s, spec.prompt_len, n=spec.n, start_s=at)
+                rec = RequestRecord(spec.request_id, spec.arrival_s, spec.prompt_len, n=spec.n, start_s=at,
+                                    stages=1 + len(spec.stages))
                 records.append(rec)
                 ids = builder.prompt(spec)
+                stages = [Stage([([] if seg is None else builder.segment(seg), out) for seg, out in st])
+                          for st in spec.stages]
                 try:  # the engine's own refusals, as a server would answer 400
                     max_tokens = core.check_request(ids, spec.output_len)
+                    if stages:
+                        core.check_stages(ids, max_tokens, stages)
                 except RequestError as e:
                     rec.error = str(e)
                     if freed is not None:
                         heapq.heappush(freed, at)  # answered at once: the slot is free again
                     continue
-                core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n), seeds=[0] * spec.n, ignore_eos=True)
+                later = sum(len(st.branches) for st in stages)
+                core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n + later), seeds=[0] * spec.n,
+                                   stages=stages or None, stage_seeds=[0] * later if stages else None,
+                                   ignore_eos=True)
             if not core.has_work():
                 t_next = send_time(specs[i]) + oh
                 self.runner.idle_s += t_next - clock.t

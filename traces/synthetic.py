@@ -12,6 +12,15 @@ turn's arrival is fixed in advance (previous turn's arrival + a gap), and its
 server caches the previous *prompt*, not the previous answer, exactly as the
 simulator (whose placeholder outputs differ from the answer segment too).
 
+Branching comes in two kinds. `branch_fraction` of the requests ask for
+`branches` parallel samples of one answer (OpenAI's n). `fork_fraction` of them
+are fork/join requests (map, parallel branches, reduce: TAPER's workload): a
+first serial stage of `output` tokens, then `fork_stages` times a parallel
+stage of `fork_branches` branches (each a `fork_suffix`-token suffix of its own
+and `fork_output` tokens) followed by a serial join of `join_output` tokens.
+The TAPER paper's mix, 80% map -> parallel -> reduce and 20% serial, is
+`fork_fraction=0.8`.
+
 A spec string selects all this on the command line:
 `synthetic:num=200,rate=4,burstiness=0.5,input=uniform:32:128,output=fixed:32,
 prefix_groups=4,prefix_len=64,turns=3,branch_fraction=0.2,branches=4,seed=1`.
@@ -79,6 +88,12 @@ class SyntheticConfig:
     turn_gap_s: float = 5.0  # mean gap between a conversation's turns (exponential)
     branch_fraction: float = 0.0  # share of requests that branch (n > 1)
     branches: int = 4  # n of a branching request
+    fork_fraction: float = 0.0  # share of fork/join requests (stages: serial, then parallel + join, ...)
+    fork_stages: int = 1  # parallel stages (each followed by a join) of a fork/join request
+    fork_branches: int = 4  # branches of each parallel stage
+    fork_suffix: str = "fixed:8"  # tokens of a branch's own suffix prompt
+    fork_output: str = ""  # tokens a branch generates (default: as `output`)
+    join_output: str = ""  # tokens a join generates (default: as `output`)
     seed: int = 0
 
     def __post_init__(self):
@@ -90,6 +105,13 @@ class SyntheticConfig:
             raise ValueError("prefix_groups needs prefix_len >= 1")
         LengthDist.parse(self.input)
         LengthDist.parse(self.output)
+        for d in (self.fork_suffix, self.fork_output, self.join_output):
+            if d:
+                LengthDist.parse(d)
+        if not 0 <= self.branch_fraction + self.fork_fraction <= 1:
+            raise ValueError("branch_fraction + fork_fraction must lie in [0, 1]")
+        if self.fork_fraction and (self.fork_stages < 1 or self.fork_branches < 1):
+            raise ValueError("fork_stages and fork_branches must be at least 1")
 
     @classmethod
     def parse(cls, spec: str) -> "SyntheticConfig":
@@ -118,6 +140,20 @@ def _gaps(cfg: SyntheticConfig, rng: np.random.Generator, n: int, rate: float) -
     return rng.gamma(k, 1.0 / (k * rate), size=n)
 
 
+def _fork_stages(cfg: SyntheticConfig, rng: np.random.Generator, tag: str) -> tuple:
+    suffix_d = LengthDist.parse(cfg.fork_suffix)
+    branch_d = LengthDist.parse(cfg.fork_output or cfg.output)
+    join_d = LengthDist.parse(cfg.join_output or cfg.output)
+    stages = []
+    for j in range(cfg.fork_stages):
+        suf = suffix_d.sample(rng, cfg.fork_branches)
+        out = branch_d.sample(rng, cfg.fork_branches)
+        stages.append(tuple((Segment(f"{tag}:s{j}:b{b}", int(suf[b])), int(out[b]))
+                            for b in range(cfg.fork_branches)))
+        stages.append(((None, int(join_d.sample(rng, 1)[0])),))
+    return tuple(stages)
+
+
 def generate(cfg: SyntheticConfig) -> list[RequestSpec]:
     rng = np.random.default_rng(cfg.seed)
     tag = f"syn{cfg.seed}"
@@ -138,11 +174,18 @@ def generate(cfg: SyntheticConfig) -> list[RequestSpec]:
             if k:
                 t += float(rng.exponential(cfg.turn_gap_s))
             history.append(Segment(f"{tag}:c{c}:u{k}", int(user[k])))
-            n = cfg.branches if cfg.branch_fraction and rng.random() < cfg.branch_fraction else 1
+            n, stages = 1, ()
+            if cfg.branch_fraction or cfg.fork_fraction:
+                u = rng.random()
+                if u < cfg.branch_fraction:
+                    n = cfg.branches
+                elif u < cfg.branch_fraction + cfg.fork_fraction:
+                    stages = _fork_stages(cfg, rng, f"{tag}:c{c}:t{k}")
             meta = {"conversation": c, "turn": k}
             if group is not None:
                 meta["group"] = group
-            specs.append(RequestSpec(f"{tag}-c{c}-t{k}", t, int(answer[k]), tuple(history), n=n, meta=meta))
+            specs.append(RequestSpec(f"{tag}-c{c}-t{k}", t, int(answer[k]), tuple(history), n=n, meta=meta,
+                                     stages=stages))
             history.append(Segment(f"{tag}:c{c}:a{k}", int(answer[k])))
     specs.sort(key=lambda s: s.arrival_s)
     return specs[: cfg.num]

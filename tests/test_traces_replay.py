@@ -243,3 +243,25 @@ def test_max_concurrency_real_and_simulated(server, tmp_path):
         assert _max_overlap(reqs) == 2, path
         late = sorted(r["start_s"] for r in reqs)[2:]  # sent only when a slot freed
         assert min(late) > max(r["arrival_s"] for r in reqs), path
+
+
+def test_fork_join_trace_replays_through_the_native_route(server, tmp_path):
+    """A synthetic fork/join trace: replayed against a server (its fork/join
+    requests go to /generate with their stages) it generates exactly every
+    stage's tokens, as the simulator does for the same requests."""
+    from stepserve.cli import main
+
+    trace = ("synthetic:num=6,rate=20,input=fixed:12,output=fixed:3,fork_fraction=0.5,fork_branches=3,"
+             "fork_suffix=fixed:2,fork_output=fixed:4,join_output=fixed:2,seed=5")
+    real, saved = tmp_path / "real.json", tmp_path / "scaled.jsonl"
+    assert main(["replay", "--trace", trace, "--url", server, "--out", str(real), "--save-trace", str(saved),
+                 "--no-progress"]) == 0
+    from stepserve.traces.load import load_trace
+
+    specs = {s.request_id: s for s in load_trace(str(saved)).specs}
+    assert any(s.stages for s in specs.values()) and any(not s.stages for s in specs.values())
+    rep = json.loads(real.read_text())
+    assert rep["num_completed"] == 6, [r["error"] for r in rep["requests"] if r["error"]]
+    for r in rep["requests"]:
+        s = specs[r["request_id"]]
+        assert r["output_tokens"] == s.total_output and r["stages"] == 1 + len(s.stages)

@@ -109,6 +109,7 @@ class Replayer:
         self.model = cfg.model or info.model
         self.builder = PromptBuilder(cfg.vocab_size or info.vocab_size or DEFAULT_VOCAB, cfg.seed)
         self.url = cfg.url.rstrip("/") + "/v1/completions"
+        self.native_url = cfg.url.rstrip("/") + "/generate"  # fork/join requests (`stages`)
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self._session = None
 
@@ -132,22 +133,41 @@ class Replayer:
             await self._session.close()
             self._session = None
 
+    def _body(self, spec: RequestSpec) -> tuple[str, dict]:
+        """(url, body): OpenAI's completions route, or for a fork/join request
+        the native one, its branches' suffixes as token ids."""
+        if not spec.stages:
+            return self.url, {"model": self.model, "prompt": self.builder.prompt(spec), "max_tokens": spec.output_len,
+                              "n": spec.n, "temperature": self.cfg.temperature, "stream": True,
+                              "stream_options": {"include_usage": True}, "ignore_eos": True}
+        stages = []
+        for st in spec.stages:
+            if len(st) == 1 and st[0][0] is None:
+                stages.append({"max_tokens": st[0][1]})
+            else:
+                stages.append({"branches": [{"prompt": [] if seg is None else self.builder.segment(seg),
+                                             "max_tokens": out} for seg, out in st]})
+        return self.native_url, {"model": self.model, "input_ids": self.builder.prompt(spec), "stream": True,
+                                 "sampling_params": {"max_tokens": spec.output_len, "n": spec.n,
+                                                     "temperature": self.cfg.temperature, "ignore_eos": True},
+                                 "stages": stages}
+
     async def _one(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
         clock = time.perf_counter
-        body = {"model": self.model, "prompt": self.builder.prompt(spec), "max_tokens": spec.output_len,
-                "n": spec.n, "temperature": self.cfg.temperature, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        url, body = self._body(spec)
         last: dict[int, float] = {}
         counts: dict[int, int] = {}
         usage = None
         rec.start_s = clock() - t0
         try:
-            async with self.session.post(self.url, json=body, headers=self.headers) as resp:
+            async with self.session.post(url, json=body, headers=self.headers) as resp:
                 if resp.status != 200:
                     raise RequestFailed(f"HTTP {resp.status}: {(await resp.text())[:300]}")
                 async for chunk in stream_events(resp):
                     now = clock() - t0
-                    for c in chunk["choices"]:
+                    for c in chunk.get("choices") or chunk.get("outputs") or ():
+                        if "token_ids" in c and not c["token_ids"]:
+                            continue  # a native output's closing event: no token
                         if rec.first_token_s is None:
                             rec.first_token_s = now
                         i = c["index"]
@@ -181,7 +201,8 @@ class Replayer:
 
     async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
         await self._warmup()
-        records = [RequestRecord(s.request_id, s.arrival_s, s.prompt_len, n=s.n) for s in specs]
+        records = [RequestRecord(s.request_id, s.arrival_s, s.prompt_len, n=s.n, stages=1 + len(s.stages))
+                   for s in specs]
         bar = progress_bar(len(specs), "replay", "req", self.cfg.progress)
         tasks = []
         t0 = time.perf_counter()

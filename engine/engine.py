@@ -55,14 +55,14 @@ class EngineConfig:
     cpu_threads: int | None = None  # torch intra-op threads, process-wide (None: leave torch's setting)
     policies: list[StepPolicy] = field(default_factory=list)  # run after the built-in ones below
     # branch admission (scheduler/branch_admission.py): eager | off | cap:N | taper[:rho=R,utility=U]
-    branch_admission: str = "eager"
+    branch_policy: str = "eager"
     slo_ttft_s: float | None = None  # the SLOs TAPER plans against (taper needs slo_tpot_s)
     slo_tpot_s: float | None = None
     latency_profile: str | None = None  # a `stepserve profile` JSON: the step model TAPER starts from
     step_log: str | None = None  # append the loop's timeline here, one JSON line per iteration (engine/step_log.py)
 
     def __post_init__(self):
-        if BranchAdmissionSpec.parse(self.branch_admission).mode == "taper" and not (self.slo_tpot_s or 0) > 0:
+        if BranchAdmissionSpec.parse(self.branch_policy).mode == "taper" and not (self.slo_tpot_s or 0) > 0:
             raise ValueError("branch admission 'taper' needs a TPOT SLO (slo_tpot_s, --slo-tpot): "
                              "its rows' deadlines")
 
@@ -131,7 +131,7 @@ def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
         from stepserve.scheduler.latency_model import load_profile
 
         model = load_profile(config.latency_profile).model
-    branch = branch_admission_policy(config.branch_admission, latency_model=model, slo_ttft_s=config.slo_ttft_s,
+    branch = branch_admission_policy(config.branch_policy, latency_model=model, slo_ttft_s=config.slo_ttft_s,
                                      slo_tpot_s=config.slo_tpot_s)
     return [branch] if branch is not None else []
 

@@ -307,7 +307,7 @@ class BranchAdmissionPolicy:
     # -- reporting ----------------------------------------------------------------
     def stats(self) -> dict:
         d = {
-            "branch_admission": str(self.spec),
+            "branch_policy": str(self.spec),
             "branch_steps": self.steps,
             "branch_rows_candidate": self.rows_candidate,
             "branch_rows_deferred": self.rows_deferred,

@@ -1,4 +1,4 @@
-"""Step policies by name: what the CLI's `--branch-admission` and `--policy`
+"""Step policies by name: what the CLI's `--branch-policy` and `--policy`
 build, for the engine and the simulator alike.
 
 Built-in order, when several run: branch admission first (it decides which
@@ -23,7 +23,7 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
 
 
 def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):
-    """`noop`, or `branch:SPEC` (SPEC as `--branch-admission` takes it)."""
+    """`noop`, or `branch:SPEC` (SPEC as `--branch-policy` takes it)."""
     if name == "noop":
         return NoopPolicy()
     head, _, rest = name.partition(":")

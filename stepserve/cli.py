@@ -23,17 +23,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads of the engine's process (default: torch's, one per core)")
-    add_branch_admission_arg(g)
+    add_branch_policy_arg(g)
     g.add_argument("--slo-ttft", type=float, default=None, metavar="S",
                    help="TTFT SLO in seconds that TAPER plans against (deadline of a row before its first token)")
     g.add_argument("--slo-tpot", type=float, default=None, metavar="S",
-                   help="TPOT SLO in seconds that TAPER plans against (needed by --branch-admission taper)")
+                   help="TPOT SLO in seconds that TAPER plans against (needed by --branch-policy taper)")
     g.add_argument("--latency-profile", default=None, metavar="PATH",
                    help="a `stepserve profile` JSON: the step-latency model TAPER starts from (default: it "
                         "calibrates online, running eager for its first 32 branching steps)")
 
 
-def add_branch_admission_arg(g) -> None:
+def add_branch_policy_arg(g) -> None:
     from stepserve.scheduler.branch_admission import BranchAdmissionSpec
 
     def spec(v: str) -> str:
@@ -43,7 +43,7 @@ def add_branch_admission_arg(g) -> None:
             raise argparse.ArgumentTypeError(str(e)) from None
         return v
 
-    g.add_argument("--branch-admission", type=spec, default="eager", metavar="SPEC",
+    g.add_argument("--branch-policy", type=spec, default="eager", metavar="SPEC",
                    help="which branch rows of a request with n > 1 decode each step: eager (all, the default), off "
                         "(one), cap:N, or taper[:rho=R,utility=concave|linear] (rows admitted while the predicted "
                         "step fits the batch's SLO slack; needs --slo-tpot)")
@@ -73,7 +73,7 @@ def _engine_config(EngineConfig, args):
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
         cpu_threads=args.cpu_threads,
-        branch_admission=args.branch_admission,
+        branch_policy=args.branch_policy,
         slo_ttft_s=args.slo_ttft,
         slo_tpot_s=args.slo_tpot,
         latency_profile=args.latency_profile,

@@ -46,7 +46,7 @@ def test_taper_needs_a_tpot_slo():
     with pytest.raises(ValueError, match="TPOT"):
         BranchAdmissionPolicy("taper")
     with pytest.raises(ValueError, match="TPOT"):
-        EngineConfig(branch_admission="taper")
+        EngineConfig(branch_policy="taper")
 
 
 # -- the engine: deferral changes timing, never tokens -----------------------------------
@@ -55,7 +55,7 @@ PROMPTS = ["In the beginning", "And God said", "Let there be light"]
 
 
 def _run(ckpt, mode, **kw):
-    llm = LLM(ckpt, check_invariants=True, branch_admission=mode, **kw)
+    llm = LLM(ckpt, check_invariants=True, branch_policy=mode, **kw)
     params = [SamplingParams(n=n, max_tokens=12, temperature=1.5, seed=11 + i, ignore_eos=True)
               for i, n in enumerate((4, 1, 3))]
     eng = llm.engine
@@ -95,7 +95,7 @@ def test_narrow_modes_keep_tokens_and_cap_width(llama_ckpt, mode, width):
     assert max(w for w, _ in w_eager) == 4 and max(w for w, _ in w_narrow) == width
     assert n_eng.step_id > e_eng.step_id
     st = n_eng.stats().policy
-    assert st["branch_admission"] == mode and st["branch_rows_deferred"] > 0
+    assert st["branch_policy"] == mode and st["branch_rows_deferred"] > 0
 
 
 def test_taper_in_the_engine(llama_ckpt):
@@ -342,7 +342,7 @@ def test_server_branch_admission_over_http(llama_ckpt):
 
     with ServerThread(llama_ckpt) as srv:
         eager, eager_stream, m_eager = ask(srv)
-    with ServerThread(llama_ckpt, branch_admission="off") as srv:
+    with ServerThread(llama_ckpt, branch_policy="off") as srv:
         off, off_stream, m_off = ask(srv)
     assert off == eager == eager_stream == off_stream and len(eager) == 3
     assert "stepserve:branch_rows_deferred_total" not in m_eager
@@ -354,8 +354,8 @@ def test_cli_refuses_bad_branch_admission(capsys):
     from stepserve.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--branch-admission", "wide"])
+        main(["serve", "--branch-policy", "wide"])
     assert e.value.code == 2 and "branch admission" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--branch-admission", "taper", "--port", "1"])
+        main(["serve", "--branch-policy", "taper", "--port", "1"])
     assert "TPOT SLO" in str(e.value.code)

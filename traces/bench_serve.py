@@ -144,7 +144,7 @@ def _engine_argv(args) -> list[str]:
     for flag, val in [("--model", args.model), ("--dtype", args.dtype), ("--max-model-len", args.max_model_len),
                       ("--max-batched-tokens", args.max_batched_tokens), ("--kv-slots", args.kv_slots),
                       ("--kv-memory-gb", args.kv_memory_gb), ("--admission", args.admission), ("--seed", args.seed),
-                      ("--cpu-threads", args.cpu_threads), ("--branch-admission", args.branch_admission),
+                      ("--cpu-threads", args.cpu_threads), ("--branch-policy", args.branch_policy),
                       ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
                       ("--latency-profile", args.latency_profile)]:
         if val is not None:

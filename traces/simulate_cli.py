@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from stepserve.cli import add_branch_admission_arg
+from stepserve.cli import add_branch_policy_arg
 from stepserve.traces.options import (
     add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
 )
@@ -23,7 +23,7 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default=None,
                    help="latency profile: a JSON from `stepserve profile`, or a built-in roofline DEVICE[xN]:MODEL "
                         "(e.g. h100:llama3-8b, h100x8:qwen3-32b, a10x8:llama2-70b)")
-    add_branch_admission_arg(g)
+    add_branch_policy_arg(g)
     g.add_argument("--policy", action="append", default=[],
                    help="another step policy by name (repeatable; applied in the order given, after branch "
                         "admission): noop, branch:SPEC")
@@ -49,7 +49,7 @@ def make_policies(args, latency_model, slo) -> list:
 
     kw = dict(latency_model=latency_model, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     try:
-        branch = branch_admission_policy(args.branch_admission, **kw)
+        branch = branch_admission_policy(args.branch_policy, **kw)
         named = [make_policy(name, **kw) for name in args.policy]
     except ValueError as e:
         raise SystemExit(f"stepserve: {e}") from None
@@ -145,7 +145,7 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
     return build_report(
         mode="simulate", records=res.records, duration_s=res.duration_s, slo=slo, trace=trace.info(),
         scaling=sinfo.to_dict(),
-        config={"profile": args.profile, "profile_source": prof.source, "branch_admission": args.branch_admission,
+        config={"profile": args.profile, "profile_source": prof.source, "branch_policy": args.branch_policy,
                 "policies": args.policy,
                 "max_concurrency": args.max_concurrency,
                 **dataclasses.asdict(cfg)},

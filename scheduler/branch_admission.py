@@ -174,6 +174,10 @@ class BranchAdmissionPolicy:
         self.plan_s = 0.0  # time spent planning (taper)
         self.last_budget_s = 0.0
         self.last_predicted_s = 0.0
+        self.last_slack_s = 0.0
+        self.planned_steps = 0  # steps taper planned (calibrated, with branches)
+        self.predicted_s = 0.0  # of those: the step times taper predicted for the plans it chose ...
+        self.measured_s = 0.0  # ... and what they took
 
     def _now(self) -> float:
         return self._t
@@ -181,6 +185,7 @@ class BranchAdmissionPolicy:
     # -- StepPolicy -------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
         self._t = view.now
+        self._planned = False
         mode = self.spec.mode
         if mode == "eager" or plan.num_rows < 2:
             return plan
@@ -206,6 +211,7 @@ class BranchAdmissionPolicy:
             t0 = time.perf_counter()
             deferred = self._taper(plan, branchy, view.now)
             self.plan_s += time.perf_counter() - t0
+            self._planned = True
         else:
             width = 1 if mode == "off" else self.spec.cap
             deferred = {id(r) for g in branchy for r in g[width:]}
@@ -216,6 +222,10 @@ class BranchAdmissionPolicy:
 
     def observe(self, plan: StepPlan, record: StepRecord) -> None:
         if self.predictor is not None:
+            if self._planned:  # the prediction it planned with, against the step's own time
+                self.planned_steps += 1
+                self.predicted_s += self.last_predicted_s
+                self.measured_s += getattr(record, self.predictor.target)
             self.predictor.observe(plan, record)
 
     # -- TAPER --------------------------------------------------------------------
@@ -263,6 +273,7 @@ class BranchAdmissionPolicy:
 
     def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:
         slack = self.slack(plan, now)
+        self.last_slack_s = slack
         # the baseline: every row but the extra branch rows (each request's stalest row runs)
         candidates = [g[1:] for g in branchy]
         extra_ids = {id(r) for g in candidates for r in g}
@@ -316,5 +327,8 @@ class BranchAdmissionPolicy:
             p = self.predictor
             d.update(taper_calibrated=p.calibrated, taper_uncalibrated_steps=self.uncalibrated_steps,
                      taper_refits=p.num_refits, taper_plan_s=self.plan_s,
-                     taper_plan_ms_per_step=(1e3 * self.plan_s / max(self.steps - self.uncalibrated_steps, 1)))
+                     taper_plan_ms_per_step=(1e3 * self.plan_s / max(self.steps - self.uncalibrated_steps, 1)),
+                     taper_planned_steps=self.planned_steps, taper_predicted_s=self.predicted_s,
+                     taper_measured_s=self.measured_s, taper_last_slack_s=self.last_slack_s,
+                     taper_last_budget_s=self.last_budget_s)
         return d

@@ -38,6 +38,11 @@ _POLICY_METRICS = {
     "taper_uncalibrated_steps": ("counter", "Branching steps TAPER ran eager for lack of a calibrated model"),
     "taper_refits": ("counter", "Online refits of TAPER's step-latency model"),
     "taper_plan_seconds": ("counter", "Time spent in TAPER's per-step planning"),
+    "taper_planned_steps": ("counter", "Steps TAPER planned with its step-latency model"),
+    "taper_predicted_seconds": ("counter", "Of those steps, the step time TAPER predicted for the plans it chose"),
+    "taper_measured_seconds": ("counter", "Of those steps, the step time measured"),
+    "taper_last_slack_seconds": ("gauge", "The batch's SLO slack at TAPER's last plan (negative: a request is late)"),
+    "taper_last_budget_seconds": ("gauge", "The step-time budget of TAPER's last plan"),
 }
 
 

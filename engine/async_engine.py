@@ -51,6 +51,7 @@ class AddRequest(NamedTuple):
     prompt: str | Sequence[int]
     params: SamplingParams
     stages: list | None = None  # a fork/join request's later stages (`Engine.add_request`)
+    slo: tuple | None = None  # (ttft_s, tpot_s): the request's own SLOs, either may be None
 
 
 class AbortRequest(NamedTuple):
@@ -113,9 +114,10 @@ class EngineLoop:
     def handle(self, cmd: Command, outputs: Outputs, replies: Replies) -> None:
         eng = self.engine
         match cmd:
-            case AddRequest(request_id=rid, prompt=prompt, params=params, stages=stages):
+            case AddRequest(request_id=rid, prompt=prompt, params=params, stages=stages, slo=slo):
                 try:
-                    eng.add_request(prompt, params, rid, stages=stages)
+                    ttft, tpot = slo or (None, None)
+                    eng.add_request(prompt, params, rid, stages=stages, slo_ttft_s=ttft, slo_tpot_s=tpot)
                 except Exception as e:  # validation errors go back to the caller
                     outputs.append((rid, e))
             case AbortRequest(request_id=rid):
@@ -221,10 +223,13 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         stages: list[dict] | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields output deltas (new text/tokens per branch) until the request ends.
         `stages`: a fork/join request (`Engine.add_request`); each output's
         `index` is its branch's within the request and `stage` its stage.
+        `slo_ttft_s`, `slo_tpot_s`: the request's own SLOs (`Engine.add_request`).
 
         Deltas that queued up while the caller was busy come as one (merged),
         so a slow consumer does less work per token, not more. Leaving the
@@ -238,7 +243,8 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._core.send(AddRequest(request_id, prompt, params or SamplingParams(), stages))
+        slo = (slo_ttft_s, slo_tpot_s) if slo_ttft_s is not None or slo_tpot_s is not None else None
+        self._core.send(AddRequest(request_id, prompt, params or SamplingParams(), stages, slo))
         finished = False
         try:
             while True:

@@ -56,15 +56,17 @@ class EngineConfig:
     policies: list[StepPolicy] = field(default_factory=list)  # run after the built-in ones below
     # branch admission (scheduler/branch_admission.py): eager | off | cap:N | taper[:rho=R,utility=U]
     branch_policy: str = "eager"
-    slo_ttft_s: float | None = None  # the SLOs TAPER plans against (taper needs slo_tpot_s)
+    slo_ttft_s: float | None = None  # the SLOs TAPER plans against for requests that bring none
     slo_tpot_s: float | None = None
     latency_profile: str | None = None  # a `stepserve profile` JSON: the step model TAPER starts from
     step_log: str | None = None  # append the loop's timeline here, one JSON line per iteration (engine/step_log.py)
 
     def __post_init__(self):
-        if BranchAdmissionSpec.parse(self.branch_policy).mode == "taper" and not (self.slo_tpot_s or 0) > 0:
-            raise ValueError("branch admission 'taper' needs a TPOT SLO (slo_tpot_s, --slo-tpot): "
-                             "its rows' deadlines")
+        BranchAdmissionSpec.parse(self.branch_policy)
+        for name in ("slo_ttft_s", "slo_tpot_s"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be positive, got {v}")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -236,6 +238,8 @@ class Engine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         stages: Sequence[dict] | None = None,
+        slo_ttft_s: float | None = None,
+        slo_tpot_s: float | None = None,
     ) -> Request:
         """`stages`: a fork/join request. Its first stage is this prompt and
         `params.max_tokens` (with n = 1); each later stage, started when the one
@@ -243,7 +247,10 @@ class Engine:
         on) or `{"branches": [{"prompt": SUFFIX, "max_tokens": N}, ...]}`
         (parallel: each branch continues from everything so far plus its own
         suffix, text or token ids). After a parallel stage the context is
-        everything before it plus each branch's output, in branch order."""
+        everything before it plus each branch's output, in branch order.
+
+        `slo_ttft_s`, `slo_tpot_s`: this request's SLOs, which the step
+        policies plan against (TAPER; default: `EngineConfig`'s)."""
         params = (params or SamplingParams()).check_token_ids(self.model_config.vocab_size)
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
@@ -251,6 +258,9 @@ class Engine:
             text, ids = None, [int(t) for t in prompt]
         plen = len(ids)
         max_tokens = self.core.check_request(ids, params.max_tokens)
+        for name, v in (("slo_ttft", slo_ttft_s), ("slo_tpot", slo_tpot_s)):
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9):
+                raise RequestError(f"{name} must be a positive number of seconds, got {v!r}", name)
         later = self._parse_stages(stages, params, max_tokens, ids) if stages else None
         if request_id is None:
             request_id = f"req-{self._next_req_id}"
@@ -265,6 +275,7 @@ class Engine:
         seqs = self.core.add_sequences(
             list(ids), max_tokens, now, req, seeds=[derive_seed(base_seed, b) for b in range(params.n)],
             stages=later, stage_seeds=[derive_seed(base_seed, b) for b in range(1, 1 + n_later)] if later else None,
+            slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
             eos_token_ids=self.eos_token_ids, stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, full_prefill=full_prefill,
             sampling=params, plain_greedy=req.plain_greedy,

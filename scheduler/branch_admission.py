@@ -116,14 +116,6 @@ class BranchAdmissionSpec:
         return self.mode
 
 
-def _clock_key(seq) -> int:
-    return id(seq.clock)
-
-
-def _group_key(seq) -> int:
-    return id(seq.group)
-
-
 def _staleness(row) -> float:
     """When a row last got a token (before any: when its stage began, or its
     request arrived): the smaller, the more urgent among its request's rows."""
@@ -144,8 +136,11 @@ class BranchAdmissionPolicy:
     offline fit (a ridge towards it): a window of steps that all have the
     same width cannot tell a per-row cost from a fixed one, and a planner
     that stops widening would never show it otherwise.
-    `slo_tpot_s` is required by taper; `slo_ttft_s` gives rows before their
-    first token a deadline (without it they have none).
+    `slo_tpot_s` and `slo_ttft_s` are the SLOs of requests that bring none
+    of their own (`Engine.add_request`'s `slo_tpot_s`, `slo_ttft_s`): a
+    request with no TPOT SLO has no deadline after its first token, and none
+    before it without a TTFT SLO. With no deadline anywhere the budget is
+    unbounded: TAPER runs eager.
     """
 
     name = "branch-admission"
@@ -158,8 +153,9 @@ class BranchAdmissionPolicy:
         self.slo_ttft_s = slo_ttft_s
         self.predictor: OnlineLatencyModel | None = None
         if self.spec.mode == "taper":
-            if not slo_tpot_s or slo_tpot_s <= 0:
-                raise ValueError("taper branch admission needs a TPOT SLO (its rows' deadlines)")
+            for name, v in (("TPOT", slo_tpot_s), ("TTFT", slo_ttft_s)):
+                if v is not None and not v > 0:
+                    raise ValueError(f"taper's default {name} SLO must be positive, got {v}")
             base = latency_model
             if base is not None and not isinstance(base, LinearLatencyModel):
                 base = linear_fit_of(base)
@@ -233,42 +229,43 @@ class BranchAdmissionPolicy:
         """The least time left to a deadline of a request with a row in `plan`
         (see the module docstring): under the `average` clock, when its next
         token is due for its TPOT since its clock started (`RequestClock`) to
-        meet the SLO; under the `token` clock, its last token plus the TPOT
-        SLO. Before its first token, its arrival plus the TTFT SLO (without
-        one, no deadline)."""
-        tpot = self.slo_tpot_s
+        meet its TPOT SLO; under the `token` clock, its last token plus that
+        SLO. Before its first token, its arrival plus its TTFT SLO. A
+        request's SLOs are its own (`RequestClock.tpot_s`, `ttft_s`), else the
+        policy's; a request with neither has no deadline."""
+        default_tpot, default_ttft = self.slo_tpot_s, self.slo_ttft_s
+        average = self.spec.clock == "average"
         d = math.inf
-        if self.spec.clock == "average":
-            seen = set()
-            for r in plan.rows:
-                c = r.seq.clock
+        last: dict[int, tuple[float, float]] = {}  # token clock: request -> (its last token, its TPOT SLO)
+        seen: set[int] = set()  # requests past their first token
+        for r in plan.rows:
+            seq = r.seq
+            c = seq.clock
+            tpot = (c.tpot_s if c is not None and c.tpot_s is not None else default_tpot)
+            if seq.first_token_time is None and seq.stage_start is None:  # before the request's first token
+                ttft = c.ttft_s if c is not None and c.ttft_s is not None else default_ttft
+                if ttft and (c is None or c.start is None):
+                    t = seq.arrival + ttft
+                    if t < d:
+                        d = t
+                continue
+            if tpot is None:
+                continue
+            if average:
                 if c is None or c.start is None or id(c) in seen:
                     continue
                 seen.add(id(c))
                 t = c.deadline(tpot)
                 if t < d:
                     d = t
-            started = seen
-            key = _clock_key
-        else:
-            last: dict[int, float] = {}
-            for r in plan.rows:
-                seq = r.seq
+            else:
                 t = seq.last_token_time if seq.last_token_time is not None else seq.stage_start
-                if t is not None and t > last.get(id(seq.group), -math.inf):
-                    last[id(seq.group)] = t
-            if last:
-                d = min(last.values()) + tpot
-            started = last
-            key = _group_key
-        ttft = self.slo_ttft_s
-        if ttft:
-            for r in plan.rows:
-                seq = r.seq
-                if seq.first_token_time is None and seq.stage_start is None and key(seq) not in started:
-                    t = seq.arrival + ttft
-                    if t < d:
-                        d = t
+                k = id(seq.group)
+                if t > last.get(k, (-math.inf, 0.0))[0]:
+                    last[k] = (t, tpot)
+        for t, tpot in last.values():
+            if t + tpot < d:
+                d = t + tpot
         return d - now
 
     def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:

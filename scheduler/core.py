@@ -146,13 +146,16 @@ class EngineCore:
 
     def add_sequences(self, token_ids: list[int], max_tokens: int, arrival: float, group: Any, *,
                       seeds: list[int], stages: list[Stage] | None = None, stage_seeds: list[int] | None = None,
+                      slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                       **seq_fields) -> list[Seq]:
         """One sequence per seed (branch); the first is queued, the others fork
         from it when its prefill completes and share its prompt's KV.
 
         `stages` (after `check_stages`): a fork/join request, whose first stage
         is this one sequence (one seed) and whose later stages start as each
-        finishes, with `stage_seeds` (one per later branch, in order)."""
+        finishes, with `stage_seeds` (one per later branch, in order).
+        `slo_ttft_s`, `slo_tpot_s`: the request's own SLOs, on its
+        `RequestClock` for the step policies (None: theirs)."""
         if stages:
             if len(seeds) != 1:
                 raise ValueError("a fork/join request starts with one sequence (n = 1)")
@@ -161,7 +164,7 @@ class EngineCore:
                 raise ValueError(f"stage_seeds: want {n_later}, one per branch of the later stages")
         seqs = []
         plen = len(token_ids)
-        clock = RequestClock()
+        clock = RequestClock(slo_ttft_s, slo_tpot_s)
         for b, seed in enumerate(seeds):
             seqs.append(Seq(self._next_seq_id, token_ids if b == 0 else list(token_ids), plen, max_tokens,
                             arrival, branch=b, seed=seed, group=group, clock=clock, **seq_fields))

@@ -27,12 +27,14 @@ class RequestClock:
     branch that sampled its first token at the start). `Scheduler.update`
     counts; a fork/join stage resets it (`EngineCore`)."""
 
-    __slots__ = ("start", "tokens", "first")
+    __slots__ = ("start", "tokens", "first", "ttft_s", "tpot_s")
 
-    def __init__(self):
+    def __init__(self, ttft_s: float | None = None, tpot_s: float | None = None):
         self.start: float | None = None
         self.tokens = 0
         self.first = 0
+        self.ttft_s = ttft_s  # the request's own SLOs (None: the policy's defaults)
+        self.tpot_s = tpot_s
 
     def reset(self, start: float) -> None:
         self.start, self.tokens, self.first = start, 0, 0

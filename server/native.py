@@ -57,7 +57,7 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
     params = client.sampling_params(names, **kw)
     rid = new_id("gen")
     stages = [st.engine_dict() for st in req.stages] if req.stages else None
-    gen = await client.start(request, [ids], [params], rid, sp.n, names, stages)
+    gen = await client.start(request, [ids], [params], rid, sp.n, names, stages, (req.slo_ttft, req.slo_tpot))
     acc = gen.acc
     want_lp = sp.logprobs is not None
 

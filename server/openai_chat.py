@@ -60,7 +60,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
         logits_processor_factory=factory,
     )
     rid = new_id("chatcmpl")
-    gen = await client.start(request, [ids], [params], rid, req.n, names)
+    gen = await client.start(request, [ids], [params], rid, req.n, names, slo=(req.slo_ttft, req.slo_tpot))
     acc = gen.acc
 
     def head(obj: str, choices, **extra):

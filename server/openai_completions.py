@@ -57,7 +57,8 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         for ids, _ in prompts
     ]
     rid = new_id("cmpl")
-    gen = await client.start(request, [p for p, _ in prompts], params, rid, req.n, _NAMES)
+    gen = await client.start(request, [p for p, _ in prompts], params, rid, req.n, _NAMES,
+                             slo=(req.slo_ttft, req.slo_tpot))
     acc = gen.acc
     echoes = [(text if text is not None else client.tokenizer.decode(ids)) if req.echo else ""
               for ids, text in prompts]

@@ -39,6 +39,7 @@ def _utf8(s: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN), AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+Seconds = Annotated[float, Field(gt=0.0, le=1e6)]
 
 
 class _Model(BaseModel):
@@ -88,6 +89,9 @@ class _SamplingFields(_Model):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     response_format: Optional[ResponseFormat] = None
+    # stepserve's extension: this request's SLOs in seconds, for the step policies (TAPER)
+    slo_ttft: Optional[Seconds] = None
+    slo_tpot: Optional[Seconds] = None
 
 
 Prompt = Union[
@@ -194,6 +198,8 @@ class GenerateRequest(_Model):
     stream: bool = False
     model: Optional[Text] = None
     stages: Optional[Annotated[list[Stage], Field(min_length=1, max_length=MAX_STAGES)]] = None
+    slo_ttft: Optional[Seconds] = None  # this request's SLOs in seconds, for the step policies (TAPER)
+    slo_tpot: Optional[Seconds] = None
 
     @model_validator(mode="after")
     def _one_prompt(self):

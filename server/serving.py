@@ -370,12 +370,15 @@ class EngineClient:
         request_id: str,
         names: dict[str, str] | None = None,
         stages: list[dict] | None = None,
+        slo: tuple[float | None, float | None] = (None, None),
     ) -> list[Stream]:
         """Submits one engine request per prompt and primes them all. On any
-        failure nothing stays submitted. `stages`: each is a fork/join request."""
+        failure nothing stays submitted. `stages`: each is a fork/join
+        request; `slo`: (TTFT, TPOT) seconds of each, for the step policies."""
         start = time.perf_counter()
         gens = [
-            self.async_engine.generate(p, sp, f"{request_id}-{i}" if len(prompts) > 1 else request_id, stages=stages)
+            self.async_engine.generate(p, sp, f"{request_id}-{i}" if len(prompts) > 1 else request_id, stages=stages,
+                                       slo_ttft_s=slo[0], slo_tpot_s=slo[1])
             for i, (p, sp) in enumerate(zip(prompts, params))
         ]
         async def prime(g):
@@ -403,13 +406,14 @@ class EngineClient:
         n: int,
         names: dict[str, str] | None = None,
         stages: list[dict] | None = None,
+        slo: tuple[float | None, float | None] = (None, None),
     ) -> Generation:
         """Admits the request (one slot per prompt, or 429), then opens its
         streams (see `open`) unless the client leaves first; on any failure the
         slots are given back."""
         ticket = self.acquire(len(prompts))
         try:
-            streams = await until_disconnected(request, self.open(prompts, params, request_id, names, stages))
+            streams = await until_disconnected(request, self.open(prompts, params, request_id, names, stages, slo))
         except BaseException:
             ticket.release()
             raise

@@ -25,9 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads of the engine's process (default: torch's, one per core)")
     add_branch_policy_arg(g)
     g.add_argument("--slo-ttft", type=float, default=None, metavar="S",
-                   help="TTFT SLO in seconds that TAPER plans against (deadline of a row before its first token)")
+                   help="TTFT SLO in seconds that TAPER plans against for requests that bring none (slo_ttft)")
     g.add_argument("--slo-tpot", type=float, default=None, metavar="S",
-                   help="TPOT SLO in seconds that TAPER plans against (needed by --branch-policy taper)")
+                   help="TPOT SLO in seconds that TAPER plans against for requests that bring none (slo_tpot)")
     g.add_argument("--latency-profile", default=None, metavar="PATH",
                    help="a `stepserve profile` JSON: the step-latency model TAPER starts from (default: it "
                         "calibrates online, running eager for its first 32 branching steps)")
@@ -46,7 +46,7 @@ def add_branch_policy_arg(g) -> None:
     g.add_argument("--branch-policy", type=spec, default="eager", metavar="SPEC",
                    help="which branch rows of a request with n > 1 decode each step: eager (all, the default), off "
                         "(one), cap:N, or taper[:rho=R,utility=concave|linear] (rows admitted while the predicted "
-                        "step fits the batch's SLO slack; needs --slo-tpot)")
+                        "step fits the batch's SLO slack: the requests' own slo_tpot/slo_ttft, else --slo-tpot/--slo-ttft)")
 
 
 def engine_config(args):

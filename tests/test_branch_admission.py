@@ -45,11 +45,40 @@ def test_spec_refuses(bad):
         BranchAdmissionSpec.parse(bad)
 
 
-def test_taper_needs_a_tpot_slo():
+def test_slos_must_be_positive_and_taper_without_any_runs_eager():
     with pytest.raises(ValueError, match="TPOT"):
-        BranchAdmissionPolicy("taper")
-    with pytest.raises(ValueError, match="TPOT"):
-        EngineConfig(branch_policy="taper")
+        BranchAdmissionPolicy("taper", slo_tpot_s=0.0)
+    with pytest.raises(ValueError, match="slo_tpot_s"):
+        EngineConfig(branch_policy="taper", slo_tpot_s=-1.0)
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])
+    pol = BranchAdmissionPolicy("taper", latency_model=model)  # no default SLO, none on the requests
+    plan = _plan([[(10, 0.99), (11, 0.98), (12, 0.97)], [(5, 0.99), (6, 0.99)]])
+    assert pol.slack(plan, 1.0) == math.inf
+    assert len(pol.plan(plan, EngineView(1.0, 5, 0, 100, 100)).rows) == 6
+
+
+def test_a_request_brings_its_own_slos():
+    """Per-request SLOs (on its RequestClock) override the policy's defaults:
+    a request with a tight TPOT SLO sets the slack; one without any, when the
+    policy has none either, sets nothing."""
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])
+    plan = _plan([[(10, 0.99), (11, 0.98)], [(5, 0.99), (6, 0.99)]])
+    clocks = []
+    for r in plan.rows:
+        if r.num_new == 1 and r.seq.clock not in clocks:
+            clocks.append(r.seq.clock)
+    clocks[1].tpot_s = 0.004
+    for clock in ("average", "token"):
+        pol = BranchAdmissionPolicy(f"taper:clock={clock}", latency_model=model)
+        want = (clocks[1].deadline(0.004) if clock == "average" else 0.99 + 0.004) - 1.0
+        assert pol.slack(plan, 1.0) == pytest.approx(want)
+        loose = BranchAdmissionPolicy(f"taper:clock={clock}", latency_model=model, slo_tpot_s=10.0)
+        assert loose.slack(plan, 1.0) == pytest.approx(want)  # the request's own SLO is the tighter
+    # a TTFT SLO of its own for a request before its first token
+    clocks[1].tpot_s = None  # now no request has a TPOT SLO, and the policy has none
+    p = next(r for r in plan.rows if r.num_new > 1)
+    p.seq.clock = RequestClock(ttft_s=0.7)
+    assert BranchAdmissionPolicy("taper", latency_model=model).slack(plan, 1.0) == pytest.approx(0.5 + 0.7 - 1.0)
 
 
 # -- the engine: deferral changes timing, never tokens -----------------------------------
@@ -363,8 +392,8 @@ def test_cli_refuses_bad_branch_admission(capsys):
         main(["serve", "--branch-policy", "wide"])
     assert e.value.code == 2 and "branch admission" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--branch-policy", "taper", "--port", "1"])
-    assert "TPOT SLO" in str(e.value.code)
+        main(["serve", "--branch-policy", "taper", "--slo-tpot", "-1", "--port", "1"])
+    assert "slo_tpot_s must be positive" in str(e.value.code)
 
 
 def _reference_taper(groups, prefill, model, slack, rho, utility):
@@ -474,3 +503,47 @@ def test_taper_matches_the_reference_rule_on_random_batches():
         assert t_kept <= budget + 1e-12 or base_only, case
         partial += 0 < len(want) < sum(len(g) - 1 for g in groups)
     assert partial > 30, partial  # the cases exercise the greedy, not just "all" or "none"
+
+
+class _SeesSLOs:
+    """Records the SLOs on the request clocks of every row it plans."""
+
+    name = "sees-slos"
+
+    def __init__(self):
+        self.seen = set()
+
+    def plan(self, plan, view):
+        for r in plan.rows:
+            c = r.seq.clock
+            self.seen.add((c.ttft_s, c.tpot_s))
+        return plan
+
+    def observe(self, plan, record):
+        pass
+
+
+def test_per_request_slos_over_http(llama_ckpt):
+    """`slo_ttft` / `slo_tpot` on completions, chat and /generate reach the
+    request's clock; a bad one is a 400 naming it."""
+    import httpx
+    import openai
+    from server_util import ServerThread
+
+    rec = _SeesSLOs()
+    with ServerThread(llama_ckpt, engine_process=False, policies=[rec]) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x")
+        client.completions.create(model="test-model", prompt="In the beginning", max_tokens=3,
+                                  extra_body={"slo_ttft": 0.5, "slo_tpot": 0.04})
+        client.chat.completions.create(model="test-model", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3, extra_body={"slo_tpot": 0.07})
+        r = httpx.post(srv.url + "/generate", json={"text": "x", "sampling_params": {"max_tokens": 2},
+                                                    "slo_ttft": 2}, timeout=60)
+        assert r.status_code == 200
+        client.completions.create(model="test-model", prompt="plain", max_tokens=2)
+        assert {(0.5, 0.04), (None, 0.07), (2.0, None), (None, None)} <= rec.seen
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="test-model", prompt="x", max_tokens=2, extra_body={"slo_tpot": -1})
+        assert "slo_tpot" in str(e.value)
+        srv.wait_idle()
+        srv.kv_report()

@@ -64,6 +64,9 @@ from stepserve.scheduler.policy import EngineView
 MODES = ("eager", "off", "cap", "taper")
 UTILITIES = ("concave", "linear")
 CLOCKS = ("average", "token")
+BUDGETS = ("slack", "slo")
+PREDICTORS = ("model", "constant")
+TAPER_OPTIONS = {"rho": float, "utility": str, "clock": str, "budget": str, "replan": int, "predictor": str}
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class BranchAdmissionSpec:
     rho: float = 0.8  # taper: share of the slack beyond the baseline step it may spend
     utility: str = "concave"  # taper: concave | linear
     clock: str = "average"  # taper: average (a request's TPOT so far) | token (its last token)
+    # the TAPER paper's ablations:
+    budget: str = "slack"  # slack | slo: a fixed step budget of the tightest TPOT SLO, whatever the slack
+    replan: int = 1  # plan every this many branching steps; between, each request keeps its last width
+    predictor: str = "model"  # model | constant: every plan predicted at the recent mean step time
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,10 +92,17 @@ class BranchAdmissionSpec:
             raise ValueError(f"taper utility must be one of {', '.join(UTILITIES)}; got {self.utility!r}")
         if self.clock not in CLOCKS:
             raise ValueError(f"taper clock must be one of {', '.join(CLOCKS)}; got {self.clock!r}")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"taper budget must be one of {', '.join(BUDGETS)}; got {self.budget!r}")
+        if self.predictor not in PREDICTORS:
+            raise ValueError(f"taper predictor must be one of {', '.join(PREDICTORS)}; got {self.predictor!r}")
+        if self.replan < 1:
+            raise ValueError(f"taper replan must be at least 1, got {self.replan}")
 
     @classmethod
     def parse(cls, spec: str) -> "BranchAdmissionSpec":
-        """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token]`."""
+        """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token,
+        budget=slack|slo,replan=K,predictor=model|constant]`."""
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
@@ -99,10 +113,13 @@ class BranchAdmissionSpec:
             kw: dict = {}
             for item in filter(None, rest.split(",")):
                 k, eq, v = item.partition("=")
-                if not eq or k not in ("rho", "utility", "clock"):
-                    raise ValueError("taper options are rho=R, utility=concave|linear and clock=average|token; "
-                                     f"got {item!r}")
-                kw[k] = float(v) if k == "rho" else v
+                if not eq or k not in TAPER_OPTIONS:
+                    raise ValueError("taper options are rho=R, utility=concave|linear, clock=average|token, "
+                                     f"budget=slack|slo, replan=K and predictor=model|constant; got {item!r}")
+                try:
+                    kw[k] = TAPER_OPTIONS[k](v)
+                except ValueError:
+                    raise ValueError(f"taper option {k} takes a number, got {v!r}") from None
             return cls("taper", **kw)
         if rest:
             raise ValueError(f"branch admission {head!r} takes no options; got {spec!r}")
@@ -112,7 +129,9 @@ class BranchAdmissionSpec:
         if self.mode == "cap":
             return f"cap:{self.cap}"
         if self.mode == "taper":
-            return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}"
+            extra = "".join(f",{k}={getattr(self, k)}" for k, d in (("budget", "slack"), ("replan", 1),
+                                                                     ("predictor", "model")) if getattr(self, k) != d)
+            return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
 
 
@@ -132,8 +151,8 @@ class BranchAdmissionPolicy:
     `LinearLatencyModel` (a measured profile) is used as it is; another kind
     (a roofline profile) is swept like an engine and fitted with the linear
     form (`linear_fit_of`), as the authors fit theirs on an offline sweep.
-    Without one TAPER calibrates online only. The online refits lean on the
-    offline fit (a ridge towards it): a window of steps that all have the
+    Without one TAPER calibrates online only. The online refits rescale the
+    offline fit (`OnlineLatencyModel`): a window of steps that all have the
     same width cannot tell a per-row cost from a fixed one, and a planner
     that stops widening would never show it otherwise.
     `slo_tpot_s` and `slo_ttft_s` are the SLOs of requests that bring none
@@ -174,6 +193,8 @@ class BranchAdmissionPolicy:
         self.planned_steps = 0  # steps taper planned (calibrated, with branches)
         self.predicted_s = 0.0  # of those: the step times taper predicted for the plans it chose ...
         self.measured_s = 0.0  # ... and what they took
+        self._widths: dict[int, int] = {}  # replan > 1: each request's width at the last plan
+        self._since_plan = 0
 
     def _now(self) -> float:
         return self._t
@@ -205,7 +226,17 @@ class BranchAdmissionPolicy:
                 self.uncalibrated_steps += 1
                 return plan
             t0 = time.perf_counter()
-            deferred = self._taper(plan, branchy, view.now)
+            if self._since_plan % self.spec.replan == 0:
+                deferred = self._taper(plan, branchy, view.now)
+                if self.spec.replan > 1:
+                    kept: dict[int, int] = {}
+                    for g in branchy:
+                        kept[id(g[0].seq.group)] = sum(1 for r in g if id(r) not in deferred)
+                    self._widths = kept
+            else:  # the paper's "no per-step replanning": the last plan's widths (new requests: one row)
+                widths = self._widths
+                deferred = {id(r) for g in branchy for r in g[widths.get(id(g[0].seq.group), 1):]}
+            self._since_plan += 1
             self.plan_s += time.perf_counter() - t0
             self._planned = True
         else:
@@ -268,6 +299,15 @@ class BranchAdmissionPolicy:
                 d = t + tpot
         return d - now
 
+    def _tightest_tpot(self, plan: StepPlan) -> float:
+        """The least TPOT SLO of the requests in the step (inf: none has one)."""
+        d = self.slo_tpot_s if self.slo_tpot_s is not None else math.inf
+        for r in plan.rows:
+            c = r.seq.clock
+            if c is not None and c.tpot_s is not None and c.tpot_s < d:
+                d = c.tpot_s
+        return d
+
     def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:
         slack = self.slack(plan, now)
         self.last_slack_s = slack
@@ -282,8 +322,17 @@ class BranchAdmissionPolicy:
                 ctx -= r.start + 1
                 new -= 1
         predict = self.predictor.predict
+        if self.spec.predictor == "constant":  # the paper's ablation: shape-blind, the recent mean step time
+            w = self.predictor.window
+            mean = sum(t for _, t in w) / len(w) if w else predict(rows, ctx, new, pairs)
+
+            def predict(*_):
+                return mean
         t_base = predict(rows, ctx, new, pairs)
-        budget = t_base + self.spec.rho * max(0.0, slack - t_base)
+        if self.spec.budget == "slo":  # the paper's ablation: a fixed budget, blind to banked or owed time
+            budget = max(t_base, self._tightest_tpot(plan))
+        else:
+            budget = t_base + self.spec.rho * max(0.0, slack - t_base)
         self.last_budget_s = budget
         # greedy by utility gain per marginal latency: one heap entry per request, its next row
         concave = self.spec.utility == "concave"

@@ -547,3 +547,46 @@ def test_per_request_slos_over_http(llama_ckpt):
         assert "slo_tpot" in str(e.value)
         srv.wait_idle()
         srv.kv_report()
+
+
+# -- the paper's ablations ------------------------------------------------------------------
+
+def test_ablation_options_parse_and_print():
+    s = BranchAdmissionSpec.parse("taper:budget=slo,replan=8,predictor=constant")
+    assert (s.budget, s.replan, s.predictor) == ("slo", 8, "constant")
+    assert BranchAdmissionSpec.parse(str(s)) == s
+    for bad in ("taper:budget=none", "taper:replan=0", "taper:replan=x", "taper:predictor=oracle"):
+        with pytest.raises(ValueError):
+            BranchAdmissionSpec.parse(bad)
+
+
+def test_ablation_budget_slo_and_constant_predictor():
+    """budget=slo: the step budget is the TPOT SLO, whatever the slack;
+    predictor=constant: every plan costs the same, so extras are all or none."""
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])
+    groups = [[(40, 0.995), (41, 0.990), (42, 0.993)], [(7, 0.996), (8, 0.994)]]
+    pol = BranchAdmissionPolicy("taper:budget=slo,clock=token", latency_model=model, slo_tpot_s=0.0065)
+    out = pol.plan(_plan(groups), EngineView(1.0, 5, 0, 100, 100))
+    assert pol.last_budget_s == pytest.approx(0.0065)  # slack would give 0.99 + 6.5 ms - 1: less
+    assert sum(1 for r in out.rows if r.num_new == 1) == 3  # 2 ms + 3 baseline rows + 1 extra = 6 ms
+    const = BranchAdmissionPolicy("taper:predictor=constant,clock=token", latency_model=model, slo_tpot_s=0.02)
+    out = const.plan(_plan(groups), EngineView(1.0, 5, 0, 100, 100))
+    assert sum(1 for r in out.rows if r.num_new == 1) == 5
+
+
+def test_ablation_replan_keeps_widths_between_plans():
+    calls = []
+    model = LinearLatencyModel("linear", [5e-3, 2e-3, 0.0, 0.0])
+    pol = BranchAdmissionPolicy("taper:replan=5", latency_model=model, slo_tpot_s=0.06, slo_ttft_s=1.0)
+    orig = pol._taper
+
+    def spy(*a):
+        calls.append(1)
+        return orig(*a)
+
+    pol._taper = spy
+    sim = Simulator(model, SimConfig(kv_slots=20000, max_context=512, vocab_size=100, check_every=1), [pol])
+    res = sim.run(_specs())
+    st = res.stats["policy"]
+    assert all(r.completed for r in res.records)
+    assert st["taper_planned_steps"] > 10 and len(calls) == -(-st["taper_planned_steps"] // 5)

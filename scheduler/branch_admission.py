@@ -1,14 +1,14 @@
 """Branch admission: how many of a request's parallel branches decode each step.
 
-A request with several branches (OpenAI `n > 1`) has one decode row per
-branch. Running all of them every step (`eager`, what vLLM and SGLang do)
-makes the shared step longer for every request in the batch; running one
-(`off`) wastes the parallelism. This step policy decides, each step, which
-extra branch rows run; a deferred row keeps its KV (branches share their
-prefix, so narrowing frees nothing) and simply skips the step, becoming more
-urgent for the next one.
+A request with several branches (OpenAI `n > 1`, or a parallel stage of a
+fork/join request) has one decode row per branch. Running all of them every
+step (`eager`, what vLLM and SGLang do) makes the shared step longer for
+every request in the batch; running one (`off`) wastes the parallelism. This
+step policy decides, each step, which extra branch rows run; a deferred row
+keeps its KV (branches share their prefix, so narrowing frees nothing) and
+simply skips the step, becoming more urgent for the next one.
 
-Modes (`BranchAdmission.parse`):
+Modes (`BranchAdmissionSpec.parse`, `--branch-policy`):
 
   eager     every branch, every step (the default: the plan is untouched)
   off       one row per request: its most urgent branch
@@ -21,14 +21,16 @@ TAPER, each step:
   * Every request's most urgent decode row runs, and every prefill row (the
     baseline plan). The most urgent of a request's rows is the one that has
     waited longest for a token.
-  * A request's deadline is its last token (of any branch) plus the TPOT SLO,
-    or, before its first token, its arrival plus the TTFT SLO (when given).
-    With one row of every request running each step, a request whose steps
-    come within the TPOT SLO is on time, however many of its branches wait:
-    the SLO is the request's (its TPOT counts the tokens of all its branches,
-    `traces/metrics.py`). A per-row clock would count a deferred branch late
-    at once and, with the budget below, shrink every later step to the
-    baseline for good.
+  * Deadlines are per request, never per row: a per-row clock counts a
+    deferred branch late at once and, with the budget below, shrinks every
+    later step to the baseline for good. The SLO is the request's (its TPOT
+    counts the tokens of all its branches, `traces/metrics.py`); its own
+    (`RequestClock.tpot_s`, `ttft_s`) or else the policy's defaults.
+    - `clock=average` (default): when its next token is due for its TPOT
+      since its clock started (its first token, or the start of its current
+      fork/join stage) to meet the SLO, so time banked or owed counts;
+    - `clock=token`: its last token (of any branch) plus the TPOT SLO;
+    - before its first token: its arrival plus the TTFT SLO.
   * slack = the least time left to the deadline of a request in the step;
     T0 = the predicted time of the baseline step;
     budget = T0 + rho * max(0, slack - T0).
@@ -39,10 +41,12 @@ TAPER, each step:
     than a fifth of one that has four). Among equal ratios the staler row
     wins.
   * The prediction comes from the shared step-latency model
-    (`latency_model.py`): an offline fit when given, refitted online on the
+    (`latency_model.py`): an offline fit when given, rescaled online on the
     steps this policy observes. Until it is calibrated (no offline fit and
     fewer than `min_samples` steps seen) TAPER runs eager and counts those
-    steps (`stats()['uncalibrated_steps']`).
+    steps (`stats()['taper_uncalibrated_steps']`).
+  * The paper's ablations: `budget=slo`, `replan=K`, `predictor=constant`
+    (`BranchAdmissionSpec`).
 
 Only decode rows are ever deferred: a prefill chunk is the request's way to
 its first token, and the admission of new requests is the scheduler's.

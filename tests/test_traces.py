@@ -256,3 +256,15 @@ def test_summary_of_nothing_is_json_safe():
     s = summarize([RequestRecord("x", 0.0, 3, error="boom")], 0.0, SLO(ttft_s=1.0))
     json.dumps(s, allow_nan=False)
     assert s["throughput_rps"] == 0.0 and s["slo_attainment"] == 0.0 and s["ttft_s"]["p50"] is None
+
+
+def test_plot_policies_draws_every_series(tmp_path):
+    from stepserve.traces.plot import plot_policies
+
+    def rep(g, a, v):
+        return {"goodput_rps": g, "goodput_tps": 10 * g, "slo_attainment": a, "victim_tpot_s": {"p90": v}}
+
+    path = plot_policies({"eager": [(1, rep(1.0, 1.0, 0.01)), (2, rep(1.5, 0.8, 0.02))],
+                          "taper": [(2, rep(1.6, 0.95, 0.015)), (1, rep(1.0, 1.0, None))]},
+                         str(tmp_path / "p.png"), "rate")
+    assert (tmp_path / "p.png").stat().st_size > 10_000 and path.endswith("p.png")

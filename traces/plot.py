@@ -71,3 +71,42 @@ def plot_compare(reports: list[dict], labels: list[str], path: str) -> str:
     first = reports[0]
     merged = {"mode": "compare", "trace": first.get("trace", {}), "slo": first.get("slo"), "runs": reports}
     return plot_report(merged, path, title="compare: " + " vs ".join(labels), labels=labels)
+
+
+_POLICY_PANELS = (
+    ("goodput_rps", "goodput (req/s)", 1.0),
+    ("slo_attainment", "SLO attainment (%)", 100.0),
+    ("victim_tpot_p90", "victim TPOT p90 (ms)", 1e3),
+    ("goodput_tps", "goodput (tok/s)", 1.0),
+)
+
+
+def plot_policies(series: dict[str, list[tuple[float, dict]]], path: str, xlabel: str, title: str = "") -> str:
+    """Policies side by side: for each label, its (x, report) points (x: a
+    rate or a concurrency), drawn as goodput, SLO attainment, the victims'
+    TPOT p90 and token goodput against x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for label, points in series.items():
+        points = sorted(points, key=lambda p: p[0])
+        xs = [x for x, _ in points]
+        for ax, (key, name, scale) in zip(axes.flat, _POLICY_PANELS):
+            if key == "victim_tpot_p90":
+                ys = [((r.get("victim_tpot_s") or {}).get("p90") or float("nan")) * scale for _, r in points]
+            else:
+                ys = [(r.get(key) or 0.0) * scale for _, r in points]
+            ax.plot(xs, ys, marker="o", label=label)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

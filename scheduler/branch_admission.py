@@ -340,12 +340,15 @@ class BranchAdmissionPolicy:
         self.last_budget_s = budget
         # greedy by utility gain per marginal latency: one heap entry per request, its next row
         concave = self.spec.utility == "concave"
-        heap = []
-        for gi, g in enumerate(candidates):
-            r = g[0]
+
+        def entry(gi: int, k: int) -> tuple:
+            """Request gi's k-th extra row: (-gain per cost, staleness, gi, k, its marginal cost)."""
+            r = candidates[gi][k]
             cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs) - t_base
-            gain = math.log(2.0) if concave else 1.0
-            heap.append((-gain / max(cost, 1e-12), _staleness(r), gi, 0, cost))
+            gain = math.log((k + 2) / (k + 1)) if concave else 1.0
+            return (-gain / max(cost, 1e-12), _staleness(r), gi, k, cost)
+
+        heap = [entry(gi, 0) for gi in range(len(candidates))]
         heapq.heapify(heap)
         t = t_base
         admitted = set()
@@ -356,12 +359,8 @@ class BranchAdmissionPolicy:
             g = candidates[gi]
             admitted.add(id(g[k]))
             t += cost
-            k += 1
-            if k < len(g):
-                r = g[k]
-                cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs) - t_base
-                gain = math.log((k + 2) / (k + 1)) if concave else 1.0
-                heapq.heappush(heap, (-gain / max(cost, 1e-12), _staleness(r), gi, k, cost))
+            if k + 1 < len(g):
+                heapq.heappush(heap, entry(gi, k + 1))
         self.last_predicted_s = t
         return extra_ids - admitted
 

@@ -175,10 +175,6 @@ class EngineCore:
         self.scheduler.add(seqs[0])
         return seqs
 
-    def stages_left(self, group: Any) -> int:
-        st = self._staged.get(id(group))
-        return 0 if st is None else len(st.stages) - st.next
-
     def drop_stages(self, group: Any) -> None:
         """Forgets a fork/join request's later stages (it was aborted)."""
         self._staged.pop(id(group), None)

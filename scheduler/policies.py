@@ -28,8 +28,7 @@ def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = Non
         return NoopPolicy()
     head, _, rest = name.partition(":")
     if head == "branch" and rest:
-        spec = BranchAdmissionSpec.parse(rest)
-        return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        return BranchAdmissionPolicy(rest, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     raise ValueError(f"unknown step policy {name!r} (noop, branch:eager|off|cap:N|taper[:rho=R,utility=U])")
 
 

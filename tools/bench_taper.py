@@ -5,6 +5,8 @@ contexts of a few hundred to a few thousand tokens and staggered last-token
 times, plus one prefill chunk -- and times `plan()` on fresh copies, median
 over many repeats, with the budget set so that about half the extra rows are
 admitted (the greedy's longest path: it neither stops at once nor takes all).
+The token clock sets the slack from the rows' last tokens, which this bench
+controls; the average clock would need request clocks it does not build.
 
     .venv/bin/python tools/bench_taper.py [--rows 64,256,1024] [--branches 8] [--repeats 300]
 """
@@ -37,6 +39,7 @@ def make_rows(rows: int, branches: int, rng: random.Random, now: float) -> list[
             start = base + rng.randint(0, 64)
             s = Seq(sid, [1] * (start + 1), base, 1000, 0.0, group=group, branch=b)
             s.last_token_time = now - rng.uniform(0.0, 0.03)
+            s.first_token_time = s.last_token_time - 0.5  # past its first token: a TPOT deadline
             out.append(ScheduledRow(s, start, 1, True))
             sid += 1
     p = Seq(sid, [1] * 512, 512, 100, now - 0.1, group=_Request())
@@ -67,7 +70,7 @@ def main() -> None:
                 k = id(r.seq.group)
                 last[k] = max(last.get(k, 0.0), r.seq.last_token_time)
         slo = (base + full) / 2 + now - min(last.values())
-        pol = BranchAdmissionPolicy("taper:rho=1", latency_model=model, slo_tpot_s=slo)
+        pol = BranchAdmissionPolicy("taper:rho=1,clock=token", latency_model=model, slo_tpot_s=slo)
         times, kept = [], 0
         for _ in range(args.repeats):
             plan = StepPlan(rows=list(template))

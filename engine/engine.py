@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from stepserve.engine.defaults import DEFAULT_MODEL
+from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from stepserve.engine.attention import TorchAttention
 from stepserve.engine.detokenizer import IncrementalDetokenizer
 from stepserve.engine.loader import load_model
@@ -22,6 +22,7 @@ from stepserve.engine.model_runner import ModelRunner
 from stepserve.engine.request import Branch, Request, TokenLogprob
 from stepserve.engine.sampler import derive_seed
 from stepserve.engine.sampling_params import SamplingParams
+from stepserve.engine.speculative import PROPOSERS, DraftModelProposer, NgramProposer
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
 from stepserve.scheduler.branch_admission import BranchAdmissionSpec
 from stepserve.scheduler.core import EngineCore, Stage
@@ -29,9 +30,10 @@ from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.limits import Limits
 from stepserve.scheduler.plan import StepPlan
-from stepserve.scheduler.policies import branch_admission_policy, policy_stats
+from stepserve.scheduler.policies import branch_admission_policy, policy_stats, speculation_policy
 from stepserve.scheduler.policy import StepPolicy
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from stepserve.scheduler.speculation import SpecLengthSpec
 
 log = logging.getLogger("stepserve.engine")
 
@@ -60,9 +62,21 @@ class EngineConfig:
     slo_tpot_s: float | None = None
     latency_profile: str | None = None  # a `stepserve profile` JSON: the step model TAPER starts from
     step_log: str | None = None  # append the loop's timeline here, one JSON line per iteration (engine/step_log.py)
+    # speculative decoding (engine/speculative.py, scheduler/speculation.py): the proposer
+    # (none | draft | ngram), the draft model's directory (default: the embedded draft), and how
+    # many tokens to draft per step (none | fixed:K | adaptive[:kmax=K])
+    speculative: str = "none"
+    draft_model: str | None = None
+    spec_length: str | None = None  # default: adaptive when speculative is on
 
     def __post_init__(self):
         BranchAdmissionSpec.parse(self.branch_policy)
+        if self.speculative not in PROPOSERS:
+            raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, not {self.speculative!r}")
+        if self.draft_model is not None and self.speculative != "draft":
+            raise ValueError("draft_model is given but speculative is not 'draft'")
+        if self.spec_length is not None:
+            SpecLengthSpec.parse(self.spec_length)
         for name in ("slo_ttft_s", "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -127,15 +141,23 @@ def _positive_int(v, what: str) -> int:
 
 
 def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
-    """The step policies `config` names (branch admission), in their fixed order."""
+    """The step policies `config` names (branch admission, speculation
+    length), in their fixed order."""
     model = None
     if config.latency_profile:
         from stepserve.scheduler.latency_model import load_profile
 
         model = load_profile(config.latency_profile).model
+    out = []
     branch = branch_admission_policy(config.branch_policy, latency_model=model, slo_ttft_s=config.slo_ttft_s,
                                      slo_tpot_s=config.slo_tpot_s)
-    return [branch] if branch is not None else []
+    if branch is not None:
+        out.append(branch)
+    if config.speculative != "none":
+        spec = speculation_policy(config.spec_length or "adaptive", proposer=config.speculative, latency_model=model)
+        if spec is not None:
+            out.append(spec)
+    return out
 
 
 def load_tokenizer(path: str):
@@ -178,9 +200,19 @@ class Engine:
             log.warning("EOS token ids %s are outside the model's vocabulary of %d; ignored", outside, mc.vocab_size)
         self.eos_token_ids = frozenset(eos - set(outside))
 
+        draft = None
+        if config.speculative == "draft":
+            draft_dir = config.draft_model or DEFAULT_DRAFT_MODEL
+            dcfg, dmodel = load_model(draft_dir, self.dtype, self.device)
+            if dcfg.vocab_size != mc.vocab_size:
+                raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
+                                 f"({mc.vocab_size}): it must share the target's tokenizer")
+            draft = (draft_dir, dcfg, dmodel)
         kv_slots = config.kv_slots
         if kv_slots is None:
             per_tok = mc.kv_bytes_per_token(self.dtype)
+            if draft is not None:  # the draft's KV shares the slots: one token costs both
+                per_tok += draft[1].kv_bytes_per_token(self.dtype)
             kv_slots = int(config.kv_memory_gb * (1 << 30) // per_tok)
             kv_slots = min(kv_slots, config.max_running * self.max_model_len)
         self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
@@ -204,7 +236,19 @@ class Engine:
             self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim,
             native=None if config.attention_backend == "auto" else False,
         )
-        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device)
+        proposer = None
+        if config.speculative == "ngram":
+            proposer = NgramProposer()
+        elif draft is not None:
+            _, dcfg, dmodel = draft
+            dpool = TokenKVPool(kv_slots + 1, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, self.dtype,
+                                self.device)
+            dbackend = TorchAttention(dpool, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim,
+                                      native=None if config.attention_backend == "auto" else False)
+            proposer = DraftModelProposer(dmodel, dbackend, dpool, self.req_pool, self.device,
+                                          pad_tokens=self.device.type == "cpu" and self.dtype == torch.bfloat16)
+            self.draft_model_dir = draft[0]
+        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer)
         limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
         self.core = EngineCore(self.scheduler, self.runner, self, limits,
                                check_every=1 if config.check_invariants else 0)
@@ -279,6 +323,8 @@ class Engine:
             eos_token_ids=self.eos_token_ids, stop_token_ids=frozenset(params.stop_token_ids or ()),
             ignore_eos=params.ignore_eos, min_tokens=params.min_tokens, full_prefill=full_prefill,
             sampling=params, plain_greedy=req.plain_greedy,
+            speculative=self.config.speculative != "none" and params.speculative
+            and params.logits_processor_factory is None,
         )
         req.stages_left = len(later) if later else 0
         self._add_branches(req, seqs, ids, 0)
@@ -389,11 +435,17 @@ class Engine:
             lp_all = out.sampler.logprobs.tolist()
             top_ids = out.sampler.top_ids.tolist() if out.sampler.top_ids is not None else None
             top_lps = out.sampler.top_logprobs.tolist() if out.sampler.top_logprobs is not None else None
-        index = {id(s): i for i, s in enumerate(out.seqs)} if want_lp else None
+        index = {id(s): i for i, s in enumerate(out.sampler_seqs or out.seqs)} if want_lp else None
+        verify = {id(r.seq): r for r in plan.verify_rows} if plan.num_verify else None
         self.totals["generation_tokens"] += len(got)
         for seq in got:
             req: Request = seq.group
             branch = req.branches[seq.branch]
+            if verify is not None and id(seq) in verify:
+                if self._took_run(req, branch, seq, verify[id(seq)], out):
+                    ended.append(req)
+                changed[req.request_id] = req
+                continue
             tok = seq.token_ids[-1]
             if branch.logprobs is not None:
                 i = index[id(seq)]
@@ -414,6 +466,33 @@ class Engine:
         for req in ended:
             if req.finished:
                 self._mark_finished(req)
+
+    def _took_run(self, req: Request, branch: Branch, seq, row, out) -> bool:
+        """A verify row's tokens (accepted drafts and the token after them):
+        logprobs, stop strings -- which cut the run at the token that
+        completes one -- and text. True if the branch ended."""
+        ids = seq.token_ids
+        end = len(ids)
+        first = row.start + 1  # its length before this step
+        self.totals["generation_tokens"] += end - first - 1  # `updated` counted one
+        stop = None
+        if req.params.stop:
+            for j in range(first + 1, end + 1):
+                stop = req.sync_text(branch, upto=j)
+                if stop is not None:
+                    if j < end or not seq.finished:
+                        self.scheduler.finish(seq, "stop", num_tokens=j)
+                    end = j
+                    break
+        if branch.logprobs is not None:
+            for tok, (lp, top) in zip(ids[first:end], out.verify_logprobs[id(seq)]):
+                branch.logprobs.append(TokenLogprob(tok, lp, top))
+                branch.cumulative_logprob += lp
+        if stop is None and seq.finished:
+            if seq.finish_reason == "stop" and ids[-1] in seq.stop_token_ids:
+                branch.stop_reason = ids[-1]
+            req.flush_text(branch)
+        return stop is not None or seq.finished
 
     def _mark_finished(self, req: Request) -> None:
         if req.finished_time is None:

@@ -10,7 +10,8 @@ import torch
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.forward_batch import ForwardBatch
 from stepserve.engine.models.llama import LlamaForCausalLM
-from stepserve.engine.sampler import RowInput, Sampler, SamplerOutput, SamplingBatch, argmax_rows
+from stepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_rows, row_input
+from stepserve.engine.speculative import verify_rows
 from stepserve.kvcache import ReqToTokenPool
 from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.sequence import Seq
@@ -35,6 +36,11 @@ class StepOutput:
     sampler: SamplerOutput
     prep_s: float = 0.0  # CPU time building the batch tensors (outside the model)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # the sequences `sampler` sampled, in its row order (None: `seqs`; verify rows are not among them)
+    sampler_seqs: list[Seq] | None = None
+    # verify rows that asked for logprobs: id(seq) -> (logprob, top) per token emitted this step
+    verify_logprobs: dict = field(default_factory=dict)
+    draft_s: float = 0.0  # of the run's time, the proposer's
 
 
 # prompt positions whose full-vocabulary logits are materialised at once
@@ -49,12 +55,14 @@ class ModelRunner:
         req_pool: ReqToTokenPool,
         device: torch.device,
         sampler: Sampler | None = None,
+        proposer=None,
     ):
         self.model = model
         self.backend = backend
         self.req_pool = req_pool
         self.device = device
         self.sampler = sampler or Sampler()
+        self.proposer = proposer  # speculative decoding (engine/speculative.py): drafts the verify rows
         self.vocab_size = model.config.vocab_size
         # bf16 matmuls on CPU (oneDNN) build a kernel per input shape on first
         # sight (~1 ms per matmul, measured); the step's token count changes
@@ -65,18 +73,40 @@ class ModelRunner:
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
         """The flat batch of `plan`, and for the rows that want prompt logprobs
-        (sequence, first position, count, flat index)."""
+        (sequence, first position, count, flat index).
+
+        A verify row's pending token and drafts are decode-shaped queries, one
+        per position, each reading its context through the req->token table;
+        their logits follow those of the sampled rows (`logits_indices`)."""
         dev = self.device
         rows = plan.rows
-        nd = plan.num_decode
+        nd, nv = plan.num_decode, plan.num_verify
         dec = rows[:nd]
         ids: list[int] = [r.seq.token_ids[r.start] for r in dec]
         pos: list[int] = [r.start for r in dec]
         last_index: list[int] = list(range(nd))
+        dec_rows = [r.seq.row for r in dec]
+        verify_idx: list[int] = []
+        out_slots = plan.slots
+        if nv:
+            pieces = [plan.slots[:nd]]
+            for r in rows[nd : nd + nv]:
+                n = 1 + len(r.draft)
+                first = len(ids)
+                ids.append(r.seq.token_ids[r.start])
+                ids.extend(r.draft)
+                pos.extend(range(r.start, r.start + n))
+                dec_rows.extend([r.seq.row] * n)
+                last_index.append(first + n - 1)
+                verify_idx.extend(range(first, first + n))
+                pieces.append(r.slots[:n])
+            pieces.extend(r.slots for r in rows[nd + nv :])
+            out_slots = torch.cat(pieces)
+        num_dq = len(ids)  # decode-shaped queries: decode rows and every verify position
         extend_meta = []
         table = self.req_pool.table
         prompt_rows = []
-        for r in rows[nd:]:
+        for r in rows[nd + nv :]:
             first = len(ids)
             if r.seq.full_prefill:  # positions p < prompt_len - 1 score the prompt token at p + 1
                 k = min(r.start + r.num_new, r.seq.prompt_len - 1) - r.start
@@ -93,19 +123,23 @@ class ModelRunner:
             pos.extend([0] * pad)
         positions = torch.tensor(pos, dtype=torch.long)
         decode_rows = decode_lens = None
-        if nd:
-            decode_lens = (positions[:nd] + 1).to(dev)
-            decode_rows = torch.tensor([r.seq.row for r in dec], dtype=torch.long, device=dev)
+        if num_dq:
+            decode_lens = (positions[:num_dq] + 1).to(dev)
+            decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
+        if nv:
+            sampled = [last_index[i] for i, _ in plan.samples if not nd <= i < nd + nv] + verify_idx
+        else:
+            sampled = [last_index[i] for i, _ in plan.samples]
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
             positions=positions.to(dev),
-            out_slots=(plan.slots if not pad else torch.cat([plan.slots, plan.slots.new_zeros(pad)])).to(dev),
-            num_decode=nd,
+            out_slots=(out_slots if not pad else torch.cat([out_slots, out_slots.new_zeros(pad)])).to(dev),
+            num_decode=num_dq,
             req_to_token=table,
             decode_rows=decode_rows,
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
-            logits_indices=torch.tensor([last_index[i] for i, _ in plan.samples], dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(sampled, dtype=torch.long, device=dev),
             hidden_indices=torch.cat([torch.arange(f, f + k) for _, _, k, f in prompt_rows]).to(dev)
             if prompt_rows else None,
             num_padding=pad,
@@ -121,26 +155,49 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: StepPlan, features=None) -> StepOutput:
         """The forward pass and sampling of `plan` (`features`, the core's
-        StepFeatures of it, are not needed here)."""
+        StepFeatures of it, are not needed here); verify rows are drafted by
+        the proposer first, and verified after."""
+        draft_s = 0.0
+        nd, nv = plan.num_decode, plan.num_verify
+        if nv:
+            t0 = time.perf_counter()
+            self.proposer.propose(plan)
+            draft_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         fb, prompt_rows = self.build_batch(plan)
         prep = time.perf_counter() - t0
         logits, hidden = self.model(fb, self.backend)
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else []
-        seqs = [s for _, s in plan.samples]
-        if not seqs:  # prefill chunks that sample nothing still wrote their KV
+        seqs = [s for i, s in plan.samples if not nd <= i < nd + nv] if nv else [s for _, s in plan.samples]
+        if not seqs and not nv:  # prefill chunks that sample nothing still wrote their KV
             return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps)
-        for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
-            if s.logits_processor is not None:
-                s.logits_processor(s.output_ids, logits[i])
-        if all(s.plain_greedy for s in seqs):
-            out = SamplerOutput(token_ids=argmax_rows(logits))  # nothing else asked for
+        if seqs:
+            for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
+                if s.logits_processor is not None:
+                    s.logits_processor(s.output_ids, logits[i])
+            sl = logits[: len(seqs)] if nv else logits
+            if all(s.plain_greedy for s in seqs):
+                out = SamplerOutput(token_ids=argmax_rows(sl))  # nothing else asked for
+            else:
+                t0 = time.perf_counter()
+                batch = SamplingBatch.build([row_input(s) for s in seqs], self.vocab_size, self.device)
+                prep += time.perf_counter() - t0
+                out = self.sampler(sl, batch)
+            tokens = out.token_ids.tolist()
         else:
-            t0 = time.perf_counter()
-            batch = SamplingBatch.build([self._row_input(s) for s in seqs], self.vocab_size, self.device)
-            prep += time.perf_counter() - t0
-            out = self.sampler(logits, batch)
-        return StepOutput(seqs, out.token_ids.tolist(), out, prep, prompt_lps)
+            out, tokens = SamplerOutput(torch.empty(0, dtype=torch.long)), []
+        if not nv:
+            return StepOutput(seqs, tokens, out, prep, prompt_lps)
+        ver = verify_rows(plan.verify_rows, logits[len(seqs) :], self.vocab_size)
+        # every sampled token in `plan.samples` order: the verify rows' sit between the decode rows' and the rest
+        a = 0
+        while plan.samples[a][0] < nd:
+            a += 1
+        all_tokens = tokens[:a] + ver.tokens + tokens[a:]
+        return StepOutput([s for _, s in plan.samples], all_tokens, out, prep, prompt_lps, sampler_seqs=seqs,
+                          verify_logprobs={id(r.seq): lp for r, lp in zip(plan.verify_rows, ver.logprobs)
+                                           if lp is not None},
+                          draft_s=draft_s)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows) -> list[PromptLogprobs]:
         """Log-softmax over the vocabulary at each scored prompt position, a
@@ -167,17 +224,3 @@ class ModelRunner:
             at += k
         return out
 
-    @staticmethod
-    def _row_input(seq: Seq) -> RowInput:
-        params = seq.sampling
-        mask = ()
-        if seq.num_output < seq.min_tokens:
-            mask = tuple(seq.stop_token_ids) + (() if seq.ignore_eos else tuple(seq.eos_token_ids))
-        return RowInput(
-            params=params,
-            seed=seq.seed,
-            counter=seq.num_output,
-            prompt_ids=seq.token_ids[: seq.prompt_len] if params.repetition_penalty != 1.0 else (),
-            output_ids=seq.output_ids if params.needs_penalties else (),
-            stop_ids_to_mask=mask,
-        )

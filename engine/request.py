@@ -123,15 +123,18 @@ class Request:
     def finished(self) -> bool:
         return self.stages_left == 0 and all(b.seq.finished for b in self.branches)
 
-    def sync_text(self, branch: Branch) -> str | None:
+    def sync_text(self, branch: Branch, upto: int | None = None) -> str | None:
         """Detokenizes the output tokens not yet turned into text; returns the
         stop string they completed, if any (the text is cut there).
 
         Text is built lazily: the step loop syncs every step only requests
         with stop strings (a stop must end the sequence at once); for the
         others it happens when an output is built, so an offline batch
-        detokenizes once at the end and the step loop stays lean."""
+        detokenizes once at the end and the step loop stays lean. `upto`:
+        sync only the sequence's first `upto` tokens."""
         ids = branch.seq.token_ids
+        if upto is not None:  # only the first `upto` tokens (a speculative run's, one at a time)
+            ids = ids[:upto]
         start = branch.seq.prompt_len + branch.detok_pos
         if start >= len(ids) or branch.stop_reason is not None and isinstance(branch.stop_reason, str):
             return None

@@ -65,6 +65,11 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 STREAM_SAMPLE = 0  # stream used by Sampler for token sampling
+# speculative decoding (engine/speculative.py): the draft model's draws, the
+# accept/reject test of each drafted token, and the draw from the residual
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
 HASH_SEED = 0x5EED5A3D  # murmur3 seed of the hash (fixed forever: changing it changes outputs)
 
 _M32 = 0xFFFFFFFF
@@ -201,6 +206,28 @@ class RowInput:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids_to_mask: Sequence[int] = ()
+
+
+def row_input(seq, ahead: Sequence[int] = ()) -> RowInput:
+    """The row that samples `seq`'s next token, or -- `ahead`: tokens drafted
+    after its last one (speculative decoding) -- the token after those: its
+    counter, penalties and min_tokens masking count them as output."""
+    params = seq.sampling
+    n_out = seq.num_output + len(ahead)
+    mask = ()
+    if n_out < seq.min_tokens:
+        mask = tuple(seq.stop_token_ids) + (() if seq.ignore_eos else tuple(seq.eos_token_ids))
+    output = ()
+    if params.needs_penalties:
+        output = seq.output_ids + list(ahead) if ahead else seq.output_ids
+    return RowInput(
+        params=params,
+        seed=seq.seed,
+        counter=n_out,
+        prompt_ids=seq.token_ids[: seq.prompt_len] if params.repetition_penalty != 1.0 else (),
+        output_ids=output,
+        stop_ids_to_mask=mask,
+    )
 
 
 def _ids_array(ids) -> np.ndarray:

@@ -109,6 +109,9 @@ class SamplingParams:
     # far, so a stateful matcher can advance itself). Logprobs then describe the
     # constrained distribution. ``None``: unconstrained (no per-step cost).
     logits_processor_factory: Optional[Callable[[], Callable[[list, Any], None]]] = None
+    # Speculative decoding (when the engine runs it): False opts this request out.
+    # Output is exact either way; a constrained request (a logits processor) never speculates.
+    speculative: bool = True
 
     # ------------------------------------------------------------------ setup
     def __post_init__(self) -> None:
@@ -229,6 +232,7 @@ class SamplingParams:
 
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("speculative", self.speculative)
         if self.logits_processor_factory is not None and not callable(self.logits_processor_factory):
             raise _err("logits_processor_factory", "must be callable or None", self.logits_processor_factory)
         self._checked_vocab = None

@@ -242,6 +242,12 @@ class EngineCore:
                          context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=t3 - t0,
                          forward_s=t2 - t1 - out.prep_s, schedule_s=(t1 - t0) + (t3 - t2), prep_s=out.prep_s,
                          prefill_pairs=features.prefill_pairs)
+        if plan.num_verify:
+            vr = plan.verify_rows
+            rec.verify_rows = len(vr)
+            rec.draft_tokens = sum(len(r.draft) for r in vr if r.draft)
+            rec.accepted_tokens = sum(r.num_accepted for r in vr)
+            rec.draft_s = getattr(out, "draft_s", 0.0)
         self.step_id += 1
         records = self.records
         records.append(rec)

@@ -69,6 +69,15 @@ class KVManager:
         start = seq.num_computed
         self.req_pool.table[seq.row, start : start + slots.numel()] = slots
 
+    def trim(self, seq: Seq, n: int) -> None:
+        """Cuts seq's computed tokens to its first `n` (n is past its cached
+        prefix: only private slots are freed)."""
+        if seq.num_computed <= n:
+            return
+        assert n >= seq.num_cached, "trim reaches into the cached prefix"
+        self.allocator.free(self.req_pool.table[seq.row, n : seq.num_computed].clone())
+        seq.num_computed = n
+
     # -- caching ---------------------------------------------------------------
     def cache_prefix(self, seq: Seq) -> None:
         """Hands seq's computed tokens to the tree (the tree keeps slots it already

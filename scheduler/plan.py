@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -16,6 +17,13 @@ class ScheduledRow:
     num_new: int  # tokens computed this step
     sample: bool  # the chunk reaches the end of the sequence: sample a token
     slots: torch.Tensor | None = None  # extend rows: KV slots of the new tokens (set at commit)
+    # speculation (a verify row): `num_new` = 1 + draft_len slots are reserved for the pending
+    # token and up to draft_len drafted tokens (set by the speculation-length policy, before
+    # commit); the runner fills `draft` (at most draft_len tokens) and `num_accepted`
+    draft_len: int = 0
+    draft: list[int] | None = None
+    draft_probs: Any = None  # a draft model's sampled rows: the distribution of each drafted token
+    num_accepted: int = 0
 
     @property
     def context_len(self) -> int:
@@ -25,13 +33,15 @@ class ScheduledRow:
 
 @dataclass
 class StepPlan:
-    """Rows of one forward pass, decode-shaped rows (one new token) first."""
+    """Rows of one forward pass: decode rows (one new token) first, then verify
+    rows (a decode row with drafted tokens to check), then extend rows."""
 
     rows: list[ScheduledRow] = field(default_factory=list)
     retracted: list[Seq] = field(default_factory=list)
     admitted: list[Seq] = field(default_factory=list)
     slots: torch.Tensor | None = None  # all new tokens' KV slots, in row order
     num_decode: int = 0  # leading rows with exactly one new token (set at commit)
+    num_verify: int = 0  # verify rows, right after them (set at commit)
     samples: list[tuple[int, Seq]] = field(default_factory=list)  # `sampling()`, frozen at commit
 
     @property
@@ -55,10 +65,19 @@ class StepPlan:
         nd = 0
         while nd < len(rows) and rows[nd].num_new == 1:
             nd += 1
-        if any(r.num_new == 1 for r in rows[nd:]):
+        nv = sum(1 for r in rows[nd:] if r.draft_len)
+        if nv:
+            rows.sort(key=lambda r: 0 if r.num_new == 1 else 1 if r.draft_len else 2)  # stable
+            nd = sum(1 for r in rows if r.num_new == 1)
+        elif any(r.num_new == 1 for r in rows[nd:]):
             rows.sort(key=lambda r: r.num_new != 1)  # stable
             nd = sum(1 for r in rows if r.num_new == 1)
         self.num_decode = nd
+        self.num_verify = nv
+
+    @property
+    def verify_rows(self) -> list[ScheduledRow]:
+        return self.rows[self.num_decode : self.num_decode + self.num_verify]
 
     def sampling(self) -> list[tuple[int, Seq]]:
         """(row index, sequence) per token to sample; a forking row samples once
@@ -87,3 +106,8 @@ class StepRecord:
     schedule_s: float  # schedule() + update() + detokenization and outputs
     prep_s: float = 0.0  # building the batch's input tensors
     prefill_pairs: float = 0.0  # causal attention pairs of the prefill chunks (`latency_model.plan_features`)
+    # speculation: verify rows, tokens drafted and accepted, and of `forward_s` the proposer's time
+    verify_rows: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_s: float = 0.0

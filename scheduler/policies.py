@@ -2,7 +2,8 @@
 build, for the engine and the simulator alike.
 
 Built-in order, when several run: branch admission first (it decides which
-rows exist), then any policy given by name (observers such as the online
+rows exist), then speculation length (it decides how long they are), then
+any policy given by name (observers such as the online
 latency refit see the plan as it will run).
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from stepserve.scheduler.branch_admission import BranchAdmissionPolicy, BranchAdmissionSpec
 from stepserve.scheduler.policy import NoopPolicy
+from stepserve.scheduler.speculation import SpecLengthPolicy, SpecLengthSpec
 
 
 def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=None, slo_ttft_s: float | None = None,
@@ -20,6 +22,15 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
     if spec.mode == "eager":
         return None
     return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+
+
+def speculation_policy(spec: str | SpecLengthSpec, *, proposer: str = "draft",
+                       latency_model=None) -> SpecLengthPolicy | None:
+    """The speculation-length policy of `spec`, or None for `none`."""
+    spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
+    if spec.mode == "none":
+        return None
+    return SpecLengthPolicy(spec, proposer=proposer, latency_model=latency_model)
 
 
 def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):

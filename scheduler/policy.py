@@ -19,6 +19,8 @@ class EngineView:
     num_waiting: int
     kv_available: int
     kv_capacity: int
+    max_batched_tokens: int = 0  # the step's token budget (0: unknown)
+    max_context: int = 0  # the model's context (0: unknown)
 
 
 class StepPolicy(Protocol):

@@ -64,6 +64,8 @@ class Scheduler:
         self.num_retractions = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.spec_drafted = 0  # draft tokens verified, and of them accepted
+        self.spec_accepted = 0
 
     # -- queue ---------------------------------------------------------------
     def add(self, seq: Seq, front: bool = False) -> None:
@@ -89,8 +91,17 @@ class Scheduler:
         if seq.status is not SeqStatus.FINISHED:
             self.finish(seq, "abort")
 
-    def finish(self, seq: Seq, reason: str) -> None:
-        """Ends seq now (stop condition found outside the scheduler, or abort)."""
+    def finish(self, seq: Seq, reason: str, num_tokens: int | None = None) -> None:
+        """Ends seq now (stop condition found outside the scheduler, or abort).
+        `num_tokens`: keep only its first num_tokens tokens (a stop string
+        completed inside a run of accepted speculative tokens), also when the
+        scheduler already ended it this step; the KV of what is cut is freed."""
+        if num_tokens is not None and num_tokens < len(seq.token_ids):
+            if seq.status is SeqStatus.RUNNING:
+                self.kv.trim(seq, num_tokens)
+            del seq.token_ids[num_tokens:]
+            if seq.status is SeqStatus.FINISHED:
+                seq.finish_reason = reason
         if seq.status is SeqStatus.FINISHED:
             return
         running = seq.status is SeqStatus.RUNNING
@@ -115,6 +126,8 @@ class Scheduler:
                 num_waiting=len(self.waiting),
                 kv_available=self.kv.available(),
                 kv_capacity=self.kv.capacity,
+                max_batched_tokens=self.cfg.max_batched_tokens,
+                max_context=self.cfg.max_context,
             )
             for p in self.policies:
                 plan = p.plan(plan, view)
@@ -238,8 +251,11 @@ class Scheduler:
         sampling = plan.samples
         assert len(tokens) == len(sampling), (len(tokens), len(sampling))
         caching = self.cfg.prefix_caching
-        for r in plan.rows:
+        nd, nv = plan.num_decode, plan.num_verify
+        for k, r in enumerate(plan.rows):
             seq = r.seq
+            if nd <= k < nd + nv:
+                continue  # verify rows: what they computed depends on what was accepted (_update_verify)
             seq.num_computed += r.num_new
             if not r.sample and caching:
                 self.kv.cache_prefix(seq)  # publish the chunk for concurrent prompts
@@ -256,7 +272,15 @@ class Scheduler:
         ended = []
         max_context = self.cfg.max_context
         FINISHED = SeqStatus.FINISHED
-        for (_, seq), tok in zip(sampling, tokens):
+        pairs = zip(sampling, tokens)
+        if nv:
+            a = 0
+            while sampling[a][0] < nd:
+                a += 1
+            pairs = list(pairs)
+            self._update_verify(plan, pairs[a : a + nv], now, got, ended)
+            pairs = pairs[:a] + pairs[a + nv :]
+        for (_, seq), tok in pairs:
             if seq.status is FINISHED:
                 continue
             ids = seq.token_ids
@@ -287,6 +311,48 @@ class Scheduler:
                 self._end(seq, reason)
             self.running = [s for s in self.running if s.status is not FINISHED]
         return got
+
+    def _update_verify(self, plan: StepPlan, pairs, now: float, got: list, ended: list) -> None:
+        """Applies the verify rows: each accepted draft token, then the sampled
+        token (the correction, or the bonus when every draft was accepted), up
+        to the first token-level stop. The KV of the pending token and the
+        accepted drafts is kept; the slots of rejected and unused draft
+        positions, and of anything cut by a stop, are freed at once."""
+        max_context = self.cfg.max_context
+        free = self.kv.allocator.free
+        for (i, seq), tok in pairs:
+            r = plan.rows[i]
+            acc = r.num_accepted
+            new = (r.draft[:acc] if acc else []) + [tok]
+            self.spec_drafted += len(r.draft or ())
+            self.spec_accepted += acc
+            ids = seq.token_ids
+            reason = None
+            m = 0
+            for t in new:
+                ids.append(t)
+                m += 1
+                n_out = len(ids) - seq.prompt_len
+                if n_out >= seq.min_tokens and (
+                    (t in seq.eos_token_ids and not seq.ignore_eos) or t in seq.stop_token_ids
+                ):
+                    reason = "stop"
+                    break
+                if n_out >= seq.max_tokens or len(ids) >= max_context:
+                    reason = "length"
+                    break
+            computed = min(r.start + 1 + acc, len(ids))
+            keep = computed - r.start
+            if keep < r.num_new:
+                free(r.slots[keep:])
+            seq.num_computed = computed
+            seq.last_token_time = now
+            c = seq.clock
+            if c is not None:
+                c.tokens += m
+            got.append(seq)
+            if reason is not None:
+                ended.append((seq, reason))
 
     def check(self) -> None:
         self.kv.check(self.running)

@@ -69,6 +69,7 @@ class Seq:
     sampling: Any = None  # the request's SamplingParams
     logits_processor: Any = None  # proc(output_ids, logits_row) editing this branch's logits (e.g. a grammar)
     plain_greedy: bool = False  # argmax alone serves it: greedy, no penalties, bias, logprobs or min_tokens
+    speculative: bool = False  # may decode speculatively (the engine allows it and the request did not opt out)
     # siblings created by fork when this sequence's prefill completes
     fork_children: list["Seq"] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

@@ -1,0 +1,398 @@
+"""Speculative decoding, the engine's side: proposers and exact verification.
+
+The speculation-length policy (`scheduler/speculation.py`) turns a decode row
+into a *verify row* before slots are allocated: `ScheduledRow.draft_len` = k
+and 1 + k KV slots, for the sequence's pending token and up to k drafted
+tokens. In the model runner, the proposer fills `row.draft` (and, for a draft
+model's sampled rows, `row.draft_probs`: the distribution each token was drawn
+from); the target model then computes all 1 + len(draft) positions in the one
+forward pass of the step, as decode-shaped queries (each attends to its
+context through the req->token table, like any decode row, so the native CPU
+decode kernel and every backend serve them as they are); `verify_rows`
+accepts a prefix of each draft and samples one token more. The scheduler then
+keeps the KV of what was accepted and frees the rest (`Scheduler._update_verify`).
+
+Exactness:
+- A greedy row accepts the longest prefix of its draft that equals the
+  target's argmax at each position, then takes the target's argmax: its output
+  is, token for token, the output without speculation.
+- A sampled row uses the standard rejection rule (Leviathan et al., Chen et al.,
+  2023): a drafted token d, drawn from q, is accepted with probability
+  min(1, p(d) / q(d)); the first rejected position draws from the residual
+  max(0, p - q), renormalised; when every draft is accepted one more token is
+  drawn from p. So each token has the target's distribution p. p is the
+  target's distribution after every sampling parameter, applied as if the
+  drafts before it were already output: logit bias, min_tokens masks,
+  penalties, temperature, top-k, top-p, min-p. A deterministic proposer
+  (n-gram) has q = one-hot: d is accepted with probability p(d), and the
+  residual is p without d.
+- Randomness is keyed on (seed, output position, stream), as the sampler's is
+  (`sampler.uniform`): STREAM_DRAFT for the draft model's draws,
+  STREAM_ACCEPT for the accept tests, STREAM_RESIDUAL for the residual draws,
+  and STREAM_SAMPLE (the sampler's own) for the token after a fully accepted
+  draft. A row's draws never depend on the batch it runs in.
+- Logprobs are the target model's (the raw distribution, as without
+  speculation), for every token emitted.
+
+A constrained request (a logits processor, e.g. a grammar) never speculates:
+its processor advances with each token it sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.engine.sampler import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESIDUAL,
+    STREAM_SAMPLE,
+    SamplingBatch,
+    apply_logit_processors,
+    apply_sampling_transforms,
+    argmax_rows,
+    row_input,
+    uniform,
+)
+from stepserve.scheduler.plan import ScheduledRow, StepPlan
+
+PROPOSERS = ("none", "draft", "ngram")
+
+
+class Proposer(Protocol):
+    name: str
+
+    def propose(self, plan: StepPlan) -> None:
+        """Sets `draft` (at most `draft_len` tokens) and `draft_probs` (the
+        distributions sampled drafts came from, [len(draft), V], or None for a
+        deterministic proposal) on each of `plan.verify_rows`."""
+
+
+# ---------------------------------------------------------------------------
+# n-gram (prompt lookup)
+# ---------------------------------------------------------------------------
+
+
+class NgramProposer:
+    """Prompt lookup: finds the latest earlier occurrence of the sequence's last
+    n tokens (n from `max_n` down to `min_n`; the longest match wins, then the
+    most recent) and proposes the tokens that followed it. No model, no KV."""
+
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, plan: StepPlan) -> None:
+        for r in plan.verify_rows:
+            r.draft = self.lookup(r.seq.token_ids, r.draft_len)
+            r.draft_probs = None
+
+    def lookup(self, ids: list[int], k: int) -> list[int]:
+        n_ids = len(ids)
+        if n_ids < self.min_n + 1 or k <= 0:
+            return []
+        arr = np.asarray(ids, dtype=np.int64)
+        last = n_ids - 1
+        cand = np.flatnonzero(arr[:last] == arr[last])  # earlier positions holding the last token
+        if cand.size == 0:
+            return []
+        # matched length of each candidate, backwards, up to max_n
+        length = np.ones(cand.size, dtype=np.int64)
+        alive = np.ones(cand.size, dtype=bool)
+        for t in range(1, self.max_n):
+            if last - t < 0:
+                break
+            back = cand - t
+            ok = alive & (back >= 0)
+            ok[ok] = arr[back[ok]] == arr[last - t]
+            alive = ok
+            if not alive.any():
+                break
+            length += alive
+        best = int(length.max())
+        if best < self.min_n:
+            return []
+        i = int(cand[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
+        return arr[i + 1 : i + 1 + k].tolist()
+
+
+# ---------------------------------------------------------------------------
+# draft model
+# ---------------------------------------------------------------------------
+
+
+class DraftModelProposer:
+    """A small model that shares the target's tokenizer drafts k tokens, one
+    decode step at a time.
+
+    Its KV lives in a pool of its own indexed by the *same* slot ids as the
+    target's (`pool`: same number of slots, the draft's layers and heads), so
+    the radix tree, the allocator and the req->token table serve both: a
+    prefix-cache hit is a hit for the draft too. The draft's KV is written
+    lazily, only when a row speculates, so `valid[slot]` says whether the
+    draft's KV of that slot is written: it is cleared when the slot is handed
+    out (every slot of a step's plan), and set when the draft writes it. A
+    row's first draft step starts at its first position without draft KV (its
+    prompt, the first time; the tokens decoded while it did not speculate;
+    or the last token of a fully accepted draft) and ends at its pending token.
+    """
+
+    name = "draft"
+
+    def __init__(self, model, backend, pool, req_pool, device: torch.device, pad_tokens: bool = False):
+        self.model = model
+        self.backend = backend
+        self.pool = pool
+        self.req_pool = req_pool
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        self.valid = torch.zeros(pool.num_slots, dtype=torch.bool, device=device)
+        self.pad_tokens = pad_tokens
+        self.forwards = 0  # draft forward passes run
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> None:
+        if plan.slots is not None:
+            self.valid[plan.slots] = False  # handed out this step: whatever the draft wrote there is stale
+        rows = plan.verify_rows
+        for r in rows:
+            r.draft, r.draft_probs = [], None
+        table = self.req_pool.table
+        seq_rows = torch.tensor([r.seq.row for r in rows], dtype=torch.long, device=table.device)
+        lens = torch.tensor([r.start + 1 for r in rows], dtype=torch.long, device=table.device)
+        lmax = int(lens.max())
+        idx = table[seq_rows, :lmax]
+        ok = self.valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
+        first = (~ok).to(torch.int8).argmax(dim=1).tolist()  # the pending token's slot is new: always found
+        entries = [(r.seq.row, p, r.seq.token_ids[p : r.start + 1]) for r, p in zip(rows, first)]
+        active = list(range(len(rows)))
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        step = 0
+        while active:
+            logits = self._forward(entries)
+            step += 1
+            drafted, q = self._sample([rows[i] for i in active], logits)
+            still = []
+            for j, i in enumerate(active):
+                r = rows[i]
+                r.draft.append(drafted[j])
+                if q is not None and q[j] is not None:
+                    probs[i].append(q[j])
+                if step < r.draft_len:
+                    still.append(i)
+            active = still
+            entries = [(rows[i].seq.row, rows[i].start + step, [rows[i].draft[-1]]) for i in active]
+        for r, pr in zip(rows, probs):
+            if pr:
+                r.draft_probs = torch.stack(pr)
+
+    def _forward(self, entries: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """One draft forward over (req->token row, first position, tokens)
+        entries, writing their draft KV; logits at each entry's last token, in
+        entry order."""
+        dev = self.device
+        dec = [k for k, e in enumerate(entries) if len(e[2]) == 1]
+        ext = [k for k, e in enumerate(entries) if len(e[2]) > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        tok_rows: list[int] = []
+        last = [0] * len(entries)
+        for k in dec:
+            row, p, toks = entries[k]
+            last[k] = len(ids)
+            ids.append(toks[0])
+            pos.append(p)
+            tok_rows.append(row)
+        table = self.req_pool.table
+        extend_meta = []
+        for k in ext:
+            row, p, toks = entries[k]
+            first = len(ids)
+            ids.extend(toks)
+            pos.extend(range(p, p + len(toks)))
+            tok_rows.extend([row] * len(toks))
+            last[k] = len(ids) - 1
+            extend_meta.append((first, len(toks), table[row, : p + len(toks)]))
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        out_slots = table[torch.tensor(tok_rows, dtype=torch.long, device=table.device), positions.to(table.device)]
+        self.valid[out_slots] = True
+        pad = 0
+        if self.pad_tokens:
+            from stepserve.engine.model_runner import ModelRunner
+
+            pad = ModelRunner.token_bucket(len(ids)) - len(ids)
+        input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long, device=dev)
+        if pad:
+            positions = torch.cat([positions, positions.new_zeros(pad)])
+            out_slots = torch.cat([out_slots, out_slots.new_zeros(pad)])
+        nd = len(dec)
+        fb = ForwardBatch(
+            input_ids=input_ids,
+            positions=positions,
+            out_slots=out_slots.to(dev),
+            num_decode=nd,
+            req_to_token=table,
+            decode_rows=torch.tensor([entries[k][0] for k in dec], dtype=torch.long, device=dev) if nd else None,
+            decode_kv_lens=(positions[:nd] + 1) if nd else None,
+            extend_rows=extend_meta,
+            logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
+            num_padding=pad,
+        )
+        logits, _ = self.model(fb, self.backend)
+        self.forwards += 1
+        return logits
+
+    def _sample(self, rows: list[ScheduledRow], logits: torch.Tensor):
+        """Each row's next draft token, drawn as the target would draw it
+        (greedy rows: argmax; sampled rows: from the draft's distribution after
+        the same sampling parameters, keyed on STREAM_DRAFT), and for sampled
+        rows that distribution (None for greedy ones)."""
+        if all(r.seq.plain_greedy for r in rows):
+            return argmax_rows(logits).tolist(), None
+        inputs = [row_input(r.seq, r.draft) for r in rows]
+        batch = SamplingBatch.build(inputs, self.vocab_size, self.device)
+        x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
+        tokens = argmax_rows(x)
+        q: list[torch.Tensor | None] = [None] * len(rows)
+        if not batch.all_greedy:
+            rr = batch.random_rows if batch.random_rows is not None else torch.arange(len(rows), device=x.device)
+            s = _transformed(x.index_select(0, rr), batch, rr)
+            u = uniform(batch.seeds.index_select(0, rr), batch.counters.index_select(0, rr), s.shape[1], STREAM_DRAFT)
+            tokens.index_copy_(0, rr, argmax_rows(s - u.log_().neg_().log_()))
+            p = torch.softmax(s, dim=-1)
+            for j, i in enumerate(rr.tolist()):
+                q[i] = p[j]
+        return tokens.tolist(), q
+
+
+def _transformed(x: torch.Tensor, batch: SamplingBatch, rr: torch.Tensor) -> torch.Tensor:
+    """`apply_sampling_transforms` on the random rows `rr` of `batch` (x holds those rows)."""
+
+    def pick(t, flag):
+        return t.index_select(0, rr) if flag else None
+
+    return apply_sampling_transforms(
+        x,
+        batch.temperature.index_select(0, rr),
+        pick(batch.top_k, batch.any_top_k),
+        pick(batch.top_p, batch.any_top_p),
+        pick(batch.min_p, batch.any_min_p),
+        max_top_k=batch.max_top_k,
+    )
+
+
+# ---------------------------------------------------------------------------
+# verification
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class VerifyOutput:
+    tokens: list[int]  # per verify row: the token after its accepted drafts
+    # per verify row that asked for logprobs (else None): (logprob, [(id, logprob)] top) per emitted token
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None]
+
+
+def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int) -> VerifyOutput:
+    """Accepts a prefix of each row's draft and picks the token after it.
+
+    `logits` [Q, V]: the target's, row by row, at each of the row's 1 +
+    len(draft) positions (position j predicts the token after the pending
+    token and j drafts). Sets `row.num_accepted`."""
+    offs = []
+    o = 0
+    for r in rows:
+        offs.append(o)
+        o += 1 + len(r.draft)
+    if all(r.seq.plain_greedy for r in rows):
+        target = argmax_rows(logits).tolist()
+        tokens = []
+        for r, o in zip(rows, offs):
+            d = r.draft
+            a = 0
+            while a < len(d) and d[a] == target[o + a]:
+                a += 1
+            r.num_accepted = a
+            tokens.append(target[o + a])
+        return VerifyOutput(tokens, [None] * len(rows))
+
+    device = logits.device
+    inputs = [row_input(r.seq, r.draft[:j]) for r in rows for j in range(1 + len(r.draft))]
+    batch = SamplingBatch.build(inputs, vocab_size, device)
+    x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
+    fix = argmax_rows(x)  # greedy positions: the target's token; overwritten below for sampled ones
+    drafted = torch.tensor([t for r in rows for t in (*r.draft, -1)], dtype=torch.long, device=device)
+    accept = fix == drafted  # greedy positions: the draft is the argmax
+    if not batch.all_greedy:
+        rr = batch.random_rows if batch.random_rows is not None else torch.arange(len(inputs), device=device)
+        s = _transformed(x.index_select(0, rr), batch, rr)
+        p = torch.softmax(s, dim=-1)
+        n, V = p.shape
+        d = drafted.index_select(0, rr)
+        has = d >= 0  # positions that check a drafted token (not a row's last)
+        # q: the draft's distribution at each checked position; one-hot for deterministic proposals
+        q = torch.zeros_like(p)
+        qrows = []
+        for r in rows:
+            for j in range(1 + len(r.draft)):
+                qrows.append((r, j))
+        sel = rr.tolist()
+        for m, g in enumerate(sel):
+            r, j = qrows[g]
+            if j < len(r.draft):
+                if r.draft_probs is not None:
+                    q[m] = r.draft_probs[j]
+                else:
+                    q[m, r.draft[j]] = 1.0
+        seeds, counters = batch.seeds.index_select(0, rr), batch.counters.index_select(0, rr)
+        dd = d.clamp(min=0)[:, None]
+        pd = p.gather(1, dd).squeeze(1)
+        qd = q.gather(1, dd).squeeze(1)
+        u = uniform(seeds, counters, 1, STREAM_ACCEPT)[:, 0]
+        ok = has & (u * qd < pd)  # u < p/q without dividing by a q of 0
+        residual = (p - q).clamp_(min=0)
+        g_res = uniform(seeds, counters, V, STREAM_RESIDUAL).log_().neg_().log_()
+        res_tok = argmax_rows(residual.log() - g_res)
+        g_bonus = uniform(seeds, counters, V, STREAM_SAMPLE).log_().neg_().log_()
+        bonus_tok = argmax_rows(s - g_bonus)
+        accept.index_copy_(0, rr, ok)
+        fix.index_copy_(0, rr, torch.where(has, res_tok, bonus_tok))
+    acc = accept.tolist()
+    fixed = fix.tolist()
+    tokens = []
+    for r, o in zip(rows, offs):
+        a = 0
+        while a < len(r.draft) and acc[o + a]:
+            a += 1
+        r.num_accepted = a
+        tokens.append(fixed[o + a])
+    lps: list = [None] * len(rows)
+    want = [i for i, r in enumerate(rows) if r.seq.sampling.logprobs is not None]
+    if want:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        kmax = min(max(rows[i].seq.sampling.logprobs for i in want), vocab_size)
+        for i in want:
+            r, o = rows[i], offs[i]
+            n = r.num_accepted + 1
+            emitted = r.draft[: r.num_accepted] + [tokens[i]]
+            sub = logp[o : o + n]
+            chosen = sub.gather(1, torch.tensor(emitted, device=device)[:, None]).squeeze(1).tolist()
+            kk = r.seq.sampling.logprobs
+            if kk and kmax:
+                tv, ti = sub.topk(kmax, dim=-1)
+                tops = [list(zip(ti[j, :kk].tolist(), tv[j, :kk].tolist())) for j in range(n)]
+            else:
+                tops = [[] for _ in range(n)]
+            lps[i] = list(zip(chosen, tops))
+    return VerifyOutput(tokens, lps)
+
+
+__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "VerifyOutput", "verify_rows"]

@@ -294,6 +294,12 @@ def _transformed(x: torch.Tensor, batch: SamplingBatch, rr: torch.Tensor) -> tor
 # ---------------------------------------------------------------------------
 
 
+def accept_test(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """The rejection rule: a drafted token d is accepted when u < p(d) / q(d)
+    (u uniform in (0, 1)), written without dividing by a q of 0."""
+    return u * q_d < p_d
+
+
 @dataclass
 class VerifyOutput:
     tokens: list[int]  # per verify row: the token after its accepted drafts
@@ -357,7 +363,7 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
         pd = p.gather(1, dd).squeeze(1)
         qd = q.gather(1, dd).squeeze(1)
         u = uniform(seeds, counters, 1, STREAM_ACCEPT)[:, 0]
-        ok = has & (u * qd < pd)  # u < p/q without dividing by a q of 0
+        ok = has & accept_test(u, pd, qd)
         residual = (p - q).clamp_(min=0)
         g_res = uniform(seeds, counters, V, STREAM_RESIDUAL).log_().neg_().log_()
         res_tok = argmax_rows(residual.log() - g_res)

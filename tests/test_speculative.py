@@ -1,0 +1,327 @@
+"""Speculative decoding: output exactness (greedy token for token, sampled in
+distribution), KV hygiene after every step, and the speculation-length policy."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from stepserve import LLM
+from stepserve.engine import speculative
+from stepserve.engine.sampling_params import SamplingParams
+from stepserve.engine.speculative import NgramProposer, verify_rows
+from stepserve.scheduler.latency_model import LinearLatencyModel
+from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.policy import EngineView
+from stepserve.scheduler.speculation import AcceptanceEstimate, SpecLengthPolicy, SpecLengthSpec
+
+PROMPTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And the LORD said unto Moses,",
+    "Blessed are the",
+    "Thou shalt not",
+    "And it came to pass, when the king heard the words of the law, that he rent his clothes. And",
+]
+
+
+def _tokens(outs):
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(check_invariants=True)
+
+
+def _mixed_params():
+    # different lengths per prompt: rows finish at different steps, inside and outside accepted runs
+    return [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 23, 57, 9, 31)]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+@pytest.mark.parametrize("length", ["fixed:1", "fixed:2", "fixed:4", "fixed:8", "adaptive"])
+def test_greedy_output_equals_plain(plain, proposer, length):
+    """Every proposer and draft length, a mixed batch, then the same batch again
+    on a warm radix cache: token for token the output without speculation,
+    with the KV integrity check after every step."""
+    ref = _tokens(plain.generate(PROMPTS, _mixed_params()))
+    llm = LLM(check_invariants=True, speculative=proposer, spec_length=length)
+    for _ in range(2):
+        assert _tokens(llm.generate(PROMPTS, _mixed_params())) == ref
+    stats = llm.engine.stats().policy
+    assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    report = llm.engine.kv_report()
+    assert not report.busy and report.accounted == report.capacity
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+def test_greedy_random_checkpoints(ckpt_factory, arch):
+    """Random checkpoints of each architecture, with a different random draft
+    (mostly rejected) and with the target as its own draft (mostly accepted)."""
+    target = ckpt_factory(arch)
+    other = ckpt_factory(arch, seed=1, layers=1)
+    prompts = [[5, 17, 33, 101, 7], [9, 9, 9, 9], [200, 3, 44, 90, 12, 13, 14, 15, 16]]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = _tokens(LLM(target, check_invariants=True).generate(prompts, sp))
+    for draft in (other, target):
+        llm = LLM(target, check_invariants=True, speculative="draft", draft_model=draft, spec_length="fixed:3")
+        assert _tokens(llm.generate(prompts, sp)) == ref
+        stats = llm.engine.stats().policy
+        if draft == target:
+            assert stats["spec_accepted_tokens"] > 0.8 * stats["spec_draft_tokens"]
+    assert stats["spec_draft_tokens"] > 0
+
+
+def test_retraction_and_abort_keep_output_and_kv(plain):
+    """A KV pool too small for the batch forces retractions mid-speculation;
+    an abort in the middle of a run frees everything."""
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = PROMPTS * 2
+    ref = _tokens(plain.generate(prompts, sp))
+    llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:4", kv_slots=400)
+    assert _tokens(llm.generate(prompts, sp)) == ref
+    assert llm.engine.scheduler.num_retractions > 0
+    eng = llm.engine
+    reqs = [eng.add_request(p, sp) for p in prompts]
+    for _ in range(6):
+        eng.step()
+    for r in reqs[::2]:
+        eng.abort_request(r.request_id)
+    while eng.has_unfinished():
+        eng.step()
+    report = eng.kv_report()
+    assert not report.busy and report.accounted == report.capacity
+
+
+def test_stops_cut_inside_accepted_runs(plain):
+    """A stop string, a stop token and max_tokens that fall inside a run of
+    accepted drafts end the output exactly where they would without
+    speculation."""
+    sp = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    base = plain.generate(PROMPTS, sp)
+    llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:6")
+    for o, prompt in zip(base, PROMPTS):
+        text = o.outputs[0].text
+        toks = o.outputs[0].token_ids
+        stop = text[len(text) // 2 : len(text) // 2 + 3]
+        cases = [
+            SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop=[stop]),
+            SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop=[stop],
+                           include_stop_str_in_output=True),
+            SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop_token_ids=[toks[len(toks) // 3]]),
+            SamplingParams(temperature=0, max_tokens=len(toks) // 2 + 1, ignore_eos=True),
+        ]
+        for params in cases:
+            want = plain.generate(prompt, params)[0].outputs[0]
+            got = llm.generate(prompt, params)[0].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
+                want.token_ids, want.text, want.finish_reason, want.stop_reason)
+    report = llm.engine.kv_report()
+    assert report.accounted == report.capacity
+
+
+def test_logprobs_penalties_bias_and_min_tokens(plain):
+    """Greedy rows that are not plain argmax (penalties, bias, min_tokens,
+    logprobs) take the same tokens, and their logprobs are the target's."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=False, logprobs=3, repetition_penalty=1.3,
+                            presence_penalty=0.5, frequency_penalty=0.2, logit_bias={5: 2.0}, min_tokens=20)
+    want = plain.generate(PROMPTS, params)
+    llm = LLM(check_invariants=True, speculative="ngram", spec_length="fixed:4")
+    got = llm.generate(PROMPTS, params)
+    assert _tokens(got) == _tokens(want)
+    for g, w in zip(got, want):
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.token_id == b.token_id and math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert llm.engine.stats().policy["spec_draft_tokens"] > 0
+
+
+def test_branches_and_opt_out(plain):
+    """n > 1 (every branch speculates on its own, seeded) and a request that
+    opts out, beside one that does not."""
+    sp = SamplingParams(temperature=0.8, max_tokens=30, n=3, seed=7, ignore_eos=True)
+    llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:3")
+    a = llm.generate(PROMPTS[0], sp)[0]
+    b = llm.generate(PROMPTS[0], sp)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]  # seeded: reproducible
+    assert len({tuple(c.token_ids) for c in a.outputs}) == 3
+    before = llm.engine.stats().policy["spec_draft_tokens"]
+    off = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=False)
+    out = llm.generate(PROMPTS[1], off)
+    assert llm.engine.stats().policy["spec_draft_tokens"] == before
+    assert _tokens(out) == _tokens(plain.generate(PROMPTS[1], off))
+
+
+# ---------------------------------------------------------------------------
+# sampled rows: the output distribution is the target's
+# ---------------------------------------------------------------------------
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square test of counts against probs (cells with expected
+    count under 5 pooled)."""
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    ex = torch.cat([exp[big], exp[~big].sum()[None]])
+    keep = ex > 0
+    obs, ex = obs[keep], ex[keep]
+    stat = ((obs - ex) ** 2 / ex).sum()
+    dof = len(ex) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
+
+
+def _synthetic_verify(n: int, draft_probs: bool):
+    """n verify rows of 2 drafts each over a 6-token vocabulary, with fixed
+    target logits per position (p0, p1, p2) and draft distributions q0, q1;
+    returns the emitted tokens' counts at positions 0 and 1."""
+    V = 6
+    gen = torch.Generator().manual_seed(0)
+    p_logits = torch.randn(3, V, generator=gen) * 1.5
+    q = torch.softmax(torch.randn(2, V, generator=gen) * 1.5, dim=-1)
+    params = SamplingParams(temperature=1.0, max_tokens=100)
+    rows = []
+    for i in range(n):
+        if draft_probs:
+            d = [int(torch.multinomial(q[0], 1, generator=gen)), int(torch.multinomial(q[1], 1, generator=gen))]
+        else:  # a deterministic proposal: always the same tokens
+            d = [2, 4]
+        seq = SimpleNamespace(sampling=params, seed=1000 + i, num_output=3, min_tokens=0, stop_token_ids=frozenset(),
+                              eos_token_ids=frozenset(), ignore_eos=False, token_ids=[1, 2, 3, 4], prompt_len=1,
+                              output_ids=[2, 3, 4], plain_greedy=False)
+        rows.append(ScheduledRow(seq, 3, 3, True, draft_len=2, draft=d, draft_probs=q.clone() if draft_probs else None))
+    logits = p_logits.repeat(n, 1)
+    out = verify_rows(rows, logits, V)
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    for r, tok in zip(rows, out.tokens):
+        emitted = r.draft[: r.num_accepted] + [tok]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[1]] += 1
+    p = torch.softmax(p_logits, dim=-1)
+    return first, second, p
+
+
+@pytest.mark.parametrize("draft_probs", [True, False], ids=["draft-model", "deterministic"])
+def test_rejection_sampling_is_exact(draft_probs):
+    """Each emitted token has the target's distribution at its position; a
+    biased acceptance rule is caught by the same test."""
+    first, second, p = _synthetic_verify(20000, draft_probs)
+    assert _chi2_pvalue(first, p[0]) > 1e-4
+    assert _chi2_pvalue(second, p[1]) > 1e-4
+
+
+def test_biased_acceptance_rule_is_caught(monkeypatch):
+    monkeypatch.setattr(speculative, "accept_test", lambda u, p_d, q_d: u * q_d < p_d * 1.5)
+    first, _, p = _synthetic_verify(20000, True)
+    assert _chi2_pvalue(first, p[0]) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(ckpt_factory):
+    return ckpt_factory("llama", layers=1), ckpt_factory("llama", seed=1, layers=1)
+
+
+def _engine_second_token_pvalue(target: str, draft: str, n: int) -> float:
+    """Through the engine with a (different) draft model: sampled at
+    temperature 1 with top-k 3, the second output token (the first one a
+    verify row emits) must follow the target's distribution given the first.
+    Returns the smallest p-value over the first tokens seen often enough."""
+    prompt = [5, 17, 33, 101, 7]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
+    llm = LLM(target, speculative="draft", draft_model=draft, spec_length="fixed:2", max_running=512,
+              check_invariants=True)
+    outs = llm.generate([prompt] * n, params)
+    assert llm.engine.stats().policy["spec_draft_tokens"] > 0
+    ref = LLM(target)
+    by_first: dict[int, list[int]] = {}
+    for o in outs:
+        t = o.outputs[0].token_ids
+        by_first.setdefault(t[0], []).append(t[1])
+    pvals = []
+    for t0, seconds in by_first.items():
+        if len(seconds) < 300:
+            continue
+        lp = ref.generate(prompt + [t0], SamplingParams(temperature=0, max_tokens=1, logprobs=3))[0]
+        top = lp.outputs[0].logprobs[0].top
+        probs = torch.zeros(ref.engine.model_config.vocab_size, dtype=torch.float64)
+        for tok, l in top:
+            probs[tok] = math.exp(l)
+        probs /= probs.sum()  # top-k 3 at temperature 1: the top 3 renormalised
+        counts = torch.zeros_like(probs)
+        for s in seconds:
+            counts[s] += 1
+        pvals.append(_chi2_pvalue(counts, probs))
+    assert pvals
+    return min(pvals)
+
+
+def test_sampled_distribution_through_the_engine(tiny_pair, monkeypatch):
+    target, draft = tiny_pair
+    assert _engine_second_token_pvalue(target, draft, 3000) > 1e-4
+    monkeypatch.setattr(speculative, "accept_test", lambda u, p_d, q_d: torch.ones_like(u, dtype=torch.bool))
+    assert _engine_second_token_pvalue(target, draft, 3000) < 1e-6
+
+
+# ---------------------------------------------------------------------------
+# proposers and the policy
+# ---------------------------------------------------------------------------
+
+
+def test_ngram_lookup():
+    ng = NgramProposer(min_n=1, max_n=3)
+    # the longest match of the suffix (7, 8) wins over the later match of 8 alone
+    assert ng.lookup([7, 8, 1, 2, 3, 8, 5, 7, 8], 3) == [1, 2, 3]
+    assert ng.lookup([1, 2, 3, 4], 2) == []  # the last token never occurred before
+    assert ng.lookup([4, 9, 4, 6, 4], 2) == [6, 4]  # the most recent of equal matches
+    assert ng.lookup([1, 1], 5) == [1]
+    assert NgramProposer(min_n=2, max_n=3).lookup([5, 1, 2, 1], 2) == []
+
+
+def test_spec_length_spec():
+    assert SpecLengthSpec.parse("fixed:4") == SpecLengthSpec("fixed", k=4)
+    assert SpecLengthSpec.parse("adaptive:kmax=6").kmax == 6
+    for bad in ("fixed", "fixed:0", "adaptive:k=3", "sometimes"):
+        with pytest.raises(ValueError):
+            SpecLengthSpec.parse(bad)
+
+
+def test_acceptance_estimate_expected_tokens():
+    est = AcceptanceEstimate(4, prior=0.5, prior_weight=1e-9, decay=1.0)
+    # 100 rows drafting 4: 60 reject the first, 40 accept 2 then reject
+    est.update([4] * 100, [0] * 60 + [2] * 40)
+    a = est.alpha
+    assert [round(float(x), 6) for x in a[:3]] == [0.4, 1.0, 0.0]
+    assert math.isclose(est.expected_tokens(2), 1 + 0.4 + 0.4)
+    assert est.expected_tokens(0) == 1.0
+
+
+def _decode_plan(n: int, start: int = 100) -> StepPlan:
+    rows = []
+    for i in range(n):
+        seq = SimpleNamespace(speculative=True, num_output=10, fork_children=[], remaining_tokens=50,
+                              num_tokens=start + 1)
+        rows.append(ScheduledRow(seq, start, 1, True))
+    plan = StepPlan(rows=rows)
+    plan.samples = [(i, r.seq) for i, r in enumerate(rows)]
+    return plan
+
+
+@pytest.mark.parametrize("per_token,expect_zero", [(1e-6, False), (1e-2, True)])
+def test_adaptive_picks_zero_where_speculation_loses(per_token, expect_zero):
+    """With a step cost dominated by new tokens (compute-bound), drafting
+    costs more than it brings: k = 0. Where new tokens are nearly free
+    (memory-bound), it drafts."""
+    model = LinearLatencyModel("linear", [1e-3, 1e-5, 1e-8, per_token])
+    pol = SpecLengthPolicy("adaptive:kmax=6", latency_model=model)
+    pol.acceptance = AcceptanceEstimate(6, prior=0.7, prior_weight=100)
+    plan = pol.plan(_decode_plan(32), EngineView(0.0, 32, 0, 10_000, 10_000, 4096, 2048))
+    k = max(r.draft_len for r in plan.rows)
+    assert (k == 0) == expect_zero
+    if not expect_zero:
+        assert all(r.num_new == 1 + r.draft_len for r in plan.rows)

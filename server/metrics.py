@@ -43,6 +43,13 @@ _POLICY_METRICS = {
     "taper_measured_seconds": ("counter", "Of those steps, the step time measured"),
     "taper_last_slack_seconds": ("gauge", "The batch's SLO slack at TAPER's last plan (negative: a request is late)"),
     "taper_last_budget_seconds": ("gauge", "The step-time budget of TAPER's last plan"),
+    "spec_verify_steps": ("counter", "Steps in which some row decoded speculatively"),
+    "spec_draft_tokens": ("counter", "Draft tokens proposed and verified"),
+    "spec_accepted_tokens": ("counter", "Of those, draft tokens accepted"),
+    "spec_emitted_tokens": ("counter", "Tokens emitted by verify rows (accepted drafts plus one per row)"),
+    "spec_mean_accepted_length": ("gauge", "Mean accepted draft tokens per verify row, since start"),
+    "spec_last_k": ("gauge", "The draft length the speculation-length policy chose last"),
+    "spec_k_steps": ("counter", "Steps by the draft length chosen (label k; 0: plain decoding)"),
 }
 
 
@@ -52,7 +59,13 @@ def _policy_metrics(stats: dict):
         if value is None:
             continue
         cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
-        yield cls(P + key, doc, value=float(value))
+        if isinstance(value, dict):  # one sample per label value
+            fam = cls(P + key, doc, labels=["k"])
+            for label, v in value.items():
+                fam.add_metric([str(label)], float(v))
+            yield fam
+        else:
+            yield cls(P + key, doc, value=float(value))
 
 
 class _EngineCollector:

@@ -13,7 +13,7 @@ from stepserve.server.protocol import _SamplingFields
 
 def sampling_kwargs(req: _SamplingFields) -> dict:
     """The OpenAI (and vLLM-extension) sampling fields, in SamplingParams' names."""
-    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos)
+    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
     if req.temperature is not None:

@@ -92,6 +92,8 @@ class _SamplingFields(_Model):
     # stepserve's extension: this request's SLOs in seconds, for the step policies (TAPER)
     slo_ttft: Optional[Seconds] = None
     slo_tpot: Optional[Seconds] = None
+    # stepserve's extension: false opts this request out of speculative decoding
+    speculative: bool = True
 
 
 Prompt = Union[
@@ -163,6 +165,7 @@ class NativeSamplingParams(_Model):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     json_schema: Optional[dict] = None  # constrain the output to this JSON schema
+    speculative: bool = True  # false: this request never decodes speculatively
 
 
 class StageBranch(_Model):

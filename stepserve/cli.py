@@ -31,6 +31,29 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--latency-profile", default=None, metavar="PATH",
                    help="a `stepserve profile` JSON: the step-latency model TAPER starts from (default: it "
                         "calibrates online, running eager for its first 32 branching steps)")
+    add_speculative_args(g)
+
+
+def add_speculative_args(g) -> None:
+    from stepserve.engine.speculative import PROPOSERS
+    from stepserve.scheduler.speculation import SpecLengthSpec
+
+    def spec(v: str) -> str:
+        try:
+            SpecLengthSpec.parse(v)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return v
+
+    g.add_argument("--speculative", default="none", choices=list(PROPOSERS),
+                   help="speculative decoding: none (the default), draft (a draft model, --draft-model) or ngram "
+                        "(prompt lookup, no model); output is exact either way")
+    g.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="the draft model for --speculative draft: a Hugging Face directory sharing the target's "
+                        "tokenizer (default: the embedded draft, kjv-llama-draft)")
+    g.add_argument("--spec-length", type=spec, default=None, metavar="SPEC",
+                   help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K] (the default: the k, "
+                        "0 included, that maximises the step's expected tokens per second)")
 
 
 def add_branch_policy_arg(g) -> None:
@@ -77,6 +100,9 @@ def _engine_config(EngineConfig, args):
         slo_ttft_s=args.slo_ttft,
         slo_tpot_s=args.slo_tpot,
         latency_profile=args.latency_profile,
+        speculative=args.speculative,
+        draft_model=args.draft_model,
+        spec_length=args.spec_length,
     )
 
 

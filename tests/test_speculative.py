@@ -325,3 +325,38 @@ def test_adaptive_picks_zero_where_speculation_loses(per_token, expect_zero):
     assert (k == 0) == expect_zero
     if not expect_zero:
         assert all(r.num_new == 1 + r.draft_len for r in plan.rows)
+
+
+# ---------------------------------------------------------------------------
+# over HTTP
+# ---------------------------------------------------------------------------
+
+
+def test_http_speculative_drop_in(plain):
+    """`stepserve serve --speculative draft`: the official client gets the
+    output it gets without speculation, streamed and not; a request may opt
+    out (`speculative: false`, an extension); /metrics counts drafts."""
+    import openai
+    from server_util import ServerThread
+
+    from stepserve.engine.defaults import DEFAULT_MODEL
+
+    prompt = PROMPTS[0]
+    want = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0].outputs[0].text
+    with ServerThread(DEFAULT_MODEL, speculative="draft", spec_length="fixed:4") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        kw = dict(model="test-model", prompt=prompt, max_tokens=40, temperature=0)
+        got = client.completions.create(**kw, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want
+        chunks = client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        m = srv.metrics()
+        drafted = m["stepserve:spec_draft_tokens_total"]
+        assert drafted > 0 and 0 < m["stepserve:spec_accepted_tokens_total"] <= drafted
+        out = client.completions.create(**kw, extra_body={"ignore_eos": True, "speculative": False})
+        assert out.choices[0].text == want
+        assert srv.metrics()["stepserve:spec_draft_tokens_total"] == drafted
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**kw, extra_body={"speculative": "sometimes"})
+        report = srv.kv_report()
+        assert report.accounted == report.capacity

@@ -146,7 +146,8 @@ def _engine_argv(args) -> list[str]:
                       ("--kv-memory-gb", args.kv_memory_gb), ("--admission", args.admission), ("--seed", args.seed),
                       ("--cpu-threads", args.cpu_threads), ("--branch-policy", args.branch_policy),
                       ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
-                      ("--latency-profile", args.latency_profile)]:
+                      ("--latency-profile", args.latency_profile), ("--speculative", args.speculative),
+                      ("--draft-model", args.draft_model), ("--spec-length", args.spec_length)]:
         if val is not None:
             out += [flag, str(val)]
     if args.no_prefix_caching:

@@ -26,7 +26,10 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              profile when given, else fitted online on the steps seen, less
              their drafting time); T_draft: the proposer's own time, a linear
              fit over (k, k * rows) of the drafting time of the steps seen.
-             Options: `adaptive:kmax=8`.
+             Until the step model is calibrated k cycles through 0..kmax;
+             after, one step in 64 tries each k in turn, so the estimates keep
+             following the workload where k = 0 wins. Options:
+             `adaptive:kmax=8`.
 
 A row is eligible when it decodes (not a prefill chunk, not forking), its
 request allows speculation (`Seq.speculative`), and at least two tokens are
@@ -155,7 +158,7 @@ class SpecLengthPolicy:
     name = "spec-length"
 
     def __init__(self, spec: str | SpecLengthSpec, proposer: str = "draft", latency_model=None,
-                 min_samples: int = 32):
+                 min_samples: int = 32, explore_every: int = 64):
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
         self.proposer = proposer
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
@@ -164,6 +167,7 @@ class SpecLengthPolicy:
         # the target's step time without drafting: the profile's model rescaled online, or fitted online
         self.target = OnlineLatencyModel(base=latency_model, min_samples=min_samples, target="wall_s",
                                          refit_every_steps=64)
+        self.explore_every = explore_every
         self.steps = 0
         self.verify_steps = 0
         self.k_hist: dict[int, int] = {}  # chosen k -> steps
@@ -208,9 +212,17 @@ class SpecLengthPolicy:
         return plan
 
     def _choose(self, plan: StepPlan, rows) -> int:
-        """The adaptive k for this step."""
+        """The adaptive k for this step. Until the step model is calibrated,
+        k cycles through 0..kmax, so that the fit sees every draft length (with
+        one k per step, rows and new tokens would be collinear); after, one
+        step in `explore_every` tries a k in turn, so that the estimates of
+        acceptance and costs keep following the workload even where k = 0
+        wins."""
+        kmax = self.spec.kmax
         if not self.target.calibrated:
-            return min(self.spec.kmax, 4)  # measure steps first; drafting a few meanwhile also measures acceptance
+            return self.steps % (kmax + 1)
+        if self.steps % self.explore_every == 0:
+            return (self.steps // self.explore_every) % kmax + 1
         f = plan_features(plan)
         n_spec = len(rows)
         starts = sum(r.start for r in rows)

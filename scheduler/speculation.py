@@ -23,8 +23,10 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              verification (decayed counts, so it follows the workload);
              T_target: the shared step-latency model at this batch's rows,
              context and new tokens with the drafts counted in (an offline
-             profile when given, else fitted online on the steps seen, less
-             their drafting time); T_draft: the proposer's own time, a linear
+             profile when given, else fitted online on the decode-shaped
+             steps seen, less their drafting time: prefill tokens cost far
+             less each than decode-shaped ones, and would make long drafts
+             look cheap); T_draft: the proposer's own time, a linear
              fit over (k, k * rows) of the drafting time of the steps seen.
              Until the step model is calibrated k cycles through 0..kmax;
              after, one step in 64 tries each k in turn, so the estimates keep
@@ -244,8 +246,12 @@ class SpecLengthPolicy:
     def observe(self, plan: StepPlan, record: StepRecord) -> None:
         if self.spec.mode == "none":
             return
-        f: StepFeatures = plan_features(plan)
-        self.target.add(f, max(record.wall_s - record.draft_s, 1e-9))
+        if plan.num_decode + plan.num_verify == len(plan.rows):
+            # decode-shaped steps only: what k changes is the cost of decode-shaped tokens, which on
+            # a CPU cost several times a prefill token (small GEMMs); prefill steps would set the
+            # per-token cost of the fit to theirs and make long drafts look cheap
+            f: StepFeatures = plan_features(plan)
+            self.target.add(f, max(record.wall_s - record.draft_s, 1e-9))
         if not plan.num_verify:
             return
         vr = plan.verify_rows

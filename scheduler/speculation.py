@@ -68,27 +68,26 @@ class SpecLengthSpec:
         if head == "none" and not rest:
             return cls("none")
         if head == "fixed":
-            try:
-                k = int(rest)
-            except ValueError:
-                raise ValueError(f"fixed needs a draft length: fixed:K, got {text!r}") from None
-            if not 1 <= k <= 64:
-                raise ValueError(f"fixed:K needs 1 <= K <= 64, got {k}")
-            return cls("fixed", k=k)
+            return cls("fixed", k=_draft_length(rest, "fixed:K"))
         if head == "adaptive":
             kmax = 8
             for opt in filter(None, rest.split(",")):
                 key, _, val = opt.partition("=")
                 if key != "kmax":
                     raise ValueError(f"unknown adaptive option {key!r} (kmax)")
-                try:
-                    kmax = int(val)
-                except ValueError:
-                    raise ValueError(f"kmax must be an integer, got {val!r}") from None
-                if not 1 <= kmax <= 64:
-                    raise ValueError(f"kmax needs 1 <= kmax <= 64, got {kmax}")
+                kmax = _draft_length(val, "kmax")
             return cls("adaptive", kmax=kmax)
         raise ValueError(f"unknown speculation length {text!r} (none, fixed:K, adaptive[:kmax=K])")
+
+
+def _draft_length(text: str, what: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        raise ValueError(f"{what} needs an integer draft length, got {text!r}") from None
+    if not 1 <= k <= 64:
+        raise ValueError(f"{what} needs a draft length in [1, 64], got {k}")
+    return k
 
 
 class AcceptanceEstimate:

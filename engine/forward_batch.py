@@ -36,3 +36,11 @@ class ForwardBatch:
     # trailing padding tokens (id 0, position 0, written to the padding slot 0)
     # that round the token count up to a shape bucket; no row reads them
     num_padding: int = 0
+
+
+def token_bucket(n: int) -> int:
+    """Token count rounded up to one of ~50 shapes: multiples of 8 up to 64,
+    of 16 up to 256, of 64 beyond (CPU bf16 matmuls build a kernel per shape:
+    the model runner and the draft model pad their batches to these)."""
+    step = 8 if n <= 64 else 16 if n <= 256 else 64
+    return -(-n // step) * step

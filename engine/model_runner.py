@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stepserve.engine.attention import AttentionBackend
-from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.engine.forward_batch import ForwardBatch, token_bucket
 from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_rows, row_input
 from stepserve.engine.speculative import verify_rows
@@ -117,7 +117,7 @@ class ModelRunner:
             last_index.append(len(ids) - 1)
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
         real = len(ids)
-        pad = self.token_bucket(real) - real if self.pad_tokens else 0
+        pad = token_bucket(real) - real if self.pad_tokens else 0
         if pad:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
@@ -127,7 +127,8 @@ class ModelRunner:
             decode_lens = (positions[:num_dq] + 1).to(dev)
             decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
         if nv:
-            sampled = [last_index[i] for i, _ in plan.samples if not nd <= i < nd + nv] + verify_idx
+            a, b = plan.verify_samples()
+            sampled = [last_index[i] for i, _ in plan.samples[:a] + plan.samples[b:]] + verify_idx
         else:
             sampled = [last_index[i] for i, _ in plan.samples]
         return ForwardBatch(
@@ -145,20 +146,13 @@ class ModelRunner:
             num_padding=pad,
         ), prompt_rows
 
-    @staticmethod
-    def token_bucket(n: int) -> int:
-        """Token count rounded up to one of ~50 shapes: multiples of 8 up to 64,
-        of 16 up to 256, of 64 beyond."""
-        step = 8 if n <= 64 else 16 if n <= 256 else 64
-        return -(-n // step) * step
-
     @torch.inference_mode()
     def run(self, plan: StepPlan, features=None) -> StepOutput:
         """The forward pass and sampling of `plan` (`features`, the core's
         StepFeatures of it, are not needed here); verify rows are drafted by
         the proposer first, and verified after."""
         draft_s = 0.0
-        nd, nv = plan.num_decode, plan.num_verify
+        nv = plan.num_verify
         if nv:
             t0 = time.perf_counter()
             self.proposer.propose(plan)
@@ -168,7 +162,8 @@ class ModelRunner:
         prep = time.perf_counter() - t0
         logits, hidden = self.model(fb, self.backend)
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else []
-        seqs = [s for i, s in plan.samples if not nd <= i < nd + nv] if nv else [s for _, s in plan.samples]
+        a, b = plan.verify_samples() if nv else (0, 0)
+        seqs = [s for _, s in plan.samples[:a] + plan.samples[b:]]
         if not seqs and not nv:  # prefill chunks that sample nothing still wrote their KV
             return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps)
         if seqs:
@@ -190,9 +185,6 @@ class ModelRunner:
             return StepOutput(seqs, tokens, out, prep, prompt_lps)
         ver = verify_rows(plan.verify_rows, logits[len(seqs) :], self.vocab_size)
         # every sampled token in `plan.samples` order: the verify rows' sit between the decode rows' and the rest
-        a = 0
-        while plan.samples[a][0] < nd:
-            a += 1
         all_tokens = tokens[:a] + ver.tokens + tokens[a:]
         return StepOutput([s for _, s in plan.samples], all_tokens, out, prep, prompt_lps, sampler_seqs=seqs,
                           verify_logprobs={id(r.seq): lp for r, lp in zip(plan.verify_rows, ver.logprobs)

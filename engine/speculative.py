@@ -46,7 +46,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.engine.forward_batch import ForwardBatch, token_bucket
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -224,11 +224,7 @@ class DraftModelProposer:
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
         out_slots = table[torch.tensor(tok_rows, dtype=torch.long, device=table.device), positions.to(table.device)]
         self.valid[out_slots] = True
-        pad = 0
-        if self.pad_tokens:
-            from stepserve.engine.model_runner import ModelRunner
-
-            pad = ModelRunner.token_bucket(len(ids)) - len(ids)
+        pad = token_bucket(len(ids)) - len(ids) if self.pad_tokens else 0
         input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long, device=dev)
         if pad:
             positions = torch.cat([positions, positions.new_zeros(pad)])
@@ -341,23 +337,17 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
         rr = batch.random_rows if batch.random_rows is not None else torch.arange(len(inputs), device=device)
         s = _transformed(x.index_select(0, rr), batch, rr)
         p = torch.softmax(s, dim=-1)
-        n, V = p.shape
+        V = p.shape[1]
         d = drafted.index_select(0, rr)
         has = d >= 0  # positions that check a drafted token (not a row's last)
         # q: the draft's distribution at each checked position; one-hot for deterministic proposals
-        q = torch.zeros_like(p)
-        qrows = []
-        for r in rows:
-            for j in range(1 + len(r.draft)):
-                qrows.append((r, j))
-        sel = rr.tolist()
-        for m, g in enumerate(sel):
-            r, j = qrows[g]
-            if j < len(r.draft):
-                if r.draft_probs is not None:
-                    q[m] = r.draft_probs[j]
-                else:
-                    q[m, r.draft[j]] = 1.0
+        q = torch.zeros(len(drafted), V, device=device)
+        checked = (drafted >= 0).nonzero().squeeze(1)
+        q[checked, drafted[checked]] = 1.0
+        for r, o in zip(rows, offs):
+            if r.draft_probs is not None:
+                q[o : o + len(r.draft)] = r.draft_probs
+        q = q.index_select(0, rr)
         seeds, counters = batch.seeds.index_select(0, rr), batch.counters.index_select(0, rr)
         dd = d.clamp(min=0)[:, None]
         pd = p.gather(1, dd).squeeze(1)

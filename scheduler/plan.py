@@ -79,6 +79,14 @@ class StepPlan:
     def verify_rows(self) -> list[ScheduledRow]:
         return self.rows[self.num_decode : self.num_decode + self.num_verify]
 
+    def verify_samples(self) -> tuple[int, int]:
+        """[a, b): the entries of `samples` that belong to verify rows (one
+        each, contiguous: samples follow the row order)."""
+        a = 0
+        while a < len(self.samples) and self.samples[a][0] < self.num_decode:
+            a += 1
+        return a, a + self.num_verify
+
     def sampling(self) -> list[tuple[int, Seq]]:
         """(row index, sequence) per token to sample; a forking row samples once
         for itself and once per child, all from the same logits."""

@@ -24,13 +24,12 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
     return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
 
 
-def speculation_policy(spec: str | SpecLengthSpec, *, proposer: str = "draft",
-                       latency_model=None) -> SpecLengthPolicy | None:
+def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None) -> SpecLengthPolicy | None:
     """The speculation-length policy of `spec`, or None for `none`."""
     spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
     if spec.mode == "none":
         return None
-    return SpecLengthPolicy(spec, proposer=proposer, latency_model=latency_model)
+    return SpecLengthPolicy(spec, latency_model=latency_model)
 
 
 def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):

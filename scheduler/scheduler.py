@@ -252,10 +252,9 @@ class Scheduler:
         assert len(tokens) == len(sampling), (len(tokens), len(sampling))
         caching = self.cfg.prefix_caching
         nd, nv = plan.num_decode, plan.num_verify
-        for k, r in enumerate(plan.rows):
+        # verify rows: what they computed depends on what was accepted (_update_verify)
+        for r in plan.rows[:nd] + plan.rows[nd + nv :] if nv else plan.rows:
             seq = r.seq
-            if nd <= k < nd + nv:
-                continue  # verify rows: what they computed depends on what was accepted (_update_verify)
             seq.num_computed += r.num_new
             if not r.sample and caching:
                 self.kv.cache_prefix(seq)  # publish the chunk for concurrent prompts
@@ -274,12 +273,10 @@ class Scheduler:
         FINISHED = SeqStatus.FINISHED
         pairs = zip(sampling, tokens)
         if nv:
-            a = 0
-            while sampling[a][0] < nd:
-                a += 1
+            a, b = plan.verify_samples()
             pairs = list(pairs)
-            self._update_verify(plan, pairs[a : a + nv], now, got, ended)
-            pairs = pairs[:a] + pairs[a + nv :]
+            self._update_verify(plan, pairs[a:b], now, got, ended)
+            pairs = pairs[:a] + pairs[b:]
         for (_, seq), tok in pairs:
             if seq.status is FINISHED:
                 continue

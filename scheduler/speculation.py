@@ -158,10 +158,9 @@ class SpecLengthPolicy:
 
     name = "spec-length"
 
-    def __init__(self, spec: str | SpecLengthSpec, proposer: str = "draft", latency_model=None,
+    def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
                  min_samples: int = 32, explore_every: int = 64):
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
-        self.proposer = proposer
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
         self.acceptance = AcceptanceEstimate(kmax)
         self.draft_cost = DraftCost()
@@ -194,9 +193,10 @@ class SpecLengthPolicy:
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
         if k <= 0:
             return plan
-        room = view.kv_available - plan.num_new_tokens
+        planned = plan.num_new_tokens
+        room = view.kv_available - planned
         if view.max_batched_tokens:
-            room = min(room, view.max_batched_tokens - plan.num_new_tokens)
+            room = min(room, view.max_batched_tokens - planned)
         max_ctx = view.max_context or 1 << 62
         any_set = False
         for r in rows:

@@ -473,7 +473,6 @@ class Engine:
         ids = seq.token_ids
         end = len(ids)
         first = row.start + 1  # its length before this step
-        self.totals["generation_tokens"] += end - first - 1  # `updated` counted one
         stop = None
         if req.params.stop:
             for j in range(first + 1, end + 1):
@@ -483,6 +482,7 @@ class Engine:
                         self.scheduler.finish(seq, "stop", num_tokens=j)
                     end = j
                     break
+        self.totals["generation_tokens"] += end - first - 1  # what the run kept; `updated` counted one
         if branch.logprobs is not None:
             for tok, (lp, top) in zip(ids[first:end], out.verify_logprobs[id(seq)]):
                 branch.logprobs.append(TokenLogprob(tok, lp, top))

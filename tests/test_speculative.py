@@ -116,7 +116,9 @@ def test_stops_cut_inside_accepted_runs(plain):
         ]
         for params in cases:
             want = plain.generate(prompt, params)[0].outputs[0]
+            before = llm.engine.stats().generation_tokens
             got = llm.generate(prompt, params)[0].outputs[0]
+            assert llm.engine.stats().generation_tokens - before == len(got.token_ids)  # what a cut drops is not counted
             assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == (
                 want.token_ids, want.text, want.finish_reason, want.stop_reason)
     report = llm.engine.kv_report()

@@ -39,6 +39,28 @@ def _gather_rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return F.embedding(idx, buf.view(buf.shape[0], -1))
 
 
+def _sdpa_cuda(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    """SDPA on CUDA without cuDNN: torch dispatches new shapes to cuDNN, which
+    builds an execution plan per shape (~2 ms of host time per call, measured
+    on an H100), and a serving step's shapes are new every step. The
+    memory-efficient kernel builds nothing per shape and takes a mask; GQA heads
+    are expanded for it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+
+
+def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None):
+    if q.is_cuda:
+        return _sdpa_cuda(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                                          enable_gqa=True)
+
+
 class TorchAttention:
     """Reference backend: gathers each row's KV by slot index and calls SDPA.
 
@@ -46,7 +68,8 @@ class TorchAttention:
     -- or, on CPU (float32 or bfloat16 KV), through the native paged kernel
     (`cpu_kernels`), which reads the pool in place; extend rows (prefill chunks)
     run one SDPA each with a causal mask offset by the row's cached prefix.
-    Works on CPU and CUDA.
+    Works on CPU and CUDA (where it is the fallback when flashinfer is missing:
+    correct, not fast, and never through cuDNN, see `_sdpa_cuda`).
     """
 
     def __init__(self, pool: TokenKVPool, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -107,17 +130,12 @@ class TorchAttention:
             kk = _gather_rows(k_buf, idx.view(-1)).view(b, lmax, *k_buf.shape[1:]).transpose(1, 2)  # [B, Hkv, L, D]
             vv = _gather_rows(v_buf, idx.view(-1)).view(b, lmax, *v_buf.shape[1:]).transpose(1, 2)
             qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
-            o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=self._decode_mask, scale=self.scale, enable_gqa=True
-            )
+            o = _sdpa(qq, kk, vv, attn_mask=self._decode_mask, scale=self.scale)
             out[:nd] = o.squeeze(2)
         for (start, n, kv_idx), mask in zip(fb.extend_rows, self._extend_masks):
             qq = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             kk = _gather_rows(k_buf, kv_idx).view(-1, *k_buf.shape[1:]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vv = _gather_rows(v_buf, kv_idx).view(-1, *v_buf.shape[1:]).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qq, kk, vv, attn_mask=mask, is_causal=mask is None and n > 1,
-                scale=self.scale, enable_gqa=True,
-            )
+            o = _sdpa(qq, kk, vv, attn_mask=mask, is_causal=mask is None and n > 1, scale=self.scale)
             out[start : start + n] = o[0].transpose(0, 1)
         return out

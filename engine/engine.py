@@ -16,6 +16,8 @@ import torch
 
 from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from stepserve.engine.attention import TorchAttention
+from stepserve.engine.attention_flashinfer import FlashInferAttention, flashinfer_unavailable
+from stepserve.engine.cuda_graph import DecodeGraphs
 from stepserve.engine.detokenizer import IncrementalDetokenizer
 from stepserve.engine.loader import load_model
 from stepserve.engine.model_runner import ModelRunner
@@ -48,10 +50,15 @@ class EngineConfig:
     max_running: int = 256
     max_batched_tokens: int = 2048
     kv_slots: int | None = None  # KV pool size in tokens; default from kv_memory_gb
-    kv_memory_gb: float = 1.0
+    # KV pool size in GiB; default: 1 on CPU, on a GPU what gpu_memory_utilization leaves
+    kv_memory_gb: float | None = None
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the engine may hold (weights, KV, activations)
     admission: str = "fcfs"
     prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto (native CPU decode kernel when it builds) | torch (pure reference)
+    # auto: flashinfer on CUDA where it imports, else torch (with the native CPU decode kernel where it
+    # builds) | torch (SDPA, the reference) | flashinfer
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used with flashinfer on CUDA)
     seed: int = 0  # seeds the per-request seeds of requests that give none
     check_invariants: bool = False  # run the KV integrity check after every step
     cpu_threads: int | None = None  # torch intra-op threads, process-wide (None: leave torch's setting)
@@ -77,6 +84,13 @@ class EngineConfig:
             raise ValueError("draft_model is given but speculative is not 'draft'")
         if self.spec_length is not None:
             SpecLengthSpec.parse(self.spec_length)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention_backend!r} "
+                             f"({', '.join(ATTENTION_BACKENDS)})")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
+            raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
         for name in ("slo_ttft_s", "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -86,6 +100,28 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+
+
+def activation_reserve_bytes(cfg, dtype: torch.dtype, max_batched_tokens: int, max_rows: int) -> int:
+    """GPU memory kept free of the KV pool for one step's work: the largest
+    step's activations (twice: a layer's input and output coexist with its
+    temporaries), float32 logits of every sampled row four times over (the
+    sampler's copies), and 256 MiB for flashinfer's workspaces, the CUDA graphs
+    and the allocator's slack."""
+    per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size
+                 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * dtype.itemsize
+    return 2 * max_batched_tokens * per_token + 4 * max_rows * cfg.vocab_size * 4 + (256 << 20)
+
+
+def gpu_kv_bytes(free: int, total: int, utilization: float, reserve: int) -> int:
+    """Bytes the KV pool may take once the weights are loaded: the process may
+    hold `utilization` of the GPU's `total` memory, of which `total - free` is
+    already in use (the weights, and anything else on the GPU), and `reserve`
+    goes to activations (`activation_reserve_bytes`)."""
+    return max(0, int(total * utilization) - (total - free) - reserve)
 
 
 @dataclass(frozen=True)
@@ -208,14 +244,24 @@ class Engine:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({mc.vocab_size}): it must share the target's tokenizer")
             draft = (dcfg, dmodel)
+        per_tok = mc.kv_bytes_per_token(self.dtype)
+        if draft is not None:  # the draft's KV shares the slots: one token costs both
+            per_tok += draft[0].kv_bytes_per_token(self.dtype)
         kv_slots = config.kv_slots
         if kv_slots is None:
-            per_tok = mc.kv_bytes_per_token(self.dtype)
-            if draft is not None:  # the draft's KV shares the slots: one token costs both
-                per_tok += draft[0].kv_bytes_per_token(self.dtype)
-            kv_slots = int(config.kv_memory_gb * (1 << 30) // per_tok)
-            kv_slots = min(kv_slots, config.max_running * self.max_model_len)
+            if config.kv_memory_gb is not None or self.device.type != "cuda":
+                kv_bytes = int((config.kv_memory_gb or 1.0) * (1 << 30))
+            else:
+                torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info(self.device)
+                reserve = activation_reserve_bytes(mc, self.dtype, config.max_batched_tokens, config.max_running)
+                kv_bytes = gpu_kv_bytes(free, total, config.gpu_memory_utilization, reserve)
+            kv_slots = min(kv_bytes // per_tok, config.max_running * self.max_model_len)
+            if kv_slots < self.max_model_len // 8:
+                raise ValueError(f"only {kv_bytes / (1 << 30):.2f} GiB is left for the KV cache ({kv_slots} tokens) "
+                                 "after the weights; raise gpu_memory_utilization or give kv_memory_gb")
         self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        log.info("KV cache: %d tokens (%.2f GiB) on %s", kv_slots, kv_slots * per_tok / (1 << 30), self.device)
         self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1, self.device)
         kv = KVManager(SlotAllocator(kv_slots + 1, self.device), self.req_pool, config.prefix_caching)
         self.policies = builtin_policies(config) + list(config.policies)
@@ -230,12 +276,8 @@ class Engine:
             kv,
             self.policies,
         )
-        if config.attention_backend not in ("auto", "torch"):
-            raise ValueError(f"unknown attention backend {config.attention_backend!r} (auto, torch)")
-        backend = TorchAttention(
-            self.kv_pool, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-            native=None if config.attention_backend == "auto" else False,
-        )
+        backend = self._attention(self.kv_pool, mc, self.model)
+        self.attention_backend = type(backend).__name__
         proposer = None
         if config.speculative == "ngram":
             proposer = NgramProposer()
@@ -243,11 +285,13 @@ class Engine:
             dcfg, dmodel = draft
             dpool = TokenKVPool(kv_slots + 1, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, self.dtype,
                                 self.device)
-            dbackend = TorchAttention(dpool, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim,
-                                      native=None if config.attention_backend == "auto" else False)
-            proposer = DraftModelProposer(dmodel, dbackend, dpool, self.req_pool, self.device,
+            proposer = DraftModelProposer(dmodel, self._attention(dpool, dcfg, dmodel), dpool, self.req_pool, self.device,
                                           pad_tokens=self.device.type == "cpu" and self.dtype == torch.bfloat16)
-        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer)
+        graphs = None
+        if isinstance(backend, FlashInferAttention) and not config.enforce_eager:
+            graphs = DecodeGraphs(self.model, backend, self.req_pool.table, config.max_running)
+            graphs.capture()
+        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer, graphs=graphs)
         limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
         self.core = EngineCore(self.scheduler, self.runner, self, limits,
                                check_every=1 if config.check_invariants else 0)
@@ -256,6 +300,26 @@ class Engine:
         self._next_req_id = 0
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": {}}
         self._changed: dict[str, Request] = {}  # requests a step's tokens changed (its return value)
+
+    def _attention(self, pool: TokenKVPool, mc, model):
+        """The attention backend `config.attention_backend` names for `model`
+        (of config `mc`) over `pool` (auto: flashinfer where it can serve, else
+        torch); with flashinfer the model's small ops become its fused kernels."""
+        choice = self.config.attention_backend
+        if choice in ("auto", "flashinfer"):
+            reason = flashinfer_unavailable(self.device, pool.dtype, mc.head_dim)
+            if reason is None or (choice == "flashinfer" and self.device.type != "cuda"):
+                # flashinfer named on a CPU: only a stand-in module can serve it (the CPU tests' fake)
+                backend = FlashInferAttention(pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+                model.use_kernels(backend.fi)
+                return backend
+            if choice == "flashinfer":
+                raise ValueError(f"attention_backend 'flashinfer' cannot be used: {reason}")
+            if self.device.type == "cuda":
+                log.warning("attention backend: torch (SDPA), because %s; decode is much slower than with "
+                            "flashinfer, and runs without CUDA graphs", reason)
+        return TorchAttention(pool, mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                              native=None if choice == "auto" else False)
 
     @property
     def step_id(self) -> int:

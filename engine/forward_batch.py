@@ -36,6 +36,9 @@ class ForwardBatch:
     # trailing padding tokens (id 0, position 0, written to the padding slot 0)
     # that round the token count up to a shape bucket; no row reads them
     num_padding: int = 0
+    # decode_kv_lens on the host (int64, CPU), where the batch was built there:
+    # a GPU backend plans from it without reading the device copy back
+    decode_kv_lens_host: torch.Tensor | None = None
 
 
 def token_bucket(n: int) -> int:

@@ -58,14 +58,13 @@ def load_model(
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
-    # Materialise on the target device, then overwrite with checkpoint tensors;
-    # rotary cos/sin buffers are recomputed there in float32.
+        model = LlamaForCausalLM(cfg, max_positions).to(torch_dtype)
+    # Materialise on the target device in the target dtype (an 8B model never
+    # exists in float32 on the GPU), then overwrite with checkpoint tensors
+    # (`copy_` rounds as `.to` would); rotary cos/sin are recomputed there in float32.
     model = model.to_empty(device=device)
     model.rotary.build(device)
     model.load_weights(iter_weights(model_dir))
-    for name, p in model.named_parameters():
-        p.data = p.data.to(torch_dtype)
     model.eval()
     if can_pack_linears(device, torch_dtype) and os.environ.get("STEPSERVE_PACK_LINEARS", "1") != "0":
         pack_linears(model)

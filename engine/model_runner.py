@@ -56,6 +56,7 @@ class ModelRunner:
         device: torch.device,
         sampler: Sampler | None = None,
         proposer=None,
+        graphs=None,
     ):
         self.model = model
         self.backend = backend
@@ -63,6 +64,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler or Sampler()
         self.proposer = proposer  # speculative decoding (engine/speculative.py): drafts the verify rows
+        self.graphs = graphs  # DecodeGraphs (engine/cuda_graph.py): pure decode steps replay a CUDA graph
         self.vocab_size = model.config.vocab_size
         # bf16 matmuls on CPU (oneDNN) build a kernel per input shape on first
         # sight (~1 ms per matmul, measured); the step's token count changes
@@ -122,9 +124,10 @@ class ModelRunner:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
         positions = torch.tensor(pos, dtype=torch.long)
-        decode_rows = decode_lens = None
+        decode_rows = decode_lens = lens_host = None
         if num_dq:
-            decode_lens = (positions[:num_dq] + 1).to(dev)
+            lens_host = positions[:num_dq] + 1
+            decode_lens = lens_host.to(dev)
             decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
         if nv:
             a, b = plan.verify_samples()
@@ -144,6 +147,7 @@ class ModelRunner:
             hidden_indices=torch.cat([torch.arange(f, f + k) for _, _, k, f in prompt_rows]).to(dev)
             if prompt_rows else None,
             num_padding=pad,
+            decode_kv_lens_host=lens_host,
         ), prompt_rows
 
     @torch.inference_mode()
@@ -160,7 +164,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         fb, prompt_rows = self.build_batch(plan)
         prep = time.perf_counter() - t0
-        logits, hidden = self.model(fb, self.backend)
+        if self.graphs is not None and self.graphs.fits(fb):
+            logits, hidden = self.graphs.run(fb), None
+        else:
+            logits, hidden = self.model(fb, self.backend)
         prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else []
         a, b = plan.verify_samples() if nv else (0, 0)
         seqs = [s for _, s in plan.samples[:a] + plan.samples[b:]]

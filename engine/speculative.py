@@ -241,6 +241,7 @@ class DraftModelProposer:
             extend_rows=extend_meta,
             logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
             num_padding=pad,
+            decode_kv_lens_host=torch.tensor(pos[:nd], dtype=torch.long) + 1 if nd else None,
         )
         logits, _ = self.model(fb, self.backend)
         self.forwards += 1

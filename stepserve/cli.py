@@ -17,7 +17,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running", type=int, default=256, help="cap on sequences decoding at once")
     g.add_argument("--max-batched-tokens", type=int, default=2048, help="token budget per step (chunked prefill)")
     g.add_argument("--kv-slots", type=int, default=None, help="KV pool size in tokens")
-    g.add_argument("--kv-memory-gb", type=float, default=1.0, help="KV pool size when --kv-slots is not given")
+    g.add_argument("--kv-memory-gb", type=float, default=None,
+                   help="KV pool size in GiB when --kv-slots is not given (default: 1 on CPU; on a GPU, what "
+                        "--gpu-memory-utilization leaves after the weights)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="share of the GPU's memory the engine may hold: weights, KV cache and activations (0.9)")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                   help="auto: flashinfer on CUDA where it imports, else torch (SDPA; on CPU the native decode "
+                        "kernel where it builds)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs: every decode step launches its kernels from Python")
     g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
@@ -91,6 +100,9 @@ def _engine_config(EngineConfig, args):
         max_batched_tokens=args.max_batched_tokens,
         kv_slots=args.kv_slots,
         kv_memory_gb=args.kv_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         admission=args.admission,
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,

@@ -61,16 +61,23 @@ ARCH_CONFIGS = {
 
 
 def make_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0,
-                    tie: bool = False, layers: int = 2) -> str:
+                    tie: bool = False, layers: int = 2, head_dim: int | None = None) -> str:
+    """`head_dim`: 16 by default (32 for qwen3); GPU kernels want 64 or more,
+    which this gives with hidden size 4 * head_dim (4 query heads, 2 KV heads)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(ARCH_CONFIGS[arch])
     model_type = spec.pop("model_type")
+    hidden = 64
+    if head_dim is not None:
+        hidden = 4 * head_dim
+        if "head_dim" in spec:
+            spec["head_dim"] = head_dim
     cfg = AutoConfig.for_model(
         model_type,
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -134,9 +134,12 @@ def test_logprobs_penalties_bias_and_min_tokens(plain):
     llm = LLM(check_invariants=True, speculative="ngram", spec_length="fixed:4")
     got = llm.generate(PROMPTS, params)
     assert _tokens(got) == _tokens(want)
+    # float32 (CPU): the same up to summation order; bfloat16 (a GPU): a verify position and a decode
+    # row run different kernels, which round differently
+    tol = 1e-4 if llm.engine.dtype == torch.float32 else 2e-2
     for g, w in zip(got, want):
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
-            assert a.token_id == b.token_id and math.isclose(a.logprob, b.logprob, abs_tol=1e-4)
+            assert a.token_id == b.token_id and math.isclose(a.logprob, b.logprob, abs_tol=tol)
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
     assert llm.engine.stats().policy["spec_draft_tokens"] > 0
 

@@ -147,11 +147,15 @@ def _engine_argv(args) -> list[str]:
                       ("--cpu-threads", args.cpu_threads), ("--branch-policy", args.branch_policy),
                       ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
                       ("--latency-profile", args.latency_profile), ("--speculative", args.speculative),
-                      ("--draft-model", args.draft_model), ("--spec-length", args.spec_length)]:
+                      ("--draft-model", args.draft_model), ("--spec-length", args.spec_length),
+                      ("--gpu-memory-utilization", args.gpu_memory_utilization),
+                      ("--attention-backend", args.attention_backend), ("--device", args.device)]:
         if val is not None:
             out += [flag, str(val)]
     if args.no_prefix_caching:
         out.append("--no-prefix-caching")
+    if args.enforce_eager:
+        out.append("--enforce-eager")
     return out
 
 

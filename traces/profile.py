@@ -450,8 +450,12 @@ def _server_engine_sizing(args, max_len: int) -> tuple[int, str]:
                        ("cuda" if args.device == "auto" else args.device))
     mc = ModelConfig.from_pretrained(args.model or DEFAULT_MODEL)
     per_tok = mc.kv_bytes_per_token(resolve_dtype(args.dtype, mc, dev))
-    slots = min(int(args.kv_memory_gb * (1 << 30) // per_tok), args.max_running * max_len)
-    return slots, f"--kv-memory-gb {args.kv_memory_gb} of the model's KV ({per_tok} bytes/token)"
+    if args.kv_memory_gb is None and dev.type == "cuda":
+        raise SystemExit("stepserve profile: on a GPU the server's KV pool depends on its free memory; "
+                         "give --kv-slots or --kv-memory-gb as the server was started with")
+    gb = 1.0 if args.kv_memory_gb is None else args.kv_memory_gb
+    slots = min(int(gb * (1 << 30) // per_tok), args.max_running * max_len)
+    return slots, f"--kv-memory-gb {gb} of the model's KV ({per_tok} bytes/token)"
 
 
 def _run_http(args) -> int:

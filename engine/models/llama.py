@@ -67,12 +67,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, exactly as the
-        # reference implementation does, so bf16 results agree bit-for-bit-ish.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return TorchKernels.rmsnorm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -128,6 +123,78 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+class TorchKernels:
+    """The small per-layer ops in plain torch: the reference, and the CPU path.
+    The norm computes in float32 and casts back before the weight, exactly as
+    the Hugging Face implementation does; rotary cos/sin are looked up once per
+    step (`rope_prepare`) and shared by every layer."""
+
+    name = "torch"
+
+    def __init__(self, rotary: RotaryEmbedding):
+        self.rotary = rotary
+
+    @staticmethod
+    def rmsnorm(x, weight, eps):
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        """(norm(residual + x), residual + x)."""
+        residual = residual + x
+        return self.rmsnorm(residual, weight, eps), residual
+
+    def rope_prepare(self, positions, dtype):
+        return self.rotary.lookup(positions, dtype)
+
+    @staticmethod
+    def rope(state, q, k, head_dim):
+        """q [T, Hq * D], k [T, Hkv * D] rotated; returns them as [T, H, D]."""
+        t = q.shape[0]
+        return apply_rotary(q.view(t, -1, head_dim), k.view(t, -1, head_dim), *state)
+
+    @staticmethod
+    def silu_and_mul(x):
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class FlashInferKernels(TorchKernels):
+    """The same ops as fused flashinfer kernels (one launch each instead of
+    5-10): RMSNorm, residual add + RMSNorm in place, rotary on q and k in place
+    from a float32 cos/sin cache, SiLU-and-mul. Small numeric differences from
+    `TorchKernels` (the norm multiplies by its weight before rounding)."""
+
+    name = "flashinfer"
+
+    def __init__(self, rotary: RotaryEmbedding, flashinfer):
+        super().__init__(rotary)
+        self.fi = flashinfer
+        half = rotary.cos.shape[1] // 2
+        # neox layout: cos of each frequency, then sin of each
+        self.cos_sin = torch.cat([rotary.cos[:, :half], rotary.sin[:, :half]], dim=1).contiguous()
+
+    def rmsnorm(self, x, weight, eps):
+        return self.fi.rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        self.fi.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def rope_prepare(self, positions, dtype):
+        return positions
+
+    def rope(self, positions, q, k, head_dim):
+        self.fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, self.cos_sin, is_neox=True)
+        t = q.shape[0]
+        return q.view(t, -1, head_dim), k.view(t, -1, head_dim)
+
+    def silu_and_mul(self, x):
+        return self.fi.silu_and_mul(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -142,16 +209,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], backend: AttentionBackend, fb: ForwardBatch):
+    def forward(self, x, rope, backend: AttentionBackend, fb: ForwardBatch, kern: TorchKernels):
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
-        o = backend.forward(self.layer_id, q, k, v, fb)
+        t, d = x.shape[0], self.head_dim
+        if self.qk_norm:  # per head, before rotary
+            q = kern.rmsnorm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps).view(t, self.q_size)
+            k = kern.rmsnorm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps).view(t, self.kv_size)
+        q, k = kern.rope(rope, q, k, d)
+        o = backend.forward(self.layer_id, q, k, v.view(t, self.num_kv_heads, d), fb)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -162,9 +228,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, kern: TorchKernels):
+        return self.down_proj(kern.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -175,9 +240,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope, backend, fb):
-        x = x + self.self_attn(self.input_layernorm(x), rope, backend, fb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, backend, fb, kern: TorchKernels):
+        """(this layer's MLP output, the residual stream before it): the
+        residual add is fused into the next norm (`kern.add_rmsnorm`)."""
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = x, kern.rmsnorm(x, n1.weight, n1.eps)
+        else:
+            h, residual = kern.add_rmsnorm(x, residual, n1.weight, n1.eps)
+        h = self.self_attn(h, rope, backend, fb, kern)
+        h, residual = kern.add_rmsnorm(h, residual, n2.weight, n2.eps)
+        return self.mlp(h, kern), residual
 
 
 class LlamaModel(nn.Module):
@@ -205,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, max_positions or cfg.max_position_embeddings)
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.kernels: TorchKernels = TorchKernels(self.rotary)  # `use_kernels` swaps in fused ones
 
 
     @torch.inference_mode()
@@ -212,12 +286,24 @@ class LlamaForCausalLM(nn.Module):
         """Runs the batch; returns logits (float32) for `fb.logits_indices` only,
         and the final (normed) hidden states at `fb.hidden_indices` (None if none)."""
         backend.prepare(fb)
+        return self.forward_planned(fb, backend)
+
+    def forward_planned(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` after `backend` was planned for `fb`: the part a CUDA graph captures."""
+        kern = self.kernels
         x = self.model.embed_tokens(fb.input_ids)
-        rope = self.rotary.lookup(fb.positions, x.dtype)
+        rope = kern.rope_prepare(fb.positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope, backend, fb)
-        hidden = self.model.norm(x[fb.hidden_indices]) if fb.hidden_indices is not None else None
-        return self.compute_logits(self.model.norm(x[fb.logits_indices])), hidden
+            x, residual = layer(x, residual, rope, backend, fb, kern)
+        x = residual + x
+        norm = self.model.norm
+        hidden = kern.rmsnorm(x[fb.hidden_indices], norm.weight, norm.eps) if fb.hidden_indices is not None else None
+        return self.compute_logits(kern.rmsnorm(x[fb.logits_indices], norm.weight, norm.eps)), hidden
+
+    def use_kernels(self, flashinfer) -> None:
+        """Runs the small per-layer ops as flashinfer's fused kernels (CUDA)."""
+        self.kernels = FlashInferKernels(self.rotary, flashinfer)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states -> float32 logits."""

@@ -1,0 +1,165 @@
+"""flashinfer attention over the token-slot KV pool (CUDA).
+
+With page size 1 the pool already is flashinfer's paged layout: a layer's K
+buffer [slots, Hkv, D] viewed as [slots, 1, Hkv, D] is an NHD paged cache whose
+page ids are slot ids, so a row's page list is its row of the req->token table
+and no copy or conversion is needed.
+
+The backend is planned once per step (`prepare`) and the plan is shared by all
+layers (`forward`):
+  - decode-shaped queries (decode rows, and each position of a speculative
+    verify row, which reads its own prefix length) go through flashinfer's
+    batch decode wrapper -- with tensor cores where the GQA group is 4 or more,
+    as SGLang does;
+  - extend rows (prefill chunks over a radix-cached prefix) go through the
+    batch prefill wrapper, causal with the query aligned to the end of its
+    context, which is exactly "prefix + chunk".
+Planning reads only host data (the batch's lengths are built on the host) and
+builds the page index list on the device without a sync.
+
+CUDA graphs (`engine/cuda_graph.py`) use a decode wrapper per batch-size bucket
+whose index buffers have fixed addresses (`plan_graph`): the graph captures the
+kernels once and each replay only re-plans into those buffers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.kvcache import TokenKVPool
+
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-k partial results)
+
+
+def flashinfer_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the flashinfer backend cannot serve this model here (None: it can)."""
+    if device.type != "cuda":
+        return f"the device is {device.type}, not CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"the KV dtype is {dtype}; flashinfer's kernels take float16 or bfloat16"
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of flashinfer's {SUPPORTED_HEAD_DIMS}"
+    try:
+        importlib.import_module("flashinfer")
+    except Exception as e:  # ImportError, or a broken CUDA toolchain found at import
+        return f"flashinfer does not import ({type(e).__name__}: {e})"
+    return None
+
+
+def indptr_of(lengths: torch.Tensor | list[int]) -> torch.Tensor:
+    """[0, l0, l0+l1, ...] as int32 on the host (flashinfer's planners read it there)."""
+    lens = torch.as_tensor(lengths, dtype=torch.int32, device="cpu")
+    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(lens, 0, out=out[1:])
+    return out
+
+
+def paged_indices(table: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, total: int) -> torch.Tensor:
+    """table[rows[b], :lens[b]] for every b, concatenated, as int32 -- built on
+    the device with no host sync, since `total` (the sum of `lens`) is known."""
+    rep_rows = torch.repeat_interleave(rows, lens, output_size=total)
+    starts = torch.cumsum(lens, 0) - lens
+    offsets = torch.arange(total, device=lens.device) - torch.repeat_interleave(starts, lens, output_size=total)
+    return table[rep_rows, offsets].to(torch.int32)
+
+
+class FlashInferAttention:
+    def __init__(self, pool: TokenKVPool, num_heads: int, num_kv_heads: int, head_dim: int, flashinfer=None,
+                 workspace_bytes: int = WORKSPACE_BYTES):
+        fi = flashinfer if flashinfer is not None else importlib.import_module("flashinfer")
+        self.fi = fi
+        self.pool = pool
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.dtype = pool.dtype
+        dev = pool.device
+        # one float workspace for every wrapper: they run one after another on one stream
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
+        # tensor-core decode (the prefill kernel with one query per row) pays off past a GQA group of 4
+        # (vLLM's rule); its planner also walks the batch's lengths in Python, ~5 us a row
+        self.use_tensor_cores = num_heads // num_kv_heads > 4
+        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                            use_tensor_cores=self.use_tensor_cores)
+        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        shape = (pool.num_slots, 1, num_kv_heads, head_dim)
+        self._kv = [(k.view(shape), v.view(shape)) for k, v in zip(pool.k_buffers, pool.v_buffers)]
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_indices: torch.Tensor | None = None  # shared by the graph wrappers: one runs per step
+        self._active = None  # the decode wrapper this step's layers run
+        self._num_extend = 0  # tokens of this step's extend rows
+
+    # -- planning ---------------------------------------------------------------
+    def _plan_decode(self, wrapper, table, rows, lens, lens_host, pad_rows: int = 0) -> None:
+        """Plans `wrapper` for rows reading table[rows[b], :lens[b]], then
+        `pad_rows` more rows reading the padding slot 0 alone."""
+        n = len(lens_host)
+        indptr = indptr_of(torch.cat([lens_host.to(torch.int32), torch.ones(pad_rows, dtype=torch.int32)])
+                           if pad_rows else lens_host)
+        total = int(indptr[n])
+        indices = paged_indices(table, rows, lens, total)
+        if pad_rows:
+            indices = torch.cat([indices, indices.new_zeros(pad_rows)])
+        wrapper.plan(indptr, indices, torch.ones(n + pad_rows, dtype=torch.int32), self.num_heads,
+                     self.num_kv_heads, self.head_dim, 1, q_data_type=self.dtype, kv_data_type=self.dtype,
+                     sm_scale=self.scale)
+        self._active = wrapper
+
+    def prepare(self, fb: ForwardBatch) -> None:
+        self._active = None
+        if fb.num_decode:
+            lens_host = fb.decode_kv_lens_host if fb.decode_kv_lens_host is not None else fb.decode_kv_lens.cpu()
+            self._plan_decode(self.decode, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens, lens_host)
+        self._num_extend = 0
+        if fb.extend_rows:
+            qo = indptr_of([n for _, n, _ in fb.extend_rows])
+            kv = indptr_of([idx.shape[0] for *_, idx in fb.extend_rows])
+            indices = torch.cat([idx for *_, idx in fb.extend_rows]).to(torch.int32)
+            self.prefill.plan(qo, kv, indices, torch.ones(len(fb.extend_rows), dtype=torch.int32), self.num_heads,
+                              self.num_kv_heads, self.head_dim, 1, causal=True, q_data_type=self.dtype,
+                              kv_data_type=self.dtype, sm_scale=self.scale)
+            self._num_extend = int(qo[-1])
+
+    def graph_wrapper(self, batch_size: int, max_pages: int):
+        """The decode wrapper that a CUDA graph of `batch_size` rows captures:
+        its plan lives in buffers of fixed address (`max_pages`: the most page
+        indices any step may need)."""
+        w = self._graph_wrappers.get(batch_size)
+        if w is None:
+            dev = self.pool.device
+            if self._graph_indices is None or self._graph_indices.numel() < max_pages:
+                self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
+            w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=dev),
+            )
+            self._graph_wrappers[batch_size] = w
+        return w
+
+    def plan_graph(self, batch_size: int, max_pages: int, table, rows, lens, lens_host) -> None:
+        """Plans a pure decode step of len(lens_host) rows, padded to `batch_size`
+        rows, into the graph wrapper of that size; `forward` then runs it."""
+        self._num_extend = 0
+        self._plan_decode(self.graph_wrapper(batch_size, max_pages), table, rows, lens, lens_host,
+                          pad_rows=batch_size - len(lens_host))
+
+    # -- per layer ----------------------------------------------------------------
+    def forward(self, layer, q, k, v, fb):
+        self.pool.write(layer, fb.out_slots, k, v)
+        kv = self._kv[layer]
+        q = q.contiguous()  # fused rotary leaves q a strided view of the qkv projection
+        out = torch.empty_like(q)
+        nd = fb.num_decode
+        if nd:
+            self._active.run(q[:nd], kv, out=out[:nd])
+        if self._num_extend:
+            e = nd + self._num_extend
+            self.prefill.run(q[nd:e], kv, out=out[nd:e])
+        if fb.num_padding:
+            out[-fb.num_padding :].zero_()  # belongs to no row; keep it finite
+        return out

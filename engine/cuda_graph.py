@@ -1,0 +1,135 @@
+"""Decode steps replayed from CUDA graphs, one per batch-size bucket.
+
+A decode step of b rows (with speculation: b decode-shaped queries) runs the
+graph of the smallest bucket B >= b. Its inputs are copied into static buffers
+and the rows b..B-1 are padding: token 0 at position 0, writing and reading
+only the padding slot 0. Attention is re-planned into the bucket's fixed
+buffers before each replay (`FlashInferAttention.plan_graph`); everything else
+in the step -- embedding, every layer's projections, norms, rotary, KV writes,
+the logits of all B rows -- is one graph launch instead of ~10 kernel launches
+per layer from Python.
+
+Steps with prefill chunks, prompt logprobs or more rows than the largest
+bucket run eagerly. On a device without CUDA graphs (`capture=False`) the same
+buffers, padding and plans are used and the forward runs eagerly on them: that
+is how the CPU test suite checks this module against the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from stepserve.engine.forward_batch import ForwardBatch
+
+log = logging.getLogger("stepserve.engine")
+
+
+def graph_buckets(max_rows: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, then every 32 up to `max_rows` (which is always a bucket)."""
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+    out = [b for b in (1, 2, 4, 8, 16, 32) if b < max_rows]
+    b = 64
+    while b < max_rows:
+        out.append(b)
+        b += 32
+    out.append(max_rows)
+    return out
+
+
+def bucket_for(buckets: list[int], rows: int) -> int | None:
+    for b in buckets:
+        if b >= rows:
+            return b
+    return None
+
+
+class DecodeGraphs:
+    def __init__(self, model, backend, req_to_token: torch.Tensor, max_rows: int, capture: bool | None = None):
+        self.model = model
+        self.backend = backend
+        self.table = req_to_token
+        self.device = req_to_token.device
+        self.capture_graphs = self.device.type == "cuda" if capture is None else capture
+        self.buckets = graph_buckets(max_rows)
+        bmax = self.buckets[-1]
+        # the most page indices a step can name: every row at full context
+        self.max_pages = bmax * req_to_token.shape[1]
+        dev = self.device
+        self.input_ids = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.out_slots = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.rows = torch.zeros(bmax, dtype=torch.long, device=dev)
+        self.lens = torch.ones(bmax, dtype=torch.long, device=dev)
+        self.arange = torch.arange(bmax, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
+        self.replays = 0  # steps served from a graph (or, without capture, from the static buffers)
+
+    def _batch(self, bs: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_slots=self.out_slots[:bs],
+            num_decode=bs, req_to_token=self.table, decode_rows=self.rows[:bs], decode_kv_lens=self.lens[:bs],
+            extend_rows=[], logits_indices=self.arange[:bs],
+        )
+
+    def _plan(self, bs: int, rows, lens, lens_host) -> None:
+        self.backend.plan_graph(bs, self.max_pages, self.table, rows, lens, lens_host)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket's graph, largest first (later ones reuse its
+        memory pool); a no-op without CUDA graphs."""
+        if not self.capture_graphs:
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        one = torch.ones(1, dtype=torch.long)
+        for bs in reversed(self.buckets):
+            fb = self._batch(bs)
+            # every row a padding row: reads and writes slot 0 only
+            self._plan(bs, self.rows[:0], self.lens[:0], one[:0])
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
+                for _ in range(2):
+                    self.model.forward_planned(fb, self.backend)
+            torch.cuda.current_stream().wait_stream(stream)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                logits, _ = self.model.forward_planned(fb, self.backend)
+            self.graphs[bs], self.logits[bs] = g, logits
+        torch.cuda.synchronize()
+        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs), self.buckets,
+                 time.perf_counter() - t0)
+
+    def fits(self, fb: ForwardBatch) -> bool:
+        """A pure decode step these graphs serve: decode-shaped queries only,
+        no prompt logprobs, no padding."""
+        return (not fb.extend_rows and fb.hidden_indices is None and not fb.num_padding
+                and 0 < fb.num_decode <= self.buckets[-1])
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits at `fb.logits_indices` of a step that `fits` (the graph
+        computes every query's; a forking row samples its one query's logits
+        several times)."""
+        b = fb.num_decode
+        bs = bucket_for(self.buckets, b)
+        for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
+                              (self.out_slots, fb.out_slots, 0), (self.rows, fb.decode_rows, 0),
+                              (self.lens, fb.decode_kv_lens, 1)):
+            buf[:b].copy_(src)
+            if bs > b:
+                buf[b:bs].fill_(pad)
+        lens_host = fb.decode_kv_lens_host if fb.decode_kv_lens_host is not None else fb.decode_kv_lens.cpu()
+        self._plan(bs, self.rows[:b], self.lens[:b], lens_host)
+        self.replays += 1
+        if self.capture_graphs:
+            self.graphs[bs].replay()
+            logits = self.logits[bs]
+        else:
+            logits, _ = self.model.forward_planned(self._batch(bs), self.backend)
+        return logits.index_select(0, fb.logits_indices)

@@ -21,6 +21,7 @@ time per step (everything in a step but the model forward and sampling) with
 from __future__ import annotations
 
 import argparse
+import gc
 import platform
 import statistics
 import sys
@@ -43,6 +44,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overhead-rows", type=int, default=256)
     g.add_argument("--overhead-steps", type=int, default=40)
     g.add_argument("--skip-hf", action="store_true", help="measure stepserve only")
+    g.add_argument("--skip-hf-continuous", action="store_true",
+                   help="leave out transformers' generate_batch (slow on large models)")
     g.add_argument("--bench-seed", type=int, default=0)
     g.add_argument("--out", default=None, help="write the report as JSON here")
 
@@ -100,6 +103,7 @@ class HFStaticRunner:
 
     def __init__(self, model, concurrency: int, pad_id: int):
         self.model, self.bs, self.pad = model, concurrency, pad_id
+        self.device = next(model.parameters()).device
 
     @torch.inference_mode()
     def run(self, prompts, out_lens) -> int:
@@ -117,7 +121,7 @@ class HFStaticRunner:
                 ids[j, width - len(p) :] = torch.tensor(p)
                 mask[j, width - len(p) :] = 1
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=out_len, min_new_tokens=out_len,
                 do_sample=False, pad_token_id=self.pad, eos_token_id=None,
             )
             assert out.shape[1] - width == out_len
@@ -194,13 +198,16 @@ def run(args) -> int:
     prompts = make_prompts(args.num_prompts, args.input_len_min, args.input_len_max, vocab, args.bench_seed)
     runners = [ours]
     notes = {}
+    hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=ours.engine.dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=ours.engine.dtype).to(ours.engine.device).eval()
         pad = ours.engine.tokenizer.pad_token_id or 0
         runners.append(HFStaticRunner(hf, args.concurrency, pad))
-        if hasattr(hf, "generate_batch"):
+        if args.skip_hf_continuous:
+            notes["hf-continuous"] = "left out (--skip-hf-continuous)"
+        elif hasattr(hf, "generate_batch"):
             runners.append(HFContinuousRunner(hf, args.concurrency))
         else:
             notes["hf-continuous"] = "transformers has no generate_batch in this version"
@@ -253,16 +260,25 @@ def run(args) -> int:
             "speedup_vs": {k: base / v for k, v in others.items()},
             "speedup_vs_best_hf": base / max(others.values()) if others else None,
         }
+    # free every model before the overhead engine loads its own (an 8B model twice, plus a
+    # transformers copy and a GPU-sized KV pool, do not fit on one GPU)
+    device, dtype = ours.engine.device, ours.engine.dtype
+    runners.clear()
+    del ours, hf
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     _progress(f"measuring scheduler overhead at {args.overhead_rows} running sequences ...")
     overhead = measure_overhead(engine_config(args), args.overhead_rows, args.overhead_steps, vocab, args.bench_seed)
     report = {
         "command": command_line(),
         "model": model_dir,
         "versions": versions(),
-        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
+        "machine": {"cpu_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
         "workload": {"num_prompts": args.num_prompts, "concurrency": args.concurrency,
                      "input_len": [args.input_len_min, args.input_len_max], "output_len_mean": args.output_len,
-                     "repeats": args.repeats, "dtype": str(ours.engine.dtype)},
+                     "repeats": args.repeats, "dtype": str(dtype)},
         "workloads": workloads,
         "scheduler_overhead": overhead,
         "notes": notes,

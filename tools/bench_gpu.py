@@ -1,0 +1,225 @@
+"""Decode and prefill throughput on a GPU, against the memory-bandwidth roofline.
+
+    python tools/bench_gpu.py --model DIR [--make llama3-8b] --batches 1,8,64,256 --out report.json
+
+`--make SHAPE` first writes a random-weight bf16 checkpoint of that shape to
+DIR (made on the GPU, no download; the tokenizer is the tests' tiny BPE, which
+serves only text -- the benchmark sends token ids).
+
+Decode: for each batch size B, B requests with `--context`-token prompts are
+prefilled, then `--steps` decode steps are timed (engine.step() wall time,
+which ends when the sampled tokens are on the host: scheduling, batch
+building, the forward, sampling and the update, all of it). Reported: the
+median step, tok/s = B / step, and the roofline -- the bytes a decode step
+must read (every weight, the embedding table's B rows only unless it is also
+the LM head, plus every row's KV) over the GPU's copy bandwidth measured in
+the same run (a device-to-device copy, bytes read + written). With
+`--compare-eager` each batch size also runs with `enforce_eager` (no CUDA graphs).
+
+Prefill: `--prefill-prompts` prompts of `--context` tokens with max_tokens=1;
+prompt tokens per second over the whole run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    # Llama-3-8B
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=8192, tie_word_embeddings=False),
+    # Qwen2.5-1.5B (head_dim 128, like the 8B: one set of attention kernels serves both)
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rope_theta=1000000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
+}
+
+
+def make_checkpoint(path: str, shape: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from checkpoints import make_tokenizer
+
+    spec = dict(SHAPES[shape])
+    cfg = AutoConfig.for_model(spec.pop("model_type"), **spec, eos_token_id=0, bos_token_id=0)
+    t0 = time.perf_counter()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    make_tokenizer(path)
+    del model
+    torch.cuda.empty_cache()
+    print(f"made {shape} at {path} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 20) -> float:
+    """Bytes per second a device-to-device copy moves (read + written), median of `reps`."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(reps + 3):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * nbytes / statistics.median(times[3:])
+
+
+def weight_bytes_per_step(model, batch: int) -> int:
+    """Weights one decode step reads: all of them, but only `batch` rows of an
+    embedding table that is not also the LM head."""
+    emb = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not model.config.tie_word_embeddings:
+        total -= emb.numel() * emb.element_size() - batch * emb.shape[1] * emb.element_size()
+    return total
+
+
+def engine(args, **kw):
+    from stepserve.engine.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_model_len=args.max_model_len,
+                               kv_memory_gb=args.kv_memory_gb, max_batched_tokens=args.max_batched_tokens, **kw))
+
+
+def free(eng) -> None:
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def decode_point(args, batch: int, eager: bool, bandwidth: float) -> dict:
+    from stepserve.engine.sampling_params import SamplingParams
+
+    eng = engine(args, max_running=batch, enforce_eager=eager)
+    g = torch.Generator().manual_seed(batch)
+    vocab = eng.model_config.vocab_size
+    p = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        eng.add_request(torch.randint(16, vocab, (args.context,), generator=g).tolist(), p)
+    while eng.scheduler.waiting or any(s.pending > 1 for s in eng.scheduler.running):
+        eng.step()
+    for _ in range(3):  # warm-up decode steps
+        eng.step()
+    times = []
+    first = eng.step_id
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t0)
+    recs = [r for r in eng.records if r.step >= first]
+    parts = {k: statistics.median(getattr(r, k) for r in recs) * 1e3 for k in ("schedule_s", "prep_s", "forward_s")}
+    if batch in args.profile_batches and not eager:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(8):
+                eng.step()
+        print(f"--- profile: 8 decode steps at batch {batch} ---")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
+    ctx = sum(len(s.token_ids) for s in eng.scheduler.running)
+    step = statistics.median(times)
+    kv = ctx * eng.model_config.kv_bytes_per_token(eng.dtype)
+    wbytes = weight_bytes_per_step(eng.model, batch)
+    roof = (wbytes + kv) / bandwidth
+    graphs = eng.runner.graphs
+    out = {"batch": batch, "mode": "eager" if eager else "graphs", "backend": eng.attention_backend,
+           "step_ms_median": step * 1e3, "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
+           "tok_per_s": batch / step, "weight_gb": wbytes / 1e9, "kv_gb": kv / 1e9,
+           "roofline_ms": roof * 1e3, "x_roofline": step / roof,
+           "graph_replays": graphs.replays if graphs is not None else 0,
+           **{k.replace("_s", "_ms_median"): v for k, v in parts.items()}}
+    for r in list(eng.requests):
+        eng.abort_request(r)
+    free(eng)
+    return out
+
+
+def prefill_point(args) -> dict:
+    from stepserve.engine.sampling_params import SamplingParams
+
+    eng = engine(args, max_running=args.prefill_prompts)
+    g = torch.Generator().manual_seed(1)
+    vocab = eng.model_config.vocab_size
+    p = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    res = []
+    for rep in range(2):  # the first pass compiles and warms; the second is timed
+        for _ in range(args.prefill_prompts):
+            eng.add_request(torch.randint(16, vocab, (args.context,), generator=g).tolist(), p)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while eng.has_unfinished():
+            eng.step()
+        res.append(time.perf_counter() - t0)
+        eng.scheduler.kv.tree.evict(eng.scheduler.kv.tree.evictable_size())
+    n = args.prefill_prompts * args.context
+    free(eng)
+    return {"prompts": args.prefill_prompts, "context": args.context, "max_batched_tokens": args.max_batched_tokens,
+            "seconds": res[-1], "tok_per_s": n / res[-1]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--make", choices=sorted(SHAPES), default=None, help="write a random checkpoint of this shape first")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    p.add_argument("--compare-eager", action="store_true")
+    p.add_argument("--prefill-prompts", type=int, default=64)
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-memory-gb", type=float, default=None)
+    p.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--profile-batches", default="", help="comma list: print a torch profile of 8 steps at these")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.profile_batches = {int(x) for x in args.profile_batches.split(",") if x}
+    if args.make_only:
+        make_checkpoint(args.model, args.make)
+        return 0
+    if args.make and not os.path.isfile(os.path.join(args.model, "config.json")):
+        # in a process of its own: the model it builds on the GPU must be gone before the engines load
+        import subprocess
+
+        subprocess.run([sys.executable, __file__, "--model", args.model, "--make", args.make, "--make-only"],
+                       check=True)
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    points = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for eager in ([False, True] if args.compare_eager else [False]):
+            pt = decode_point(args, b, eager, bw)
+            points.append(pt)
+            print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']}: {pt['step_ms_median']:7.2f} ms/step "
+                  f"{pt['tok_per_s']:9.1f} tok/s  roofline {pt['roofline_ms']:6.2f} ms ({pt['x_roofline']:.2f}x)  "
+                  f"[schedule {pt['schedule_ms_median']:.2f} prep {pt['prep_ms_median']:.2f} "
+                  f"forward+sample {pt['forward_ms_median']:.2f} ms]", flush=True)
+    pre = prefill_point(args)
+    print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+              "shape": args.make, "copy_bandwidth_tb_s": bw / 1e12, "decode": points, "prefill": pre,
+              "command": " ".join(sys.argv)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

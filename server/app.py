@@ -108,6 +108,12 @@ def create_app(async_engine, settings: ServerSettings,
         client.check_model(model)
         return SafeJSONResponse(model_card())
 
+    @app.get("/version")
+    async def version():
+        import stepserve
+
+        return {"version": stepserve.__version__}
+
     @app.get("/health")
     async def health():
         if not async_engine.is_alive():

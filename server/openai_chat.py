@@ -9,7 +9,7 @@ from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import chat_logprobs
-from stepserve.server.openai_common import sampling_kwargs
+from stepserve.server.openai_common import sampling_kwargs, stream_usage
 from stepserve.server.protocol import ChatCompletionRequest
 from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
 
@@ -42,7 +42,7 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, client: EngineClient):
     client.check_model(req.model)
-    kw = sampling_kwargs(req)
+    kw = sampling_kwargs(req, "chat")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     ids = await render_chat(client, req)
@@ -67,19 +67,25 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
         return {"id": rid, "object": obj, "created": acc.created, "model": client.settings.served_model_name,
                 "system_fingerprint": None, "choices": choices, **extra}
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = stream_usage(req)
     extra = {"usage": None} if include_usage else {}
     chunk_obj = "chat.completion.chunk"
 
+    def live():  # the usage field of a streamed chunk: the running totals with continuous_usage_stats
+        return {"usage": acc.usage()} if continuous else extra
+
     def chunk(out, deltas):
-        choices = []
-        for idx, o in deltas:
+        events = []
+        for idx, o in deltas:  # one choice per chunk, as OpenAI streams them
             if not o.text and not o.token_ids and o.finish_reason is None:
                 continue
             lp = chat_logprobs(client.texts, o.logprobs or []) if req.logprobs else None
             delta = {"content": o.text} if o.text else {}
-            choices.append({"index": idx, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason})
-        return head(chunk_obj, choices, **extra) if choices else None
+            choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason}
+            if o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason
+            events.append(head(chunk_obj, [choice], **live()))
+        return events
 
     def final():
         choices = [
@@ -88,12 +94,13 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
                 "message": {"role": "assistant", "content": "".join(st.text), "refusal": None},
                 "logprobs": chat_logprobs(client.texts, st.logprobs) if req.logprobs else None,
                 "finish_reason": st.finish_reason,
+                "stop_reason": st.stop_reason,
             }
             for idx, st in sorted(acc.choices.items())
         ]
         return head("chat.completion", choices, usage=acc.usage())
 
     first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None} for i in range(req.n)], **extra)]
+                               "finish_reason": None}], **extra) for i in range(req.n)]
     last = (lambda: head(chunk_obj, [], usage=acc.usage())) if include_usage else None
     return await gen.respond(req.stream, chunk, final, first, last)

@@ -8,14 +8,28 @@ from dataclasses import dataclass, field
 
 from stepserve.engine.request import RequestOutput, TokenLogprob
 from stepserve.server.errors import bad_request
-from stepserve.server.protocol import _SamplingFields
+from stepserve.server.protocol import HARMLESS_VALUES, UNSUPPORTED_FIELDS, _SamplingFields
 
 
-def sampling_kwargs(req: _SamplingFields) -> dict:
-    """The OpenAI (and vLLM-extension) sampling fields, in SamplingParams' names."""
-    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative)
+def refuse_unsupported(req: _SamplingFields, route: str) -> None:
+    """A 400 naming the first field of `req` that stepserve does not implement
+    and that would change the result (`UNSUPPORTED_FIELDS`)."""
+    table = UNSUPPORTED_FIELDS[route]
+    for name, value in (req.model_extra or {}).items():
+        if name in table and value is not None and value not in HARMLESS_VALUES.get(name, ()):
+            raise bad_request(f"'{name}' is not supported by this server ({table[name]} is not implemented)", name)
+
+
+def sampling_kwargs(req: _SamplingFields, route: str) -> dict:
+    """The OpenAI (and vLLM-extension) sampling fields, in SamplingParams'
+    names, after refusing the fields this route does not implement."""
+    refuse_unsupported(req, route)
+    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative, min_tokens=req.min_tokens)
+    if req.stop_token_ids:
+        kw["stop_token_ids"] = list(req.stop_token_ids)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
     if req.temperature is not None:
         kw["temperature"] = req.temperature
     if req.top_p is not None:
@@ -96,3 +110,10 @@ class Accumulator:
     def usage(self) -> dict:
         completion = sum(len(c.token_ids) for c in self.choices.values())
         return usage(sum(self.prompt_tokens), completion, sum(self.cached))
+
+
+def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
+    """(a usage chunk at the end, usage so far in every chunk): stream_options'
+    include_usage and vLLM's continuous_usage_stats."""
+    so = req.stream_options
+    return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)

@@ -7,7 +7,7 @@ from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs
-from stepserve.server.openai_common import sampling_kwargs
+from stepserve.server.openai_common import sampling_kwargs, stream_usage
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
 
@@ -42,7 +42,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (ranking completions is not supported)", "best_of")
-    kw = sampling_kwargs(req)
+    kw = sampling_kwargs(req, "completions")
     prompts = await _prompts(client, req.prompt)
     factory = await client.compile_grammar(req.response_format)
     params = [
@@ -67,8 +67,11 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         return {"id": rid, "object": "text_completion", "created": acc.created, "model": client.settings.served_model_name,
                 "choices": choices, **extra}
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous = stream_usage(req)
     extra = {"usage": None} if include_usage else {}
+
+    def live(**kw):  # the usage field of a streamed chunk: the running totals with continuous_usage_stats
+        return {**kw, "usage": acc.usage()} if continuous else {**kw, **extra}
     offsets = {}  # choice index -> text offset of its next logprob (streamed)
     echo_lps = req.echo and req.logprobs is not None  # the echo waits for the prompt's logprobs
 
@@ -82,7 +85,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
                 for b in range(req.n):
                     offsets[i * req.n + b] = len(text)
                     yield head([{"index": i * req.n + b, "text": text, "logprobs": None, "finish_reason": None}],
-                               **extra)
+                               **live())
 
     def chunk(out, deltas):
         events = []
@@ -91,17 +94,17 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             for b in range(req.n):
                 offsets[i * req.n + b] = len(echoes[i])
                 events.append(head([{"index": i * req.n + b, "text": echoes[i], "logprobs": lp,
-                                     "finish_reason": None}], **extra))
-        choices = []
-        for idx, o in deltas:
+                                     "finish_reason": None}], **live()))
+        for idx, o in deltas:  # one choice per chunk, as OpenAI streams them
             lp = None
             if req.logprobs is not None:
                 lp, offsets[idx] = completion_logprobs(client.texts, o.logprobs or [], offsets.get(idx, 0))
             if not o.text and not o.token_ids and o.finish_reason is None:
                 continue
-            choices.append({"index": idx, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason})
-        if choices:
-            events.append(head(choices, **extra))
+            choice = {"index": idx, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+            if o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason
+            events.append(head([choice], **live()))
         return events
 
     def final():
@@ -115,7 +118,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
                 if echo_lps:
                     lp = join_completion_logprobs(echo_logprobs(idx // req.n), lp)
             choices.append({"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
-                            "finish_reason": st.finish_reason})
+                            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
         return head(choices, usage=acc.usage())
 
     last = (lambda: head([], usage=acc.usage())) if include_usage else None

@@ -48,6 +48,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage so far in every chunk
 
 
 class JsonSchemaSpec(_Model):
@@ -68,8 +69,74 @@ class ResponseFormat(_Model):
         return self
 
 
+# Fields of OpenAI's or vLLM's API that stepserve does not implement and that
+# would change the result: a request that sets one gets a 400 naming it (a
+# client must not believe it was honoured). A value in `harmless` is what the
+# field's absence means, and passes. Other unknown fields change nothing and are
+# ignored, as vLLM does.
+UNSUPPORTED_FIELDS = {
+    "completions": {
+        "prompt_logprobs": "prompt logprobs on /v1/completions (use echo with logprobs, or /generate)",
+        "truncate_prompt_tokens": "prompt truncation",
+        "structured_outputs": "structured_outputs (use response_format)",
+        "guided_json": "guided decoding (use response_format)",
+        "guided_regex": "guided decoding",
+        "guided_choice": "guided decoding",
+        "guided_grammar": "guided decoding",
+        "use_beam_search": "beam search",
+        "length_penalty": "beam search",
+        "allowed_token_ids": "allowed_token_ids",
+        "bad_words": "bad_words",
+        "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
+        "skip_special_tokens": "skip_special_tokens on this route",
+        "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    },
+    "chat": {
+        "tools": "tool calling",
+        "tool_choice": "tool calling",
+        "parallel_tool_calls": "tool calling",
+        "functions": "function calling",
+        "function_call": "function calling",
+        "echo": "echo on chat",
+        "continue_final_message": "continue_final_message",
+        "prompt_logprobs": "prompt logprobs on chat",
+        "truncate_prompt_tokens": "prompt truncation",
+        "structured_outputs": "structured_outputs (use response_format)",
+        "guided_json": "guided decoding (use response_format)",
+        "guided_regex": "guided decoding",
+        "guided_choice": "guided decoding",
+        "guided_grammar": "guided decoding",
+        "use_beam_search": "beam search",
+        "length_penalty": "beam search",
+        "allowed_token_ids": "allowed_token_ids",
+        "bad_words": "bad_words",
+        "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
+        "skip_special_tokens": "skip_special_tokens on this route",
+        "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+        "audio": "audio output",
+        "modalities": "output modalities other than text",
+        "prediction": "predicted outputs",
+        "web_search_options": "web search",
+        "chat_template": "a chat template in the request",
+        "chat_template_kwargs": "chat template arguments",
+        "documents": "documents for the chat template",
+        "mm_processor_kwargs": "multimodal inputs",
+    },
+}
+HARMLESS_VALUES = {
+    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True,), "functions": ([],),
+    "function_call": ("none",), "echo": (False,), "continue_final_message": (False,), "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "modalities": (["text"],), "chat_template_kwargs": ({},), "bad_words": ([],), "length_penalty": (1.0,),
+}
+
+
 class _SamplingFields(_Model):
-    """Fields common to completions and chat (plus vLLM's sampling extensions)."""
+    """Fields common to completions and chat (plus vLLM's sampling extensions).
+    Unknown fields are kept (`model_extra`) so that the routes can refuse the
+    ones in UNSUPPORTED_FIELDS."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
     model: Optional[Text] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -94,6 +161,9 @@ class _SamplingFields(_Model):
     slo_tpot: Optional[Seconds] = None
     # stepserve's extension: false opts this request out of speculative decoding
     speculative: bool = True
+    # vLLM's extensions
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
 
 
 Prompt = Union[

@@ -1,4 +1,4 @@
-"""Constrained decoding (JSON object / JSON schema) with llguidance.
+"""Constrained decoding (JSON schema, regex, choice, Lark grammar) with llguidance.
 
 llguidance compiles a JSON schema to a grammar and, per branch, a matcher
 computes the set of allowed next tokens as a bitmask (tens of microseconds per
@@ -119,16 +119,37 @@ def _prototype(f: GrammarFactory, tokenizer=None):
     return m
 
 
-def json_schema_grammar(schema: dict, tokenizer_dir: str, vocab_size: int, eos_ids, tokenizer=None) -> GrammarFactory:
-    """A factory constraining output to JSON valid under `schema`; compiles it
-    here once (blocking: call it off the event loop), so an invalid schema
-    raises ValueError now rather than in the engine."""
+def grammar_text(kind: str, spec) -> str:
+    """llguidance's grammar for a constraint: kind "json" (a JSON schema,
+    dict), "regex", "choice" (a list of strings: exactly one of them) or
+    "lark" (a Lark grammar); ValueError if it does not parse."""
     import llguidance
 
     try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_OPTIONS)
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(spec), defaults=_JSON_OPTIONS)
+        if kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(spec)
+        if kind == "choice":
+            if not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        if kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(spec)
     except (ValueError, TypeError) as e:
         raise ValueError(str(e)) from None
-    f = GrammarFactory(grammar, tokenizer_dir, vocab_size, tuple(sorted(int(e) for e in eos_ids)))
+    raise ValueError(f"unknown constraint kind {kind!r}")
+
+
+def compile_grammar(kind: str, spec, tokenizer_dir: str, vocab_size: int, eos_ids, tokenizer=None) -> GrammarFactory:
+    """A factory constraining output by `grammar_text(kind, spec)`; compiles it
+    here once (blocking: call it off the event loop), so an invalid one raises
+    ValueError now rather than in the engine."""
+    f = GrammarFactory(grammar_text(kind, spec), tokenizer_dir, vocab_size, tuple(sorted(int(e) for e in eos_ids)))
     _prototype(f, tokenizer)
     return f
+
+
+def json_schema_grammar(schema: dict, tokenizer_dir: str, vocab_size: int, eos_ids, tokenizer=None) -> GrammarFactory:
+    """A factory constraining output to JSON valid under `schema` (see `compile_grammar`)."""
+    return compile_grammar("json", schema, tokenizer_dir, vocab_size, eos_ids, tokenizer)

@@ -26,6 +26,7 @@ from stepserve.server.metrics import ServerMetrics
 from stepserve.server.native import generate
 from stepserve.server.openai_chat import create_chat_completion
 from stepserve.server.openai_completions import create_completion
+from stepserve.server.openai_responses import ResponseStore, ResponsesRequest, create_response
 from stepserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from stepserve.server.shutdown_cut import ShutdownCutMiddleware
 from stepserve.server.serving import ClientDisconnected, EngineClient, ServerSettings
@@ -94,6 +95,21 @@ def create_app(async_engine, settings: ServerSettings,
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await create_chat_completion(body, request, client)
+
+    responses = ResponseStore()
+
+    @app.post("/v1/responses")
+    async def create_responses(body: ResponsesRequest, request: Request):
+        return await create_response(body, request, client, responses)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return SafeJSONResponse(responses.get(response_id)[0])
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        responses.delete(response_id)
+        return SafeJSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @app.post("/generate")
     async def native_generate(body: GenerateRequest, request: Request):

@@ -1,9 +1,10 @@
-"""`response_format` (JSON object / JSON schema) to an engine grammar
-(`stepserve.engine.grammar`, llguidance), with a 400 for an invalid schema."""
+"""`response_format` (JSON object / JSON schema), vLLM's `structured_outputs`
+(json, regex, choice, grammar) and tool schemas to an engine grammar
+(`stepserve.engine.grammar`, llguidance), with a 400 for an invalid one."""
 
 from __future__ import annotations
 
-from stepserve.engine.grammar import GrammarFactory, json_schema_grammar
+from stepserve.engine.grammar import GrammarFactory, compile_grammar
 from stepserve.server.errors import bad_request
 
 
@@ -25,7 +26,17 @@ class GrammarCompiler:
             schema = {"type": "object"}
         else:
             schema = response_format.json_schema.schema_
+        return self.compile_schema(schema, "response_format")
+
+    def compile_schema(self, schema: dict, param: str) -> GrammarFactory:
+        """A factory for JSON valid under `schema`; a 400 naming `param` if it does not compile."""
+        return self.compile_kind("json", schema, param)
+
+    def compile_kind(self, kind: str, spec, param: str) -> GrammarFactory:
+        """A factory for a constraint of `kind` (`engine.grammar.grammar_text`);
+        a 400 naming `param` if it does not compile."""
         try:
-            return json_schema_grammar(schema, self.tokenizer_dir, self.vocab_size, self.eos_ids, self.tokenizer)
+            return compile_grammar(kind, spec, self.tokenizer_dir, self.vocab_size, self.eos_ids, self.tokenizer)
         except ValueError as e:
-            raise bad_request(f"Invalid JSON schema in response_format: {e}", "response_format") from None
+            what = "JSON schema" if kind == "json" else kind
+            raise bad_request(f"Invalid {what} in {param}: {e}", param) from None

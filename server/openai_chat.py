@@ -4,19 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from stepserve.server.errors import bad_request
+from stepserve.server.errors import APIError, bad_request
 from stepserve.server.logprobs import chat_logprobs
-from stepserve.server.openai_common import sampling_kwargs, stream_usage
+from stepserve.server.openai_common import output_grammar, sampling_kwargs, stream_usage
 from stepserve.server.protocol import ChatCompletionRequest
 from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
+from stepserve.server.tools import ChoiceTools, constrained_schema
 
 
-async def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[int]:
-    """The conversation through the chat template, tokenized; its length is
-    checked before either, and big ones are rendered off the event loop."""
+def _arguments(text: str):
+    """A call's arguments as the chat template wants them: the parsed object
+    (templates write `arguments | tojson`), or the text if it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
+    """The conversation through the chat template (with `tools`, which it must
+    render), tokenized; its length is checked before either, and big ones are
+    rendered off the event loop."""
     tok = client.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions", "messages")
@@ -27,30 +40,98 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest) -> list[
             msg["name"] = m.name
         if m.tool_call_id is not None:
             msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         messages.append(msg)
-    chars = sum(len(m["content"]) for m in messages)
+    chars = sum(len(m["content"]) for m in messages) + sum(
+        len(c.function.arguments) for m in req.messages for c in (m.tool_calls or ()))
     client.check_text_length(chars, "messages")  # the template adds text; it does not drop a turn's content
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                              "continue_final_message")
+        if messages[-1]["role"] != "assistant":
+            raise bad_request("continue_final_message needs the last message to be the assistant's",
+                              "continue_final_message")
     render = functools.partial(tok.apply_chat_template, messages, tokenize=False,
-                               add_generation_prompt=req.add_generation_prompt)
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message)
     try:
-        text = render() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
+        if tools:
+            # a template that ignores `tools` would let the model answer blind: refuse instead
+            with_tools = functools.partial(render, tools=tools)
+            text = with_tools() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(with_tools)
+            if text == render():
+                raise bad_request("This model's chat template does not render tools", "tools")
+        else:
+            text = render() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
+    except APIError:
+        raise
     except Exception as e:  # jinja raises for conversations the template refuses
         raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
     # the rendered template already holds its special tokens as text
     return await client.tokenize(text, "messages")
 
 
-async def create_chat_completion(req: ChatCompletionRequest, request: Request, client: EngineClient):
+def tool_mode(req: ChatCompletionRequest) -> tuple[str, object]:
+    """("none" | "auto" | "required" | "named", tool_choice as plain data),
+    after checking that the choice fits the request."""
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if req.tools else "none"
+    if not isinstance(choice, str):
+        choice = choice.model_dump()
+        if not req.tools or choice["function"]["name"] not in {t.function.name for t in req.tools}:
+            raise bad_request(f"tool_choice names function {choice['function']['name']!r}, which is not "
+                              "among the request's tools", "tool_choice")
+        mode = "named"
+    else:
+        mode = choice
+        if mode == "required" and not req.tools:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice")
+    if mode in ("required", "named"):
+        try:
+            c = req.constraint()
+        except ValueError:
+            c = (None, None, "structured_outputs")
+        if c is not None:
+            raise bad_request(f"{c[2]} cannot be combined with a tool_choice that forces a call", c[2])
+    return mode, choice
+
+
+@dataclass
+class ChatJob:
+    """A chat request made ready for the engine: its prompt, sampling
+    parameters and tool mode (shared by chat completions and the Responses API)."""
+
+    ids: list[int]
+    params: object  # SamplingParams
+    names: dict[str, str]
+    mode: str  # tool mode: none | auto | required | named
+    choice: object  # tool_choice as plain data
+
+
+async def prepare_chat(req: ChatCompletionRequest, client: EngineClient) -> ChatJob:
+    """Checks, renders and tokenizes a chat request and builds its sampling
+    parameters (a 400 naming the field for anything wrong)."""
     client.check_model(req.model)
     kw = sampling_kwargs(req, "chat")
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = await render_chat(client, req)
+    mode, choice = tool_mode(req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and mode != "none" else None
+    ids = await render_chat(client, req, tools)
+    if req.truncate_prompt_tokens is not None:
+        ids = ids[-req.truncate_prompt_tokens:]  # vLLM's extension: the rendered prompt's last N tokens
     client.check_prompt(ids, "messages")
     budget_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = client.max_tokens(len(ids), requested, None, budget_param)
-    factory = await client.compile_grammar(req.response_format)
+    schema = constrained_schema(tools, choice) if mode in ("required", "named") else None
+    if schema is not None and mode == "required" and not req.parallel_tool_calls:
+        schema = {**schema, "maxItems": 1}
+    factory = await (client.compile_schema(schema, "tools") if schema is not None else output_grammar(client, req))
     names = {"logprobs": "top_logprobs", "max_tokens": budget_param, "prompt": "messages"}
     params = client.sampling_params(
         names,
@@ -59,6 +140,12 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         logits_processor_factory=factory,
     )
+    return ChatJob(ids, params, names, mode, choice)
+
+
+async def create_chat_completion(req: ChatCompletionRequest, request: Request, client: EngineClient):
+    job = await prepare_chat(req, client)
+    ids, params, names, mode, choice = job.ids, job.params, job.names, job.mode, job.choice
     rid = new_id("chatcmpl")
     gen = await client.start(request, [ids], [params], rid, req.n, names, slo=(req.slo_ttft, req.slo_tpot))
     acc = gen.acc
@@ -74,33 +161,57 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
     def live():  # the usage field of a streamed chunk: the running totals with continuous_usage_stats
         return {"usage": acc.usage()} if continuous else extra
 
+    per_choice: dict[int, ChoiceTools] = {}
+    # vLLM's echo: the last message's content, when it is the assistant's (a continued answer)
+    last_msg = req.messages[-1]
+    echo = last_msg.text() if req.echo and last_msg.role == "assistant" else ""
+    if echo and mode != "none":
+        raise bad_request("echo cannot be combined with tool calls", "echo")
+
     def chunk(out, deltas):
         events = []
         for idx, o in deltas:  # one choice per chunk, as OpenAI streams them
             if not o.text and not o.token_ids and o.finish_reason is None:
                 continue
             lp = chat_logprobs(client.texts, o.logprobs or []) if req.logprobs else None
-            delta = {"content": o.text} if o.text else {}
-            choice = {"index": idx, "delta": delta, "logprobs": lp, "finish_reason": o.finish_reason}
-            if o.finish_reason is not None:
-                choice["stop_reason"] = o.stop_reason
-            events.append(head(chunk_obj, [choice], **live()))
+            reason = o.finish_reason
+            if mode == "none":
+                parts = [{"content": o.text}] if o.text else [{}]
+            else:
+                ct = per_choice.setdefault(idx, ChoiceTools(mode, choice, req.parallel_tool_calls))
+                parts = ct.feed(o.text) if o.text else []
+                if reason is not None:
+                    more, reason = ct.finish(reason)
+                    parts += more
+                elif not parts:
+                    continue  # text held back (a tool call in the making)
+                parts = parts or [{}]
+            for k, delta in enumerate(parts):
+                last = k == len(parts) - 1
+                c = {"index": idx, "delta": delta, "logprobs": lp if k == 0 else None,
+                     "finish_reason": reason if last else None}
+                if last and reason is not None:
+                    c["stop_reason"] = o.stop_reason
+                events.append(head(chunk_obj, [c], **live()))
         return events
 
     def final():
-        choices = [
-            {
+        choices = []
+        for idx, st in sorted(acc.choices.items()):
+            text, reason = echo + "".join(st.text), st.finish_reason
+            msg = {"content": text}
+            if mode != "none":
+                msg, reason = ChoiceTools(mode, choice, req.parallel_tool_calls).message(text, reason)
+            choices.append({
                 "index": idx,
-                "message": {"role": "assistant", "content": "".join(st.text), "refusal": None},
+                "message": {"role": "assistant", **msg, "refusal": None},
                 "logprobs": chat_logprobs(client.texts, st.logprobs) if req.logprobs else None,
-                "finish_reason": st.finish_reason,
+                "finish_reason": reason,
                 "stop_reason": st.stop_reason,
-            }
-            for idx, st in sorted(acc.choices.items())
-        ]
+            })
         return head("chat.completion", choices, usage=acc.usage())
 
-    first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+    first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                                "finish_reason": None}], **extra) for i in range(req.n)]
     last = (lambda: head(chunk_obj, [], usage=acc.usage())) if include_usage else None
     return await gen.respond(req.stream, chunk, final, first, last)

@@ -3,12 +3,13 @@ usage, and the accumulation of deltas into whole choices."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 from stepserve.engine.request import RequestOutput, TokenLogprob
 from stepserve.server.errors import bad_request
-from stepserve.server.protocol import HARMLESS_VALUES, UNSUPPORTED_FIELDS, _SamplingFields
+from stepserve.server.protocol import HARMLESS_VALUES, UNSUPPORTED_FIELDS, ConstraintError, _SamplingFields
 
 
 def refuse_unsupported(req: _SamplingFields, route: str) -> None:
@@ -117,3 +118,17 @@ def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
     include_usage and vLLM's continuous_usage_stats."""
     so = req.stream_options
     return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
+
+
+async def output_grammar(client, req: _SamplingFields):
+    """The request's grammar factory, from whichever of response_format,
+    structured_outputs and guided_* it gives (None if none); a 400 naming the
+    field for a bad one, or for two."""
+    try:
+        c = req.constraint()
+    except ConstraintError as e:
+        raise bad_request(str(e), e.param) from None
+    if c is None:
+        return None
+    kind, spec, param = c
+    return await asyncio.to_thread(client.grammar.compile_kind, kind, spec, param)

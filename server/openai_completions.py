@@ -7,7 +7,7 @@ from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs
-from stepserve.server.openai_common import sampling_kwargs, stream_usage
+from stepserve.server.openai_common import output_grammar, sampling_kwargs, stream_usage
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
 
@@ -17,8 +17,9 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 _NAMES = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt"}
 
 
-async def _prompts(client: EngineClient, prompt) -> list[tuple[list[int], str | None]]:
-    """(token ids, text or None) per prompt, each checked."""
+async def _prompts(client: EngineClient, prompt, keep: int | None = None) -> list[tuple[list[int], str | None]]:
+    """(token ids, text or None) per prompt, each checked; with `keep`
+    (truncate_prompt_tokens), only each prompt's last `keep` tokens."""
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -31,8 +32,11 @@ async def _prompts(client: EngineClient, prompt) -> list[tuple[list[int], str | 
     out = []
     for p in items:
         ids = await client.tokenize(p, "prompt") if isinstance(p, str) else list(p)
+        text = p if isinstance(p, str) else None
+        if keep is not None and len(ids) > keep:
+            ids, text = ids[-keep:], None
         client.check_prompt(ids, "prompt")
-        out.append((ids, p if isinstance(p, str) else None))
+        out.append((ids, text))
     return out
 
 
@@ -43,8 +47,8 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (ranking completions is not supported)", "best_of")
     kw = sampling_kwargs(req, "completions")
-    prompts = await _prompts(client, req.prompt)
-    factory = await client.compile_grammar(req.response_format)
+    prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
+    factory = await output_grammar(client, req)
     params = [
         client.sampling_params(
             _NAMES,

@@ -77,12 +77,6 @@ class ResponseFormat(_Model):
 UNSUPPORTED_FIELDS = {
     "completions": {
         "prompt_logprobs": "prompt logprobs on /v1/completions (use echo with logprobs, or /generate)",
-        "truncate_prompt_tokens": "prompt truncation",
-        "structured_outputs": "structured_outputs (use response_format)",
-        "guided_json": "guided decoding (use response_format)",
-        "guided_regex": "guided decoding",
-        "guided_choice": "guided decoding",
-        "guided_grammar": "guided decoding",
         "use_beam_search": "beam search",
         "length_penalty": "beam search",
         "allowed_token_ids": "allowed_token_ids",
@@ -92,20 +86,9 @@ UNSUPPORTED_FIELDS = {
         "return_tokens_as_token_ids": "return_tokens_as_token_ids",
     },
     "chat": {
-        "tools": "tool calling",
-        "tool_choice": "tool calling",
-        "parallel_tool_calls": "tool calling",
-        "functions": "function calling",
-        "function_call": "function calling",
-        "echo": "echo on chat",
-        "continue_final_message": "continue_final_message",
+        "functions": "the legacy functions field (use tools)",
+        "function_call": "the legacy function_call field (use tool_choice)",
         "prompt_logprobs": "prompt logprobs on chat",
-        "truncate_prompt_tokens": "prompt truncation",
-        "structured_outputs": "structured_outputs (use response_format)",
-        "guided_json": "guided decoding (use response_format)",
-        "guided_regex": "guided decoding",
-        "guided_choice": "guided decoding",
-        "guided_grammar": "guided decoding",
         "use_beam_search": "beam search",
         "length_penalty": "beam search",
         "allowed_token_ids": "allowed_token_ids",
@@ -124,11 +107,39 @@ UNSUPPORTED_FIELDS = {
     },
 }
 HARMLESS_VALUES = {
-    "tools": ([],), "tool_choice": ("none",), "parallel_tool_calls": (True,), "functions": ([],),
-    "function_call": ("none",), "echo": (False,), "continue_final_message": (False,), "use_beam_search": (False,),
+    "functions": ([],),
+    "function_call": ("none",), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
     "modalities": (["text"],), "chat_template_kwargs": ({},), "bad_words": ([],), "length_penalty": (1.0,),
 }
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: Optional[Union[dict, Text]] = Field(None, alias="json")  # a JSON schema (or its text)
+    regex: Optional[Text] = None
+    choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
+    grammar: Optional[Text] = None  # Lark (EBNF-like)
+    json_object: Optional[bool] = None
+
+    def constraint(self) -> tuple[str, object]:
+        """(engine.grammar kind, spec)."""
+        given = [(k, v) for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
+                                     ("lark", self.grammar), ("json_object", self.json_object)) if v]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        kind, spec = given[0]
+        if kind == "json_object":
+            return "json", {"type": "object"}
+        if kind == "json" and isinstance(spec, str):
+            import json
+
+            try:
+                spec = json.loads(spec)
+            except ValueError as e:
+                raise ValueError(f"json is not a JSON schema: {e}") from None
+        return kind, spec
 
 
 class _SamplingFields(_Model):
@@ -164,6 +175,48 @@ class _SamplingFields(_Model):
     # vLLM's extensions
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
+    structured_outputs: Optional[StructuredOutputs] = None
+    guided_json: Optional[Union[dict, Text]] = None  # vLLM's older names for the same
+    guided_regex: Optional[Text] = None
+    guided_choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
+    guided_grammar: Optional[Text] = None
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)  # keep the prompt's last N tokens
+
+    def constraint(self) -> tuple[str, object, str] | None:
+        """(kind, spec, field) of the request's one output constraint, from
+        response_format, structured_outputs or a guided_* field (None: none);
+        ValueError if it gives more than one."""
+        found = []
+        try:
+            self._constraints(found)
+        except ValueError as e:
+            raise ConstraintError(str(e), found[-1][2] if found else "structured_outputs") from None
+        if len(found) > 1:
+            raise ConstraintError(f"{found[0][2]} and {found[1][2]} both constrain the output: give one", found[1][2])
+        return found[0] if found else None
+
+    def _constraints(self, found: list) -> None:
+        rf = self.response_format
+        if rf is not None and rf.type != "text":
+            found.append(("json", {"type": "object"} if rf.type == "json_object" else rf.json_schema.schema_,
+                          "response_format"))
+        if self.structured_outputs is not None:
+            found.append((None, None, "structured_outputs"))
+            found[-1] = (*self.structured_outputs.constraint(), "structured_outputs")
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            v = getattr(self, name)
+            if v is not None:
+                found.append((None, None, name))
+                found[-1] = (*StructuredOutputs(**{key: v}).constraint(), name)
+
+
+class ConstraintError(ValueError):
+    """A request's output constraints do not make one constraint; `param` names the field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 Prompt = Union[
@@ -188,11 +241,44 @@ class TextPart(_Model):
     text: Text
 
 
+class FunctionCall(_Model):
+    name: Text
+    arguments: Text  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(_Model):
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Model):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Optional[Text] = None
+    parameters: Optional[dict] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: Text
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[Text, list[TextPart]]] = None
     name: Optional[Text] = None
     tool_call_id: Optional[Text] = None
+    tool_calls: Optional[Annotated[list[ToolCallMessage], Field(max_length=128)]] = None  # an assistant's calls
 
     def text(self) -> str:
         if self.content is None:
@@ -209,6 +295,13 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's extensions: the last (assistant) message is continued rather than closed, and
+    # echo puts that message's content in front of the answer
+    continue_final_message: bool = False
+    echo: bool = False
+    tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
 
 
 class NativeSamplingParams(_Model):

@@ -362,6 +362,9 @@ class EngineClient:
             return None
         return await asyncio.to_thread(self.grammar.compile, response_format)
 
+    async def compile_schema(self, schema: dict, param: str):
+        return await asyncio.to_thread(self.grammar.compile_schema, schema, param)
+
     # -- submission -------------------------------------------------------------
     async def open(
         self,

@@ -3,6 +3,9 @@ official `openai` client: one choice per streamed chunk with n > 1,
 `stop_token_ids`, continuous usage in streams, `/version`, and a 400 naming
 any field stepserve does not implement that would change the result."""
 
+import json
+import re
+
 import httpx
 import openai
 import pytest
@@ -105,16 +108,12 @@ def test_version(srv):
 
 
 UNSUPPORTED = [
-    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
-    ("chat", "tool_choice", "required"),
     ("chat", "functions", [{"name": "f", "parameters": {}}]),
-    ("chat", "echo", True),
-    ("chat", "continue_final_message", True),
+    ("chat", "function_call", "auto"),
+    ("chat", "prompt_logprobs", 1),
     ("completions", "prompt_logprobs", 1),
-    ("completions", "truncate_prompt_tokens", 4),
-    ("completions", "structured_outputs", {"regex": "[a-z]+"}),
-    ("completions", "guided_json", {"type": "object"}),
     ("completions", "use_beam_search", True),
+    ("completions", "allowed_token_ids", [1, 2]),
 ]
 
 
@@ -138,3 +137,329 @@ def test_harmless_unknown_fields_and_nulls_are_accepted(client):
                                        metadata={"k": "v"}, store=False,
                                        extra_body={"tool_choice": "none", "some_future_field": 1})
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+# -- tool calling (the embedded model, whose chat template renders tools) -------------------------------------
+@pytest.fixture(scope="module")
+def tclient():
+    from server_util import ServerThread
+    from stepserve.engine.defaults import DEFAULT_MODEL
+
+    with ServerThread(DEFAULT_MODEL, served_model_name=MODEL, api_key=KEY, max_running=32) as s:
+        with openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+            yield c
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"enum": [1, 2, 3]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                       "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call, tools):
+    """The call names one of `tools` and its arguments are valid for its
+    parameters (these tests' schemas: required enum properties, nothing else)."""
+    import json
+
+    spec = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in spec
+    args, schema = json.loads(call.function.arguments), spec[call.function.name]
+    assert isinstance(args, dict) and set(args) == set(schema["required"]) == set(schema["properties"])
+    assert all(v in schema["properties"][k]["enum"] for k, v in args.items()), args
+
+
+def test_named_tool_choice_forces_a_valid_call(tclient):
+    client = tclient
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], max_tokens=64, temperature=1.0, seed=3,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(**kw)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1
+    assert c.message.tool_calls[0].function.name == "get_weather"
+    _check_call(c.message.tool_calls[0], [WEATHER, TIME])
+    # streamed: the id, type and name first, then the arguments in pieces, as OpenAI streams them
+    ids, names, args, finish = set(), [], "", []
+    for ch in client.chat.completions.create(stream=True, **kw):
+        d = ch.choices[0].delta
+        for tc in d.tool_calls or ():
+            assert tc.index == 0
+            if tc.id:
+                ids.add(tc.id)
+            if tc.function.name:
+                names.append(tc.function.name)
+            args += tc.function.arguments or ""
+        if ch.choices[0].finish_reason:
+            finish.append(ch.choices[0].finish_reason)
+    assert len(ids) == 1 and names == ["get_weather"] and finish == ["tool_calls"]
+    assert args == c.message.tool_calls[0].function.arguments  # same seed, same call
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_tool_choice_gives_calls_of_the_given_tools(tclient, parallel):
+    """The output is a JSON array of calls (one at most without parallel
+    calls). A KJV model left alone keeps adding calls, so a bias on "]" lets
+    the arrays close (it can only be sampled where the grammar allows it)."""
+    from transformers import AutoTokenizer
+
+    from stepserve.engine.defaults import DEFAULT_MODEL
+
+    close = AutoTokenizer.from_pretrained(DEFAULT_MODEL).convert_tokens_to_ids("]")
+    client = tclient
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                           parallel_tool_calls=parallel, max_tokens=120, temperature=1.0, seed=seed,
+                                           logit_bias={str(close): 30})
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+        if not parallel:
+            assert len(c.message.tool_calls) == 1
+        for call in c.message.tool_calls:
+            _check_call(call, [WEATHER, TIME])
+        assert len({call.id for call in c.message.tool_calls}) == len(c.message.tool_calls)
+    # streamed: each call as one delta with its index, then the finish
+    calls, finish = {}, []
+    for ch in client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                             parallel_tool_calls=parallel, max_tokens=120, temperature=1.0, seed=2,
+                                             logit_bias={str(close): 30}, stream=True):
+        for tc in ch.choices[0].delta.tool_calls or ():
+            calls[tc.index] = (tc.function.name, tc.function.arguments)
+        if ch.choices[0].finish_reason:
+            finish.append(ch.choices[0].finish_reason)
+    assert finish == ["tool_calls"]
+    assert [calls[i] for i in range(len(calls))] == [(t.function.name, t.function.arguments)
+                                                     for t in c.message.tool_calls]  # seed 2 again
+
+
+def test_auto_renders_the_tools_and_returns_text_when_no_call_is_made(tclient):
+    client = tclient
+    plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=0.0)
+    auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0.0)
+    assert auto.usage.prompt_tokens > plain.usage.prompt_tokens + 50  # the tool list is in the prompt
+    c = auto.choices[0]
+    assert c.message.tool_calls is None and c.finish_reason in ("stop", "length") and c.message.content
+    none = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none",
+                                          max_tokens=8, temperature=0.0)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # "none": the tools are not rendered
+
+
+def test_tool_results_go_back_through_the_template(tclient):
+    client = tclient
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "Sunny and warm."}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=4)
+    shorter = client.chat.completions.create(model=MODEL, messages=msgs[:2], tools=[WEATHER], max_tokens=4)
+    assert r.usage.prompt_tokens > shorter.usage.prompt_tokens + 10
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tool_choice="required"), "tool_choice"),
+    (dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=[{"type": "function", "function": {"name": "bad", "parameters": {"type": "frobnicate"}}}],
+          tool_choice="required"), "tools"),
+])
+def test_bad_tool_requests_are_400s(tclient, kw, param):
+    client = tclient
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kw)
+    assert e.value.body["param"] == param
+
+
+def test_a_template_without_tools_refuses_them(client):
+    """The test checkpoint's template ignores `tools`: the model would answer
+    blind, so the request is refused rather than served without them."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=4)
+    assert e.value.body["param"] == "tools"
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.tool_calls is None
+
+
+def test_tool_call_parser_in_pieces():
+    """The auto-mode parser gives the same content and calls however the text
+    is split into stream deltas, holds back a possible tag start, and passes a
+    block that is not a call through as content."""
+    from stepserve.server.tools import ToolCallParser
+
+    text = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n'
+            '</tool_call><tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}</tool_call> '
+            'and <tool_call>not json</tool_call> done <tool_')
+    want_content = "Let me look.  and <tool_call>not json</tool_call> done <tool_"
+    for step in (1, 2, 3, 7, len(text)):
+        p = ToolCallParser()
+        content, calls = "", []
+        for i in range(0, len(text), step):
+            c, new = p.feed(text[i : i + step])
+            content += c
+            calls += new
+        content += p.finish()
+        assert content == want_content
+        assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Rome", "days": 2}'),
+                                                          ("get_time", '{"zone": "UTC"}')]
+
+
+# -- vLLM's extension fields ---------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("field,value,check", [
+    ("structured_outputs", {"regex": "(amen|selah) [0-9]{2}"}, lambda t: re.fullmatch("(amen|selah) [0-9]{2}", t)),
+    ("structured_outputs", {"choice": ["In the beginning", "And God said"]},
+     lambda t: t in ("In the beginning", "And God said")),
+    ("structured_outputs", {"grammar": 'start: "yea" " " ("verily" | "nay")'}, lambda t: t in ("yea verily", "yea nay")),
+    ("structured_outputs", {"json": {"type": "object", "properties": {"n": {"enum": [1, 2]}}, "required": ["n"],
+                                     "additionalProperties": False}}, lambda t: json.loads(t)["n"] in (1, 2)),
+    ("guided_regex", "[a-c]{3}", lambda t: re.fullmatch("[a-c]{3}", t)),
+    ("guided_choice", ["yes", "no"], lambda t: t in ("yes", "no")),
+    ("guided_json", '{"type": "object", "properties": {"k": {"enum": ["v"]}}, "required": ["k"], '
+                    '"additionalProperties": false}',
+     lambda t: json.loads(t) == {"k": "v"}),
+])
+def test_structured_outputs(client, route, field, value, check):
+    for seed in range(3):
+        kw = dict(model=MODEL, max_tokens=40, temperature=1.0, seed=seed, extra_body={field: value})
+        if route == "chat":
+            c = client.chat.completions.create(messages=[{"role": "user", "content": "Speak"}], **kw).choices[0]
+            text = c.message.content
+        else:
+            c = client.completions.create(prompt="Speak", **kw).choices[0]
+            text = c.text
+        assert c.finish_reason == "stop" and check(text), (field, text)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"structured_outputs": {"regex": "("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+])
+def test_bad_structured_outputs_are_400s(client, body, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=body)
+    assert e.value.body["param"] == param
+
+
+def test_truncate_prompt_tokens(client):
+    long = "In the beginning God created the heaven and the earth. " * 4
+    full = client.completions.create(model=MODEL, prompt=long, max_tokens=1)
+    cut = client.completions.create(model=MODEL, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": 7})
+    assert full.usage.prompt_tokens > 7 and cut.usage.prompt_tokens == 7
+    msgs = [{"role": "user", "content": long}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, extra_body={"truncate_prompt_tokens": 9})
+    assert r.usage.prompt_tokens == 9
+
+
+def test_continue_final_message_and_echo(srv, client):
+    """The last assistant message is continued (the template leaves it open),
+    as the same rendered text on /v1/completions continues it; echo puts it
+    in front of the answer."""
+    tok = srv.engine.tokenizer
+    msgs = [{"role": "user", "content": "Tell me"}, {"role": "assistant", "content": "In the beginning"}]
+    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("In the beginning")
+    want = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    kw = dict(model=MODEL, messages=msgs, max_tokens=8, temperature=0.0)
+    body = {"ignore_eos": True, "add_generation_prompt": False, "continue_final_message": True}
+    got = client.chat.completions.create(**kw, extra_body=body).choices[0].message.content
+    assert got == want
+    echoed = client.chat.completions.create(**kw, extra_body={**body, "echo": True}).choices[0].message.content
+    assert echoed == "In the beginning" + want
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        **kw, extra_body={**body, "echo": True}, stream=True) if ch.choices)
+    assert streamed == echoed
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**kw, extra_body={"continue_final_message": True})  # with a generation prompt
+    assert e.value.body["param"] == "continue_final_message"
+
+
+# -- the Responses API (the embedded model) ------------------------------------------------------------
+def test_responses_create_and_stream(tclient):
+    client = tclient
+    kw = dict(model=MODEL, input="Tell me of the earth.", instructions="Answer in the words of Genesis.",
+              max_output_tokens=300, temperature=0.0)
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.id.startswith("resp_") and r.output_text
+    assert r.status == "completed" and r.output[0].type == "message"  # the model ended its turn
+    assert r.usage.input_tokens > 10 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    cut = client.responses.create(**{**kw, "max_output_tokens": 3})
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3
+    # the same request through the streaming helper: typed events, the same text
+    types, deltas = [], []
+    with client.responses.stream(**kw) as stream:
+        for event in stream:
+            types.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_item.added" in types and "response.output_text.done" in types
+    assert "".join(deltas) == final.output_text == r.output_text
+
+
+def test_responses_store_previous_response_and_retrieve(tclient):
+    client = tclient
+    first = client.responses.create(model=MODEL, input="In the beginning", max_output_tokens=6, temperature=0.0)
+    again = client.responses.retrieve(first.id)
+    assert again.id == first.id and again.output_text == first.output_text
+    second = client.responses.create(model=MODEL, input="And then?", previous_response_id=first.id,
+                                     max_output_tokens=6, temperature=0.0)
+    alone = client.responses.create(model=MODEL, input="And then?", max_output_tokens=6, temperature=0.0,
+                                    store=False)
+    # the earlier turn and its answer are in the second prompt
+    assert second.usage.input_tokens >= alone.usage.input_tokens + first.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(alone.id)  # store=False
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+    assert e.value.body["param"] == "previous_response_id"
+
+
+def test_responses_json_schema_and_function_calls(tclient):
+    client = tclient
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yea", "nay"]}}, "required": ["answer"],
+              "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Say yea or nay", max_output_tokens=40, temperature=1.0,
+                                text={"format": {"type": "json_schema", "name": "verdict", "schema": schema}})
+    assert json.loads(r.output_text)["answer"] in ("yea", "nay")
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    r = client.responses.create(model=MODEL, input="Weather in Rome?", tools=[tool], max_output_tokens=64,
+                                tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
+    args = json.loads(calls[0].arguments)
+    assert args["city"] in ("Paris", "Rome") and args["days"] in (1, 2, 3)
+    # the function's output goes back as an input item, continuing the stored conversation
+    follow = client.responses.create(model=MODEL, previous_response_id=r.id, tools=[tool], tool_choice="none",
+                                     input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                             "output": "Sunny"}], max_output_tokens=5)
+    assert follow.status in ("completed", "incomplete") and follow.output[0].type == "message"
+    # streamed: the call arrives as an output item with its arguments
+    with client.responses.stream(model=MODEL, input="Weather in Rome?", tools=[tool], max_output_tokens=64,
+                                 tool_choice={"type": "function", "name": "get_weather"}, temperature=1.0) as s:
+        done = [e.item for e in s if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["function_call"] and json.loads(done[0].arguments)["days"] in (1, 2, 3)
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(tools=[{"type": "web_search"}]), "tools"),
+    (dict(background=True), "background"),
+    (dict(input=[{"type": "input_image", "image_url": "x"}]), "input"),
+    (dict(truncation="auto"), "truncation"),
+])
+def test_responses_bad_requests(tclient, kw, param):
+    body = dict(model=MODEL, input="hi", max_output_tokens=2)
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("background",)}
+    with pytest.raises(openai.BadRequestError) as e:
+        tclient.responses.create(**{**body, **kw}, extra_body=extra or None)
+    assert e.value.body["param"] == param

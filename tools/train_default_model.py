@@ -45,14 +45,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- endif %}"
-)
+# ChatML; with `tools`, the Hermes / Qwen tool format (a system block listing them, calls as
+# <tool_call>{...}</tool_call>, results as <tool_response> user turns): the server's tool calling
+CHAT_TEMPLATE = '{%- if tools %}\n{{- \'<|im_start|>system\\n\' }}\n{%- if messages[0][\'role\'] == \'system\' %}{{- messages[0][\'content\'] + \'\\n\\n\' }}{%- endif %}\n{{- \'# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>\' }}\n{%- for tool in tools %}{{- \'\\n\' + (tool | tojson) }}{%- endfor %}\n{{- \'\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}\n{%- endif %}\n{%- for message in messages %}\n{%- if tools and loop.first and message[\'role\'] == \'system\' %}\n{%- elif message[\'role\'] == \'assistant\' and message.get(\'tool_calls\') %}\n{{- \'<|im_start|>assistant\\n\' + (message[\'content\'] or \'\') }}\n{%- for call in message[\'tool_calls\'] %}\n{{- \'<tool_call>\\n{"name": "\' + call[\'function\'][\'name\'] + \'", "arguments": \' + (call[\'function\'][\'arguments\'] | tojson) + \'}\\n</tool_call>\' }}\n{%- endfor %}\n{{- \'<|im_end|>\\n\' }}\n{%- elif message[\'role\'] == \'tool\' %}\n{{- \'<|im_start|>user\\n<tool_response>\\n\' + message[\'content\'] + \'\\n</tool_response><|im_end|>\\n\' }}\n{%- else %}\n{{- \'<|im_start|>\' + message[\'role\'] + \'\\n\' + message[\'content\'] + \'<|im_end|>\' + \'\\n\' }}\n{%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}{{- \'<|im_start|>assistant\\n\' }}{%- endif %}'
 BIBLE_RANGE = "Gen1:1-Rev22:21"
 VERSE_RE = re.compile(r"^([0-9]?[A-Za-z]+)(\d+):(\d+) (.*)$")
 SAMPLE_PROMPTS = ["In the beginning", "And Jesus said unto them", "The LORD is my shepherd"]

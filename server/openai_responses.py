@@ -1,0 +1,313 @@
+"""`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: OpenAI's Responses API.
+
+A Responses request becomes a chat request (`to_chat`: `instructions` as the
+system message, `input` items as messages, function calls and their outputs
+as assistant tool calls and `tool` messages, `text.format` as the response
+format, flat function tools as chat tools) and runs through the chat route's
+preparation (`prepare_chat`): the same template, tool modes and grammars. The
+answer is rendered as Responses output items: a `message` with `output_text`,
+and a `function_call` item per call. Streams carry OpenAI's typed events.
+
+`store` (default true) keeps the response, and the conversation that led to
+it, in a bounded in-memory store (`ResponseStore`): `previous_response_id`
+continues from it, and `GET /v1/responses/{id}` returns it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import ConfigDict, Field
+from starlette.requests import Request
+
+from stepserve.server.errors import APIError, bad_request
+from stepserve.server.openai_chat import ChoiceTools, prepare_chat
+from stepserve.server.protocol import MAX_INT, ChatCompletionRequest, Seconds, Text, _Model
+from stepserve.server.serving import EngineClient
+
+# fields of OpenAI's Responses API that would change the answer and are not implemented
+UNSUPPORTED = {
+    "background": "background responses", "conversation": "conversations", "prompt": "reusable prompts",
+    "max_tool_calls": "max_tool_calls", "top_logprobs": "logprobs", "include": "include",
+}
+HARMLESS = {"background": (False,), "include": ([],)}
+
+
+class ResponsesRequest(_Model):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+    model: Optional[Text] = None
+    input: Union[Text, Annotated[list[dict], Field(min_length=1, max_length=4096)]]
+    instructions: Optional[Text] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True
+    previous_response_id: Optional[Text] = None
+    text: Optional[dict] = None
+    tools: Optional[Annotated[list[dict], Field(max_length=128)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict]] = None
+    parallel_tool_calls: bool = True
+    metadata: Optional[dict] = None
+    user: Optional[Text] = None
+    truncation: Literal["disabled", "auto"] = "disabled"
+    reasoning: Optional[dict] = None
+    # the chat route's extensions, accepted here too
+    seed: Optional[int] = None
+    slo_ttft: Optional[Seconds] = None
+    slo_tpot: Optional[Seconds] = None
+
+
+class ResponseStore:
+    """The last `capacity` stored responses, with the conversation of each
+    (chat messages, its own output included) for `previous_response_id`."""
+
+    def __init__(self, capacity: int = 1024):
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+
+    def put(self, response: dict, messages: list[dict]) -> None:
+        self._items[response["id"]] = (response, messages)
+        self._items.move_to_end(response["id"])
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
+        item = self._items.get(rid)
+        if item is None:
+            raise APIError(404, f"Response with id '{rid}' not found", "invalid_request_error", param, "not_found")
+        return item
+
+    def delete(self, rid: str) -> None:
+        self.get(rid)
+        del self._items[rid]
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text") \
+                    or not isinstance(p.get("text"), str):
+                raise bad_request(f"{where}: only text content parts are supported", "input")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise bad_request(f"{where}: content must be a string or a list of text parts", "input")
+
+
+def input_messages(items: str | list[dict]) -> list[dict]:
+    """`input` as chat messages (function calls grouped into assistant turns)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict] = []
+    for k, it in enumerate(items):
+        where = f"input[{k}]"
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"{where}: role must be user, system, developer or assistant", "input")
+            out.append({"role": role, "content": _text_of(it.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(it.get(f), str) for f in ("call_id", "name", "arguments")):
+                raise bad_request(f"{where}: a function_call needs call_id, name and arguments", "input")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it["arguments"]}}
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") is not None:
+                out[-1]["tool_calls"].append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(it.get("call_id"), str) or not isinstance(it.get("output"), str):
+                raise bad_request(f"{where}: a function_call_output needs call_id and output", "input")
+            out.append({"role": "tool", "tool_call_id": it["call_id"], "content": it["output"]})
+        else:
+            raise bad_request(f"{where}: input items of type {kind!r} are not supported", "input")
+    return out
+
+
+def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest:
+    """The chat request this Responses request is (after `history`, the
+    stored conversation of `previous_response_id`)."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history \
+        + input_messages(req.input)
+    body: dict = {"model": req.model, "messages": messages, "stream": req.stream, "seed": req.seed,
+                  "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+                  "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+                  "slo_ttft": req.slo_ttft, "slo_tpot": req.slo_tpot}
+    fmt = (req.text or {}).get("format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_schema":
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": fmt.get("name", "response"), "schema": fmt.get("schema"), "strict": fmt.get("strict")}}
+        elif kind in ("json_object", "text"):
+            body["response_format"] = {"type": kind}
+        else:
+            raise bad_request("text.format.type must be text, json_object or json_schema", "text")
+    if req.tools:
+        tools = []
+        for t in req.tools:
+            if t.get("type") != "function":
+                raise bad_request(f"tools of type {t.get('type')!r} are not supported (only function)", "tools")
+            tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                              "strict") if t.get(k) is not None}})
+        body["tools"] = tools
+    if isinstance(req.tool_choice, dict):
+        if req.tool_choice.get("type") != "function" or not isinstance(req.tool_choice.get("name"), str):
+            raise bad_request("tool_choice must be none, auto, required or {type: function, name}", "tool_choice")
+        body["tool_choice"] = {"type": "function", "function": {"name": req.tool_choice["name"]}}
+    elif req.tool_choice is not None:
+        body["tool_choice"] = req.tool_choice
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=False)
+    except ValueError as e:
+        raise bad_request(f"Invalid request: {e}".splitlines()[0], "input") from None
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+async def create_response(req: ResponsesRequest, request: Request, client: EngineClient, store: ResponseStore):
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED and value is not None and value not in HARMLESS.get(name, ()):
+            raise bad_request(f"'{name}' is not supported by this server ({UNSUPPORTED[name]} is not implemented)",
+                              name)
+    if req.truncation != "disabled":
+        raise bad_request("truncation 'auto' is not supported", "truncation")
+    history = store.get(req.previous_response_id, "previous_response_id")[1] if req.previous_response_id else []
+    chat = to_chat(req, history)
+    job = await prepare_chat(chat, client)
+    rid = _item_id("resp")
+    gen = await client.start(request, [job.ids], [job.params], rid, 1, job.names, slo=(req.slo_ttft, req.slo_tpot))
+    acc = gen.acc
+    created = int(time.time())
+    tools = ChoiceTools(job.mode, job.choice, req.parallel_tool_calls) if job.mode != "none" else None
+    msg_id = _item_id("msg")
+
+    def response(status: str, output: list[dict], usage: dict | None, incomplete: str | None = None) -> dict:
+        return {
+            "id": rid, "object": "response", "created_at": created, "status": status, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "model": client.settings.served_model_name, "output": output,
+            "parallel_tool_calls": req.parallel_tool_calls, "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": None, "summary": None}, "store": req.store,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": req.tools or [], "top_p": 1.0 if req.top_p is None else req.top_p, "truncation": req.truncation,
+            "usage": usage, "user": req.user, "metadata": req.metadata or {},
+        }
+
+    def usage() -> dict:
+        u = acc.usage()
+        return {"input_tokens": u["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u["total_tokens"]}
+
+    def message_item(text: str, status: str = "completed") -> dict:
+        return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+    def call_item(call) -> dict:
+        return {"type": "function_call", "id": _item_id("fc"), "call_id": call.id, "name": call.name,
+                "arguments": call.arguments, "status": "completed"}
+
+    def finished(text: str, calls: list, reason: str) -> dict:
+        """The whole response; stored with its conversation when `store`."""
+        output = ([message_item(text)] if text or not calls else []) + [call_item(c) for c in calls]
+        cut = reason == "length"
+        resp = response("incomplete" if cut else "completed", output, usage(), "max_output_tokens" if cut else None)
+        if req.store:
+            said = {"role": "assistant", "content": text or None}
+            if calls:
+                said["tool_calls"] = [{"id": c.id, "type": "function",
+                                       "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+            store.put(resp, chat.model_dump(exclude_none=True)["messages"][1 if req.instructions else 0:] + [said])
+        return resp
+
+    def final():
+        st = acc.choices[0]
+        text, reason = "".join(st.text), st.finish_reason
+        if tools is None:
+            return finished(text, [], reason)
+        msg, reason = tools.message(text, reason)
+        return finished(msg["content"] or "", [c for c in tools.calls], reason)
+
+    if not req.stream:
+        return await gen.respond(False, None, final)
+
+    seq = iter(range(1 << 62))
+    streamed: list[str] = []
+    started = [False]  # the message item and its text part were announced
+
+    def ev(kind: str, **fields) -> dict:
+        return {"type": kind, "sequence_number": next(seq), **fields}
+
+    def open_message() -> list[dict]:
+        if started[0]:
+            return []
+        started[0] = True
+        return [ev("response.output_item.added", output_index=0, item=message_item("", "in_progress")),
+                ev("response.content_part.added", item_id=msg_id, output_index=0, content_index=0,
+                   part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})]
+
+    def text_events(delta: str) -> list[dict]:
+        if not delta:
+            return []
+        streamed.append(delta)
+        return open_message() + [ev("response.output_text.delta", item_id=msg_id, output_index=0, content_index=0,
+                                    delta=delta, logprobs=[])]
+
+    def chunk(out, deltas):
+        events = []
+        for _, o in deltas:
+            reason = o.finish_reason
+            if tools is None:
+                events += text_events(o.text)
+            else:
+                parts = tools.feed(o.text) if o.text else []
+                if reason is not None:
+                    more, reason = tools.finish(reason)
+                    parts += more
+                for p in parts:  # calls are announced whole at the end
+                    events += text_events(p.get("content", ""))
+            if reason is None:
+                continue
+            text = "".join(streamed)
+            calls = tools.calls if tools is not None else []
+            if not text and not calls:
+                events += open_message()
+            resp = finished(text, calls, reason)
+            if started[0]:
+                item = message_item(text)
+                events += [ev("response.output_text.done", item_id=msg_id, output_index=0, content_index=0, text=text,
+                              logprobs=[]),
+                           ev("response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
+                              part=item["content"][0]),
+                           ev("response.output_item.done", output_index=0, item=item)]
+            first = 1 if started[0] else 0
+            for k, item in enumerate(resp["output"][first:], start=first):
+                events += [ev("response.output_item.added", output_index=k, item={**item, "arguments": "",
+                                                                                  "status": "in_progress"}),
+                           ev("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                              delta=item["arguments"]),
+                           ev("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                              arguments=item["arguments"]),
+                           ev("response.output_item.done", output_index=k, item=item)]
+            events.append(ev("response.incomplete" if resp["status"] == "incomplete" else "response.completed",
+                             response=resp))
+        return events
+
+    opening = response("in_progress", [], None)
+    first_events = [ev("response.created", response=opening), ev("response.in_progress", response=opening)]
+    return await gen.respond(True, chunk, final, first_events)

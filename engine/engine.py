@@ -156,6 +156,7 @@ class EngineStats:
     kv_used: int = 0
     kv_capacity: int = 1
     step_times: list = field(default_factory=list)  # wall_s of steps after since_step
+    step_tokens: list = field(default_factory=list)  # and the tokens each computed (prefill + decode)
     last_step: int = -1
     policy: dict = field(default_factory=dict)  # the step policies' own counters (`policies.policy_stats`)
 
@@ -483,8 +484,8 @@ class Engine:
     def ran(self, plan: StepPlan, out) -> None:
         for pl in out.prompt_logprobs:
             store = pl.seq.group.prompt_logprobs
-            for j, (tok, lp, top) in enumerate(zip(pl.token_ids, pl.logprobs, pl.top)):
-                store[pl.first + j] = TokenLogprob(tok, lp, top)
+            for j, (tok, lp, top, rank) in enumerate(zip(pl.token_ids, pl.logprobs, pl.top, pl.ranks)):
+                store[pl.first + j] = TokenLogprob(tok, lp, top, rank)
             if pl.first + len(pl.token_ids) >= pl.seq.prompt_len:
                 pl.seq.full_prefill = False  # scored to the end: a retraction may reuse the cache now
 
@@ -585,7 +586,7 @@ class Engine:
         for rec in reversed(self.records):
             if rec.step <= since_step:
                 break
-            new.append(rec.wall_s)
+            new.append((rec.wall_s, rec.new_tokens))
         new.reverse()
         return EngineStats(
             prompt_tokens=self.totals["prompt_tokens"],
@@ -598,7 +599,8 @@ class Engine:
             waiting=len(waiting),
             kv_used=sched.kv.used(),
             kv_capacity=max(sched.kv.capacity, 1),
-            step_times=new,
+            step_times=[w for w, _ in new],
+            step_tokens=[t for _, t in new],
             last_step=self.step_id - 1,
             policy=policy_stats(self.policies),
         )

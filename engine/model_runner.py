@@ -27,6 +27,7 @@ class PromptLogprobs:
     token_ids: list[int]
     logprobs: list[float]
     top: list[list[tuple[int, float]]]  # per token, the k most likely alternatives
+    ranks: list[int] = field(default_factory=list)  # per token, 1 + the number of tokens more likely
 
 
 @dataclass
@@ -204,22 +205,25 @@ class ModelRunner:
         targets = [t for seq, start, k, _ in rows for t in seq.token_ids[start + 1 : start + 1 + k]]
         target = torch.tensor(targets, dtype=torch.long, device=hidden.device)
         kmax = min(max(seq.sampling.prompt_logprobs for seq, *_ in rows), self.vocab_size)
-        chosen, top_v, top_i = [], [], []
+        chosen, ranks, top_v, top_i = [], [], [], []
         for s in range(0, len(targets), _PROMPT_LOGPROBS_CHUNK):
             logp = torch.log_softmax(self.model.compute_logits(hidden[s : s + _PROMPT_LOGPROBS_CHUNK]), dim=-1)
-            chosen.append(logp.gather(1, target[s : s + _PROMPT_LOGPROBS_CHUNK, None]).squeeze(1))
+            got = logp.gather(1, target[s : s + _PROMPT_LOGPROBS_CHUNK, None])
+            chosen.append(got.squeeze(1))
+            ranks.append((logp > got).sum(dim=1) + 1)
             if kmax:
                 v, i = logp.topk(kmax, dim=-1)
                 top_v.append(v)
                 top_i.append(i)
         lps = torch.cat(chosen).tolist()
+        rank = torch.cat(ranks).tolist()
         tv = torch.cat(top_v).tolist() if kmax else None
         ti = torch.cat(top_i).tolist() if kmax else None
         out, at = [], 0
         for seq, start, k, _ in rows:
             kk = seq.sampling.prompt_logprobs
             top = [list(zip(ti[j][:kk], tv[j][:kk])) for j in range(at, at + k)] if kk and kmax else [[]] * k
-            out.append(PromptLogprobs(seq, start + 1, targets[at : at + k], lps[at : at + k], top))
+            out.append(PromptLogprobs(seq, start + 1, targets[at : at + k], lps[at : at + k], top, rank[at : at + k]))
             at += k
         return out
 

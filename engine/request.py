@@ -14,6 +14,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # most likely alternatives, best first
+    rank: int | None = None  # 1 + the number of tokens more likely (given for prompt tokens)
 
 
 @dataclass

@@ -120,3 +120,19 @@ def native_logprobs(lps: Sequence[TokenLogprob]) -> list[dict]:
         {"token_id": lp.token_id, "logprob": _finite(lp.logprob), "top": [[t, _finite(v)] for t, v in lp.top]}
         for lp in lps
     ]
+
+
+def vllm_prompt_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), a dict
+    from token id to {logprob, rank, decoded_token} holding the prompt's own
+    token and the most likely alternatives (ranks 1, 2, ...)."""
+    out: list[dict | None] = []
+    for e in lps:
+        if e is None:
+            out.append(None)
+            continue
+        d = {str(t): {"logprob": _finite(lp), "rank": r, "decoded_token": texts.text_of(t)}
+             for r, (t, lp) in enumerate(e.top, start=1)}
+        d[str(e.token_id)] = {"logprob": _finite(e.logprob), "rank": e.rank, "decoded_token": texts.text_of(e.token_id)}
+        out.append(d)
+    return out

@@ -25,6 +25,7 @@ log = logging.getLogger("stepserve.server")
 P = "stepserve:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                     1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15,
                  0.2, 0.3, 0.5, 1.0, 2.0)
 
@@ -82,12 +83,21 @@ class _EngineCollector:
         for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
             fin.add_metric([reason], s.finished.get(reason, 0))
         yield fin
+        ok = CounterMetricFamily(P + "request_success", "Finished sequences by finish reason (vLLM's name for "
+                                 "requests)", labels=["finished_reason"])
+        for reason in sorted(set(s.finished) | {"stop", "length", "abort"}):
+            ok.add_metric([reason], s.finished.get(reason, 0))
+        yield ok
         for name, doc, value in (
             ("prompt_tokens", "Prompt tokens of requests added to the engine", s.prompt_tokens),
             ("generation_tokens", "Tokens generated", s.generation_tokens),
             ("prefix_cache_queried_tokens", "Prompt tokens looked up in the radix cache", s.prefix_queried_tokens),
             ("prefix_cache_hit_tokens", "Prompt tokens found in the radix cache", s.prefix_hit_tokens),
             ("retractions", "Sequences retracted (KV freed, requeued) for lack of KV slots", s.retractions),
+            # vLLM's names for the same counters, so that its dashboards read them
+            ("prefix_cache_queries", "Prompt tokens looked up in the radix cache", s.prefix_queried_tokens),
+            ("prefix_cache_hits", "Prompt tokens found in the radix cache", s.prefix_hit_tokens),
+            ("num_preemptions", "Sequences preempted (retracted)", s.retractions),
         ):
             yield CounterMetricFamily(P + name, doc, value=value)
         yield GaugeMetricFamily(P + "num_requests_running", "Requests with a sequence in the running batch",
@@ -113,6 +123,13 @@ class ServerMetrics:
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.step_time = Histogram(P + "step_time_seconds", "Engine step wall time", registry=r,
                                    buckets=_STEP_BUCKETS)
+        self.iteration_tokens = Histogram(P + "iteration_tokens_total", "Tokens computed per engine step",
+                                          registry=r, buckets=_TOKEN_BUCKETS)
+        self.request_prompt_tokens = Histogram(P + "request_prompt_tokens", "Prompt tokens per request",
+                                               registry=r, buckets=_TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(P + "request_generation_tokens",
+                                                   "Generated tokens per request (all its choices)", registry=r,
+                                                   buckets=_TOKEN_BUCKETS)
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 429 (admission queue full)",
                                 registry=r)
         self.snapshot = EngineStats()
@@ -124,6 +141,8 @@ class ServerMetrics:
             snap = await asyncio.wait_for(self.engine.stats(self.snapshot.last_step), timeout)
             for t in snap.step_times:
                 self.step_time.observe(t)
+            for n in snap.step_tokens:
+                self.iteration_tokens.observe(n)
             self.snapshot = snap
 
     async def render(self) -> bytes:
@@ -143,7 +162,10 @@ class ServerMetrics:
             except Exception:
                 pass
 
-    def observe_request(self, start: float, first: float | None, end: float, max_branch_tokens: int) -> None:
+    def observe_request(self, start: float, first: float | None, end: float, max_branch_tokens: int,
+                        prompt_tokens: int, generated_tokens: int) -> None:
         self.e2e.observe(end - start)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generated_tokens)
         if first is not None and max_branch_tokens > 1:
             self.tpot.observe((end - first) / (max_branch_tokens - 1))

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from stepserve.server.errors import APIError, bad_request
-from stepserve.server.logprobs import chat_logprobs
+from stepserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from stepserve.server.openai_common import output_grammar, sampling_kwargs, stream_usage
 from stepserve.server.protocol import ChatCompletionRequest
 from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
@@ -138,6 +138,7 @@ async def prepare_chat(req: ChatCompletionRequest, client: EngineClient) -> Chat
         **kw,
         max_tokens=max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
         logits_processor_factory=factory,
     )
     return ChatJob(ids, params, names, mode, choice)
@@ -209,7 +210,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
                 "finish_reason": reason,
                 "stop_reason": st.stop_reason,
             })
-        return head("chat.completion", choices, usage=acc.usage())
+        extra = {"prompt_logprobs": vllm_prompt_logprobs(client.texts, acc.prompt_logprobs[0])} \
+            if req.prompt_logprobs is not None else {}
+        return head("chat.completion", choices, usage=acc.usage(), **extra)
 
     first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
                                "finish_reason": None}], **extra) for i in range(req.n)]

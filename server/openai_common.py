@@ -25,6 +25,8 @@ def sampling_kwargs(req: _SamplingFields, route: str) -> dict:
     """The OpenAI (and vLLM-extension) sampling fields, in SamplingParams'
     names, after refusing the fields this route does not implement."""
     refuse_unsupported(req, route)
+    if req.prompt_logprobs is not None and req.stream:
+        raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
     kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative, min_tokens=req.min_tokens)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)

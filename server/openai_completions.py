@@ -6,7 +6,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
-from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs
+from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from stepserve.server.openai_common import output_grammar, sampling_kwargs, stream_usage
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
@@ -47,6 +47,11 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (ranking completions is not supported)", "best_of")
     kw = sampling_kwargs(req, "completions")
+    prompt_k = req.logprobs if req.echo else None  # echo + logprobs scores the prompt too
+    if req.prompt_logprobs is not None:
+        if prompt_k is not None and prompt_k != req.prompt_logprobs:
+            raise bad_request("with echo and logprobs, prompt_logprobs must equal logprobs", "prompt_logprobs")
+        prompt_k = req.prompt_logprobs
     prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
     factory = await output_grammar(client, req)
     params = [
@@ -55,7 +60,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             **kw,
             max_tokens=client.max_tokens(len(ids), req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens"),
             logprobs=req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo else None,  # echo + logprobs scores the prompt too
+            prompt_logprobs=prompt_k,
             logits_processor_factory=factory,
         )
         for ids, _ in prompts
@@ -121,8 +126,11 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
                 lp, _ = completion_logprobs(client.texts, st.logprobs, len(echo))
                 if echo_lps:
                     lp = join_completion_logprobs(echo_logprobs(idx // req.n), lp)
-            choices.append({"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
-                            "finish_reason": st.finish_reason, "stop_reason": st.stop_reason})
+            choice = {"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
+                      "finish_reason": st.finish_reason, "stop_reason": st.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(client.texts, acc.prompt_logprobs[idx // req.n])
+            choices.append(choice)
         return head(choices, usage=acc.usage())
 
     last = (lambda: head([], usage=acc.usage())) if include_usage else None

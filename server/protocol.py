@@ -76,7 +76,6 @@ class ResponseFormat(_Model):
 # ignored, as vLLM does.
 UNSUPPORTED_FIELDS = {
     "completions": {
-        "prompt_logprobs": "prompt logprobs on /v1/completions (use echo with logprobs, or /generate)",
         "use_beam_search": "beam search",
         "length_penalty": "beam search",
         "allowed_token_ids": "allowed_token_ids",
@@ -88,7 +87,6 @@ UNSUPPORTED_FIELDS = {
     "chat": {
         "functions": "the legacy functions field (use tools)",
         "function_call": "the legacy function_call field (use tool_choice)",
-        "prompt_logprobs": "prompt logprobs on chat",
         "use_beam_search": "beam search",
         "length_penalty": "beam search",
         "allowed_token_ids": "allowed_token_ids",
@@ -181,6 +179,7 @@ class _SamplingFields(_Model):
     guided_choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
     guided_grammar: Optional[Text] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)  # keep the prompt's last N tokens
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per prompt token
 
     def constraint(self) -> tuple[str, object, str] | None:
         """(kind, spec, field) of the request's one output constraint, from

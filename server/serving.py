@@ -102,7 +102,8 @@ class Stream:
                     last_tok = now
                 yield item
                 if item.finished:
-                    m.observe_request(self._start, first_tok, now, max(counts.values(), default=0))
+                    m.observe_request(self._start, first_tok, now, max(counts.values(), default=0),
+                                      len(item.prompt_token_ids or ()), sum(counts.values()))
                     return
                 item = await self._agen.__anext__()
                 now = time.perf_counter()

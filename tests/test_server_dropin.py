@@ -110,8 +110,8 @@ def test_version(srv):
 UNSUPPORTED = [
     ("chat", "functions", [{"name": "f", "parameters": {}}]),
     ("chat", "function_call", "auto"),
-    ("chat", "prompt_logprobs", 1),
-    ("completions", "prompt_logprobs", 1),
+    ("chat", "bad_words", ["x"]),
+    ("completions", "return_tokens_as_token_ids", True),
     ("completions", "use_beam_search", True),
     ("completions", "allowed_token_ids", [1, 2]),
 ]
@@ -463,3 +463,75 @@ def test_responses_bad_requests(tclient, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         tclient.responses.create(**{**body, **kw}, extra_body=extra or None)
     assert e.value.body["param"] == param
+
+
+def test_vllm_metric_families(srv, client):
+    """The families vLLM's dashboards read, under the stepserve: prefix, move
+    with the traffic: a dashboard needs only the prefix changed."""
+    before = srv.metrics()
+    prompt = "In the beginning God created"
+    n_prompt = len(srv.engine.tokenizer.encode(prompt, add_special_tokens=False))
+    for _ in range(2):  # the second hits the prefix cache
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, n=2, seed=1, temperature=1.0,
+                                  extra_body={"ignore_eos": True})
+    time_ok = False
+    for _ in range(50):  # step records reach the metrics on the next scrape
+        after = srv.metrics()
+        if after.get("stepserve:iteration_tokens_total_sum", 0) - before.get(
+                "stepserve:iteration_tokens_total_sum", 0) >= 2 * n_prompt:
+            time_ok = True
+            break
+    assert time_ok
+
+    def d(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert d('stepserve:request_success_total{finished_reason="length"}') == 4  # one per choice
+    assert d("stepserve:request_generation_tokens_sum") == 20 and d("stepserve:request_generation_tokens_count") == 2
+    assert d("stepserve:request_prompt_tokens_sum") == 2 * n_prompt
+    assert d("stepserve:prefix_cache_queries_total") == d("stepserve:prefix_cache_queried_tokens_total") > 0
+    assert d("stepserve:prefix_cache_hits_total") == d("stepserve:prefix_cache_hit_tokens_total") > 0
+    assert "stepserve:num_preemptions_total" in after
+    assert d("stepserve:iteration_tokens_total_count") >= 5
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_prompt_logprobs_against_transformers(srv, client, llama_ckpt, route):
+    """vLLM's prompt_logprobs: per prompt token (None first) the token itself
+    with its logprob and rank, and the top-k with ranks 1..k; checked against
+    transformers' log-softmax over the same prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = srv.engine.tokenizer
+    text = "In the beginning God created the heaven"
+    kw = dict(model=MODEL, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    if route == "chat":
+        msgs = [{"role": "user", "content": text}]
+        r = client.chat.completions.create(messages=msgs, **kw)
+        got = r.model_extra["prompt_logprobs"]
+        ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    else:
+        r = client.completions.create(prompt=text, **kw)
+        got = r.choices[0].model_extra["prompt_logprobs"]
+        ids = tok.encode(text, add_special_tokens=False)
+    assert len(got) == len(ids) == r.usage.prompt_tokens and got[0] is None
+    hf = AutoModelForCausalLM.from_pretrained(llama_ckpt, dtype=torch.float32)
+    with torch.inference_mode():
+        logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for p in range(1, len(ids)):
+        ref = logp[p - 1]
+        entry = got[p]
+        mine = entry[str(ids[p])]
+        assert mine["rank"] == int((ref > ref[ids[p]]).sum()) + 1
+        assert abs(mine["logprob"] - float(ref[ids[p]])) < 1e-3
+        top = sorted(((v["rank"], int(k), v["logprob"]) for k, v in entry.items() if v["rank"] <= 2))
+        assert [t[0] for t in top] == [1, 2]
+        want = ref.topk(2)
+        assert [t[1] for t in top] == want.indices.tolist()
+        assert all(abs(a - b) < 1e-3 for a, b in zip([t[2] for t in top], want.values.tolist()))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=text, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1}).close()
+    assert e.value.body["param"] == "prompt_logprobs"

@@ -71,29 +71,24 @@ class ResponseFormat(_Model):
 
 # Fields of OpenAI's or vLLM's API that stepserve does not implement and that
 # would change the result: a request that sets one gets a 400 naming it (a
-# client must not believe it was honoured). A value in `harmless` is what the
-# field's absence means, and passes. Other unknown fields change nothing and are
-# ignored, as vLLM does.
+# client must not believe it was honoured). A value in HARMLESS_VALUES is what
+# the field's absence means, and passes. Other unknown fields change nothing and
+# are ignored, as vLLM does.
+_UNSUPPORTED_BOTH = {
+    "use_beam_search": "beam search",
+    "length_penalty": "beam search",
+    "allowed_token_ids": "allowed_token_ids",
+    "bad_words": "bad_words",
+    "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
+    "skip_special_tokens": "skip_special_tokens on this route",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+}
 UNSUPPORTED_FIELDS = {
-    "completions": {
-        "use_beam_search": "beam search",
-        "length_penalty": "beam search",
-        "allowed_token_ids": "allowed_token_ids",
-        "bad_words": "bad_words",
-        "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
-        "skip_special_tokens": "skip_special_tokens on this route",
-        "return_tokens_as_token_ids": "return_tokens_as_token_ids",
-    },
+    "completions": _UNSUPPORTED_BOTH,
     "chat": {
+        **_UNSUPPORTED_BOTH,
         "functions": "the legacy functions field (use tools)",
         "function_call": "the legacy function_call field (use tool_choice)",
-        "use_beam_search": "beam search",
-        "length_penalty": "beam search",
-        "allowed_token_ids": "allowed_token_ids",
-        "bad_words": "bad_words",
-        "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
-        "skip_special_tokens": "skip_special_tokens on this route",
-        "return_tokens_as_token_ids": "return_tokens_as_token_ids",
         "audio": "audio output",
         "modalities": "output modalities other than text",
         "prediction": "predicted outputs",

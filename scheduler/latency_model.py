@@ -97,6 +97,28 @@ class LatencyModel(Protocol):
     def to_dict(self) -> dict: ...
 
 
+def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||A x - b|| subject to x >= 0, exactly, for the few columns a
+    latency model has: the least-squares solution on each subset of columns
+    (the others held at 0), the best one that is non-negative."""
+    n = A.shape[1]
+    if n > 8:
+        raise ValueError("nnls here is for at most 8 coefficients")
+    best, best_r = np.zeros(n), float(b @ b)
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        x, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+        if (x < 0).any():
+            continue
+        r = A[:, cols] @ x - b
+        r = float(r @ r)
+        if r < best_r:
+            best_r = r
+            best = np.zeros(n)
+            best[cols] = x
+    return best
+
+
 @dataclass
 class LinearLatencyModel:
     form: str
@@ -144,9 +166,13 @@ class LinearLatencyModel:
         form: str = "linear",
         prior: "LinearLatencyModel | None" = None,
         ridge: float = 0.0,
+        nonneg: bool = False,
     ) -> "LinearLatencyModel":
         """Least squares on relative error; `ridge` > 0 pulls towards `prior`
-        (or towards zero), scaled per term by that term's own magnitude."""
+        (or towards zero), scaled per term by that term's own magnitude.
+        `nonneg`: every coefficient >= 0 (each term is a cost; a window of
+        steps that spans little of a term's range can otherwise fit it
+        negative and extrapolate nonsense outside it)."""
         X = np.array([f.vector(form) for f in feats], dtype=np.float64)
         y = np.asarray(times, dtype=np.float64)
         if len(y) == 0:
@@ -156,7 +182,13 @@ class LinearLatencyModel:
         yw = y * w
         A = Xw.T @ Xw
         rhs = Xw.T @ yw
-        if ridge > 0:
+        if nonneg:
+            # ridge as extra rows of the system: sqrt(D) (coef - w0) ~ 0
+            d = np.sqrt(np.maximum(np.diag(A), 1e-12) * ridge)
+            w0 = np.asarray(prior.coef, dtype=np.float64) if prior is not None and prior.form == form \
+                else np.zeros(len(FORMS[form]))
+            coef = nnls(np.vstack([Xw, np.diag(d)]), np.concatenate([yw, d * w0]))
+        elif ridge > 0:
             D = np.diag(np.maximum(np.diag(A), 1e-12)) * ridge
             w0 = np.zeros(len(FORMS[form]))
             if prior is not None and prior.form == form:
@@ -297,7 +329,7 @@ class OnlineLatencyModel:
         if self.base is not None:
             self.model = self.base.rescaled(_scale_fit(self.base, feats, times))
         else:  # a whisker of ridge keeps a rank-deficient window solvable, too little to bias a well-posed one
-            self.model = LinearLatencyModel.fit(feats, times, self.form, ridge=1e-9)
+            self.model = LinearLatencyModel.fit(feats, times, self.form, ridge=1e-9, nonneg=True)
         self.num_refits += 1
         self._last_refit_t = self.clock() if now is None else now
         self._since_refit = 0

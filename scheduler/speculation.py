@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import OnlineLatencyModel, StepFeatures, plan_features
+from stepserve.scheduler.latency_model import OnlineLatencyModel, StepFeatures, nnls, plan_features
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
@@ -143,8 +143,7 @@ class DraftCost:
         if len(self.obs) >= self.min_samples and (self.coef is None or self._since >= 16):
             x = np.array([[1.0, r, k, k * r] for k, r, _ in self.obs])
             y = np.array([s for _, _, s in self.obs])
-            lam = 1e-9 * np.eye(4)
-            self.coef = np.linalg.solve(x.T @ x + lam, x.T @ y)
+            self.coef = nnls(x, y)  # every term a cost: never a negative slope to extrapolate
             self._since = 0
 
     def predict(self, k: int, rows: int) -> float:

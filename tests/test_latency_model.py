@@ -273,3 +273,49 @@ def test_online_refit_with_a_base_rescales_it():
     assert m.current().predict_features(wide) == pytest.approx(slow.predict_features(wide), rel=1e-6)
     free = LinearLatencyModel.fit([f for f, _ in m.window], [t for _, t in m.window], "linear")
     assert free.predict_features(wide) != pytest.approx(slow.predict_features(wide), rel=0.05)
+
+
+def test_nnls_is_exact_and_nonnegative():
+    """`nnls` against the constrained optimum found by a fine grid, and the
+    unconstrained solution where that is already non-negative."""
+    import itertools
+
+    import numpy as np
+
+    from stepserve.scheduler.latency_model import nnls
+
+    rng = np.random.default_rng(0)
+    A = rng.normal(size=(40, 2))
+    b = A @ np.array([1.5, -0.7]) + 0.01 * rng.normal(size=40)
+    x = nnls(A, b)
+    assert (x >= 0).all()
+    grid = np.linspace(0, 3, 301)
+    best = min(itertools.product(grid, grid), key=lambda c: float(np.sum((A @ np.array(c) - b) ** 2)))
+    assert np.allclose(x, best, atol=0.011)
+    pos = A @ np.array([0.4, 2.0])
+    assert np.allclose(nnls(A, pos), [0.4, 2.0], atol=1e-9)
+
+
+def test_online_fit_never_extrapolates_a_negative_cost():
+    """Steps seen only at batch 4 to 8, with noise that makes the
+    unconstrained fit's rows slope negative: the online model's coefficients
+    stay non-negative, so a bigger batch never predicts a cheaper step."""
+    import numpy as np
+
+    from stepserve.scheduler.latency_model import LinearLatencyModel, OnlineLatencyModel, StepFeatures
+
+    rng = np.random.default_rng(1)
+    feats, times = [], []
+    for _ in range(64):
+        b = int(rng.integers(4, 9))
+        ctx = int(rng.integers(100, 4000))
+        feats.append(StepFeatures(b, ctx, b, 0.0))
+        times.append(0.010 + 2e-6 * ctx - 2e-4 * b + 1e-4 * rng.normal())  # a falling cost in rows
+    free = LinearLatencyModel.fit(feats, times, "linear")
+    assert min(free.coef) < 0  # the premise: least squares alone goes negative here
+    online = OnlineLatencyModel(min_samples=8)
+    for f, t in zip(feats, times):
+        online.add(f, t)
+    m = online.current()
+    assert min(m.coef) >= 0
+    assert m.predict(256, 4000, 256) >= m.predict(8, 4000, 8)

@@ -86,6 +86,7 @@ def create_app(async_engine, settings: ServerSettings,
 
     def model_card() -> dict:
         return {"id": settings.served_model_name, "object": "model", "created": created, "owned_by": "stepserve",
+                "root": client.model_path, "parent": None, "permission": [],
                 "max_model_len": client.max_model_len, "vocab_size": client.vocab_size}
 
     @app.post("/v1/completions")

@@ -1,4 +1,5 @@
-"""`--api-key`: every route but `/health` and `/version` needs `Authorization: Bearer KEY`.
+"""`--api-key`: every route but `/health`, `/version` and `/metrics` (as in vLLM:
+scrapers send no key) needs `Authorization: Bearer KEY`.
 
 A plain ASGI middleware (not BaseHTTPMiddleware), so streaming responses and
 client disconnects pass through untouched.
@@ -10,7 +11,7 @@ import hmac
 
 from stepserve.server.errors import SafeJSONResponse, error_body
 
-OPEN_PATHS = frozenset({"/health", "/version"})
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 
 class APIKeyMiddleware:

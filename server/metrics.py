@@ -130,6 +130,10 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram(P + "request_generation_tokens",
                                                    "Generated tokens per request (all its choices)", registry=r,
                                                    buckets=_TOKEN_BUCKETS)
+        self.request_params_n = Histogram(P + "request_params_n", "The n of each request", registry=r,
+                                          buckets=(1, 2, 5, 10, 20))
+        self.request_params_max_tokens = Histogram(P + "request_params_max_tokens", "The max_tokens of each request",
+                                                   registry=r, buckets=_TOKEN_BUCKETS)
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 429 (admission queue full)",
                                 registry=r)
         self.snapshot = EngineStats()

@@ -54,9 +54,14 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
         if messages[-1]["role"] != "assistant":
             raise bad_request("continue_final_message needs the last message to be the assistant's",
                               "continue_final_message")
+    extra = dict(req.chat_template_kwargs or {})
+    taken = sorted(set(extra) & {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+                                 "add_generation_prompt", "continue_final_message", "return_dict"})
+    if taken:
+        raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
     render = functools.partial(tok.apply_chat_template, messages, tokenize=False,
                                add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message)
+                               continue_final_message=req.continue_final_message, **extra)
     try:
         if tools:
             # a template that ignores `tools` would let the model answer blind: refuse instead
@@ -210,11 +215,10 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
                 "finish_reason": reason,
                 "stop_reason": st.stop_reason,
             })
-        extra = {"prompt_logprobs": vllm_prompt_logprobs(client.texts, acc.prompt_logprobs[0])} \
-            if req.prompt_logprobs is not None else {}
-        return head("chat.completion", choices, usage=acc.usage(), **extra)
+        plp = vllm_prompt_logprobs(client.texts, acc.prompt_logprobs[0]) if req.prompt_logprobs is not None else None
+        return head("chat.completion", choices, usage=acc.usage(), prompt_logprobs=plp)
 
     first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
-                               "finish_reason": None}], **extra) for i in range(req.n)]
+                               "finish_reason": None}], **live()) for i in range(req.n)]
     last = (lambda: head(chunk_obj, [], usage=acc.usage())) if include_usage else None
     return await gen.respond(req.stream, chunk, final, first, last)

@@ -117,9 +117,11 @@ class Accumulator:
 
 def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
     """(a usage chunk at the end, usage so far in every chunk): stream_options'
-    include_usage and vLLM's continuous_usage_stats."""
+    include_usage, and vLLM's continuous_usage_stats, which as in vLLM only
+    adds to include_usage."""
     so = req.stream_options
-    return bool(so and so.include_usage), bool(so and so.continuous_usage_stats)
+    include = bool(so and so.include_usage)
+    return include, include and so.continuous_usage_stats
 
 
 async def output_grammar(client, req: _SamplingFields):

@@ -128,8 +128,8 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
                     lp = join_completion_logprobs(echo_logprobs(idx // req.n), lp)
             choice = {"index": idx, "text": echo + "".join(st.text), "logprobs": lp,
                       "finish_reason": st.finish_reason, "stop_reason": st.stop_reason}
-            if req.prompt_logprobs is not None:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(client.texts, acc.prompt_logprobs[idx // req.n])
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(client.texts, acc.prompt_logprobs[idx // req.n]) \
+                if req.prompt_logprobs is not None else None
             choices.append(choice)
         return head(choices, usage=acc.usage())
 

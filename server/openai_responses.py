@@ -79,7 +79,7 @@ class ResponseStore:
     def get(self, rid: str, param: str | None = None) -> tuple[dict, list[dict]]:
         item = self._items.get(rid)
         if item is None:
-            raise APIError(404, f"Response with id '{rid}' not found", "invalid_request_error", param, "not_found")
+            raise APIError(404, f"Response with id '{rid}' not found.", "invalid_request_error", param, "not_found")
         return item
 
     def delete(self, rid: str) -> None:

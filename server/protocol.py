@@ -94,7 +94,7 @@ UNSUPPORTED_FIELDS = {
         "prediction": "predicted outputs",
         "web_search_options": "web search",
         "chat_template": "a chat template in the request",
-        "chat_template_kwargs": "chat template arguments",
+        "ebnf": "EBNF grammars (use structured_outputs.grammar, Lark)",
         "documents": "documents for the chat template",
         "mm_processor_kwargs": "multimodal inputs",
     },
@@ -103,7 +103,7 @@ HARMLESS_VALUES = {
     "functions": ([],),
     "function_call": ("none",), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
-    "modalities": (["text"],), "chat_template_kwargs": ({},), "bad_words": ([],), "length_penalty": (1.0,),
+    "modalities": (["text"],), "bad_words": ([],), "length_penalty": (1.0,),
 }
 
 
@@ -175,6 +175,7 @@ class _SamplingFields(_Model):
     guided_grammar: Optional[Text] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)  # keep the prompt's last N tokens
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per prompt token
+    regex: Optional[Text] = None  # SGLang's name for a regex constraint
 
     def constraint(self) -> tuple[str, object, str] | None:
         """(kind, spec, field) of the request's one output constraint, from
@@ -198,7 +199,7 @@ class _SamplingFields(_Model):
             found.append((None, None, "structured_outputs"))
             found[-1] = (*self.structured_outputs.constraint(), "structured_outputs")
         for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                          ("guided_grammar", "grammar")):
+                          ("guided_grammar", "grammar"), ("regex", "regex")):
             v = getattr(self, name)
             if v is not None:
                 found.append((None, None, name))
@@ -268,7 +269,7 @@ class NamedToolChoice(_Model):
 
 
 class ChatMessage(_Model):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Annotated[str, Field(min_length=1, max_length=64), AfterValidator(_utf8)]  # any role the template takes
     content: Optional[Union[Text, list[TextPart]]] = None
     name: Optional[Text] = None
     tool_call_id: Optional[Text] = None
@@ -293,6 +294,7 @@ class ChatCompletionRequest(_SamplingFields):
     # echo puts that message's content in front of the answer
     continue_final_message: bool = False
     echo: bool = False
+    chat_template_kwargs: Optional[dict] = None  # extra variables for the chat template (enable_thinking, ...)
     tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True

@@ -303,6 +303,7 @@ class EngineClient:
         self.metrics = metrics
         self.tokenizer = async_engine.tokenizer
         self.max_model_len = info.max_model_len
+        self.model_path = info.model  # the model directory, as vLLM reports it in root
         self.vocab_size = info.vocab_size
         self.limits = Limits(info.max_model_len, info.kv_capacity, info.vocab_size)  # the engine's own rules
         self.admission = Admission(info.max_running, settings.max_queued_requests, settings.retry_after_s)
@@ -312,7 +313,7 @@ class EngineClient:
 
     # -- checks ---------------------------------------------------------------
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_model_name:
+        if model and model != self.settings.served_model_name:  # absent or "": the served model
             raise APIError(404, f"The model '{model}' does not exist", param="model", code="model_not_found")
 
     def check_text_length(self, chars: int, param: str) -> None:
@@ -421,6 +422,9 @@ class EngineClient:
         except BaseException:
             ticket.release()
             raise
+        for p in params:  # one engine request per prompt, as vLLM counts them
+            self.metrics.request_params_n.observe(p.n)
+            self.metrics.request_params_max_tokens.observe(p.max_tokens)
         return Generation(request, streams, ticket, Accumulator(n, [len(p) for p in prompts]))
 
     def acquire(self, k: int) -> Ticket:

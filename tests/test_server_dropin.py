@@ -89,6 +89,19 @@ def test_stop_token_ids(srv, client, route):
     assert e.value.body["param"] == "stop_token_ids"
 
 
+def test_continuous_usage_stats_only_with_include_usage(client):
+    """As in vLLM, continuous_usage_stats adds to include_usage: alone it adds nothing."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True}))
+    assert all(ch.usage is None for ch in chunks)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(ch.usage is not None for ch in chunks)  # the role chunk too
+    assert chunks[0].usage.completion_tokens == 0 and chunks[-1].usage.completion_tokens == 4
+
+
 def test_continuous_usage_stats(client):
     chunks = list(client.completions.create(
         model=MODEL, prompt="In the beginning", max_tokens=8, stream=True, extra_body={"ignore_eos": True},
@@ -493,6 +506,7 @@ def test_vllm_metric_families(srv, client):
     assert d("stepserve:prefix_cache_hits_total") == d("stepserve:prefix_cache_hit_tokens_total") > 0
     assert "stepserve:num_preemptions_total" in after
     assert d("stepserve:iteration_tokens_total_count") >= 5
+    assert d("stepserve:request_params_n_sum") == 4 and d("stepserve:request_params_max_tokens_sum") == 10
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
@@ -535,3 +549,27 @@ def test_prompt_logprobs_against_transformers(srv, client, llama_ckpt, route):
         client.completions.create(model=MODEL, prompt=text, max_tokens=1, stream=True,
                                   extra_body={"prompt_logprobs": 1}).close()
     assert e.value.body["param"] == "prompt_logprobs"
+
+
+
+def test_vllm_and_sglang_request_shapes(srv, client):
+    """What their clients send: an empty model name (the served model),
+    custom roles the template renders, chat_template_kwargs, SGLang's regex
+    field; and what they read: prompt_logprobs null when not asked for, a
+    model card with root."""
+    r = client.chat.completions.create(model="", messages=[{"role": "my-custom-role", "content": "x"}], max_tokens=2)
+    assert r.model == MODEL and r.prompt_logprobs is None
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=1).choices[0].prompt_logprobs is None
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"tokenize": True}})
+    assert e.value.body["param"] == "chat_template_kwargs"
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=10,
+                                           temperature=1.0, seed=seed, extra_body={"regex": "(yea|nay)!"})
+        assert r.choices[0].message.content in ("yea!", "nay!")
+    card = client.models.retrieve(MODEL)
+    assert card.model_extra["root"] == srv.engine.info.model

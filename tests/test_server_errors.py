@@ -96,7 +96,7 @@ BAD_REQUESTS = [
     ("/v1/completions", ok_completion(response_format={"type": "xml"}), "response_format.type"),
     ("/v1/chat/completions", ok_chat(messages=[]), "messages"),
     ("/v1/chat/completions", ok_chat(messages="hi"), "messages"),
-    ("/v1/chat/completions", ok_chat(messages=[{"role": "wizard", "content": "x"}]), "messages.0.role"),
+    ("/v1/chat/completions", ok_chat(messages=[{"role": "", "content": "x"}]), "messages.0.role"),
     ("/v1/chat/completions", ok_chat(messages=[{"content": "x"}]), "messages.0.role"),
     ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), None),
     ("/v1/chat/completions", ok_chat(messages=[{"role": "user", "content": "x" * 3000}]), "messages"),
@@ -182,14 +182,15 @@ def test_unknown_route_and_method(http):
 
 
 def test_auth(srv):
-    routes = [("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+    routes = [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/responses"),
               ("POST", "/v1/chat/completions"), ("POST", "/generate"), ("GET", "/openapi.json"),
               ("GET", "/v1/nothing")]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}, {"Authorization": "Basic x"}):
         for method, path in routes:
             resp = httpx.request(method, srv.url + path, headers=headers, json=ok_completion(), timeout=30)
             assert_error(resp, 401, code="invalid_api_key")
-    assert httpx.get(srv.url + "/health").status_code == 200
+    for path in ("/health", "/version", "/metrics"):  # open, as in vLLM: probes and scrapers send no key
+        assert httpx.get(srv.url + path).status_code == 200
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

@@ -153,3 +153,24 @@ def compile_grammar(kind: str, spec, tokenizer_dir: str, vocab_size: int, eos_id
 def json_schema_grammar(schema: dict, tokenizer_dir: str, vocab_size: int, eos_ids, tokenizer=None) -> GrammarFactory:
     """A factory constraining output to JSON valid under `schema` (see `compile_grammar`)."""
     return compile_grammar("json", schema, tokenizer_dir, vocab_size, eos_ids, tokenizer)
+
+
+@dataclass(frozen=True)
+class AllowedTokens:
+    """`logits_processor_factory` that keeps only `token_ids` (vLLM's
+    allowed_token_ids); plain data, so it pickles into an engine process."""
+
+    token_ids: tuple[int, ...]
+
+    def __call__(self):
+        ids = torch.tensor(self.token_ids, dtype=torch.long)
+        masks: dict = {}
+
+        def process(output_ids: list[int], logits: torch.Tensor) -> None:
+            keep = masks.get(logits.device)
+            if keep is None:
+                keep = masks[logits.device] = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+                keep[ids.to(logits.device)] = True
+            logits.masked_fill_(~keep, float("-inf"))
+
+        return process

@@ -7,6 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from stepserve.engine.grammar import AllowedTokens
 from stepserve.engine.request import RequestOutput, TokenLogprob
 from stepserve.server.errors import bad_request
 from stepserve.server.protocol import HARMLESS_VALUES, UNSUPPORTED_FIELDS, ConstraintError, _SamplingFields
@@ -125,13 +126,22 @@ def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
 
 
 async def output_grammar(client, req: _SamplingFields):
-    """The request's grammar factory, from whichever of response_format,
-    structured_outputs and guided_* it gives (None if none); a 400 naming the
-    field for a bad one, or for two."""
+    """The request's logits processor factory: its grammar, from whichever of
+    response_format, structured_outputs and guided_* it gives, or its
+    allowed_token_ids (None if none); a 400 naming the field for a bad one,
+    or for two."""
     try:
         c = req.constraint()
     except ConstraintError as e:
         raise bad_request(str(e), e.param) from None
+    if req.allowed_token_ids:
+        if c is not None:
+            raise bad_request(f"allowed_token_ids cannot be combined with {c[2]}", "allowed_token_ids")
+        bad = [t for t in req.allowed_token_ids if t >= client.vocab_size]
+        if bad:
+            raise bad_request(f"allowed_token_ids {bad[:5]} are outside the vocabulary of {client.vocab_size}",
+                              "allowed_token_ids")
+        return AllowedTokens(tuple(sorted(set(req.allowed_token_ids))))
     if c is None:
         return None
     kind, spec, param = c

@@ -182,7 +182,13 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
                               name)
     if req.truncation != "disabled":
         raise bad_request("truncation 'auto' is not supported", "truncation")
-    history = store.get(req.previous_response_id, "previous_response_id")[1] if req.previous_response_id else []
+    history = []
+    if req.previous_response_id:
+        try:
+            history = store.get(req.previous_response_id, "previous_response_id")[1]
+        except APIError as e:  # a bad parameter of this request: 400, as OpenAI answers
+            raise bad_request(f"Previous response with id '{req.previous_response_id}' not found.",
+                              "previous_response_id") from e
     chat = to_chat(req, history)
     job = await prepare_chat(chat, client)
     rid = _item_id("resp")

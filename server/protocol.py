@@ -77,7 +77,6 @@ class ResponseFormat(_Model):
 _UNSUPPORTED_BOTH = {
     "use_beam_search": "beam search",
     "length_penalty": "beam search",
-    "allowed_token_ids": "allowed_token_ids",
     "bad_words": "bad_words",
     "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
     "skip_special_tokens": "skip_special_tokens on this route",
@@ -176,6 +175,7 @@ class _SamplingFields(_Model):
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)  # keep the prompt's last N tokens
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # top alternatives per prompt token
     regex: Optional[Text] = None  # SGLang's name for a regex constraint
+    allowed_token_ids: Optional[Annotated[list[TokenId], Field(min_length=1, max_length=1 << 17)]] = None
 
     def constraint(self) -> tuple[str, object, str] | None:
         """(kind, spec, field) of the request's one output constraint, from

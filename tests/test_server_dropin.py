@@ -126,7 +126,7 @@ UNSUPPORTED = [
     ("chat", "bad_words", ["x"]),
     ("completions", "return_tokens_as_token_ids", True),
     ("completions", "use_beam_search", True),
-    ("completions", "allowed_token_ids", [1, 2]),
+    ("completions", "bad_words", ["x"]),
 ]
 
 
@@ -433,9 +433,9 @@ def test_responses_store_previous_response_and_retrieve(tclient):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError) as e:
+    with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model=MODEL, input="x", previous_response_id=first.id)
-    assert e.value.body["param"] == "previous_response_id"
+    assert e.value.body["param"] == "previous_response_id" and "not found." in e.value.body["message"]
 
 
 def test_responses_json_schema_and_function_calls(tclient):
@@ -573,3 +573,23 @@ def test_vllm_and_sglang_request_shapes(srv, client):
         assert r.choices[0].message.content in ("yea!", "nay!")
     card = client.models.retrieve(MODEL)
     assert card.model_extra["root"] == srv.engine.info.model
+
+
+
+def test_allowed_token_ids(srv, client):
+    allowed = srv.engine.tokenizer.encode(" the earth", add_special_tokens=False)
+    for route in ("completions", "chat"):
+        kw = dict(model=MODEL, max_tokens=8, temperature=1.0, seed=4, logprobs=True if route == "chat" else 1,
+                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+        if route == "chat":
+            r = client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw)
+            toks = [t.token for t in r.choices[0].logprobs.content]
+        else:
+            r = client.completions.create(prompt="In the beginning", **kw)
+            toks = r.choices[0].logprobs.tokens
+        assert len(toks) == 8 and set(toks) <= {srv.engine.tokenizer.decode([t]) for t in allowed}
+    for body, param in (({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": [1], "guided_regex": "a"}, "allowed_token_ids")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=body)
+        assert e.value.body["param"] == param

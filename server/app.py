@@ -107,6 +107,10 @@ def create_app(async_engine, settings: ServerSettings,
     async def get_response(response_id: str):
         return SafeJSONResponse(responses.get(response_id)[0])
 
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str):
+        return SafeJSONResponse(await responses.cancel(response_id))
+
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
         responses.delete(response_id)

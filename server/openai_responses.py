@@ -10,11 +10,16 @@ and a `function_call` item per call. Streams carry OpenAI's typed events.
 
 `store` (default true) keeps the response, and the conversation that led to
 it, in a bounded in-memory store (`ResponseStore`): `previous_response_id`
-continues from it, and `GET /v1/responses/{id}` returns it.
+continues from it, and `GET /v1/responses/{id}` returns it. `background`
+answers at once with a "queued" response that a task finishes in the store;
+`POST /v1/responses/{id}/cancel` stops it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 import uuid
 from collections import OrderedDict
@@ -23,17 +28,19 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import ConfigDict, Field
 from starlette.requests import Request
 
-from stepserve.server.errors import APIError, bad_request
+from stepserve.server.errors import APIError, SafeJSONResponse, bad_request
 from stepserve.server.openai_chat import ChoiceTools, prepare_chat
 from stepserve.server.protocol import MAX_INT, ChatCompletionRequest, Seconds, Text, _Model
 from stepserve.server.serving import EngineClient
 
+log = logging.getLogger("stepserve.server")
+
 # fields of OpenAI's Responses API that would change the answer and are not implemented
 UNSUPPORTED = {
-    "background": "background responses", "conversation": "conversations", "prompt": "reusable prompts",
+    "conversation": "conversations", "prompt": "reusable prompts",
     "max_tool_calls": "max_tool_calls", "top_logprobs": "logprobs", "include": "include",
 }
-HARMLESS = {"background": (False,), "include": ([],)}
+HARMLESS = {"include": ([],)}
 
 
 class ResponsesRequest(_Model):
@@ -47,6 +54,7 @@ class ResponsesRequest(_Model):
     top_p: Optional[float] = Field(None, ge=0.0, le=1.0)
     stream: bool = False
     store: bool = True
+    background: bool = False  # answer at once ("queued"); GET polls, POST .../cancel stops it
     previous_response_id: Optional[Text] = None
     text: Optional[dict] = None
     tools: Optional[Annotated[list[dict], Field(max_length=128)]] = None
@@ -69,6 +77,31 @@ class ResponseStore:
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
         self._items: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self.running: dict[str, asyncio.Task] = {}  # background responses still generating
+        self.background: set[str] = set()  # ids of responses created in the background
+
+    def start(self, response: dict, task: asyncio.Task) -> None:
+        """A background response: stored now, as it stands, and finished by `task`."""
+        self.put(response, [])
+        self.background.add(response["id"])
+        self.running[response["id"]] = task
+        task.add_done_callback(lambda _: self.running.pop(response["id"], None))
+
+    async def cancel(self, rid: str) -> dict:
+        response, messages = self.get(rid)
+        if rid not in self.background:
+            raise bad_request("Cannot cancel a synchronous response.", "response_id")
+        task = self.running.pop(rid, None)
+        if task is None or task.done():
+            return response  # finished already: it stays as it ended
+        task.cancel()  # its generation closes, which aborts the engine request
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        response, messages = self.get(rid)
+        if response["status"] in ("queued", "in_progress"):
+            response = {**response, "status": "cancelled"}
+            self.put(response, messages)
+        return response
 
     def put(self, response: dict, messages: list[dict]) -> None:
         self._items[response["id"]] = (response, messages)
@@ -182,6 +215,10 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
                               name)
     if req.truncation != "disabled":
         raise bad_request("truncation 'auto' is not supported", "truncation")
+    if req.background and not req.store:
+        raise bad_request("background can only be used when `store` is true", "background")
+    if req.background and req.stream:
+        raise bad_request("background responses cannot be streamed here", "stream")
     history = []
     if req.previous_response_id:
         try:
@@ -192,9 +229,9 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
     chat = to_chat(req, history)
     job = await prepare_chat(chat, client)
     rid = _item_id("resp")
-    gen = await client.start(request, [job.ids], [job.params], rid, 1, job.names, slo=(req.slo_ttft, req.slo_tpot))
-    acc = gen.acc
     created = int(time.time())
+    gen = None if req.background else await client.start(request, [job.ids], [job.params], rid, 1, job.names,
+                                                         slo=(req.slo_ttft, req.slo_tpot))
     tools = ChoiceTools(job.mode, job.choice, req.parallel_tool_calls) if job.mode != "none" else None
     msg_id = _item_id("msg")
 
@@ -214,7 +251,7 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
         }
 
     def usage() -> dict:
-        u = acc.usage()
+        u = gen.acc.usage()
         return {"input_tokens": u["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
@@ -242,13 +279,35 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
         return resp
 
     def final():
-        st = acc.choices[0]
+        st = gen.acc.choices[0]
         text, reason = "".join(st.text), st.finish_reason
         if tools is None:
             return finished(text, [], reason)
         msg, reason = tools.message(text, reason)
         return finished(msg["content"] or "", [c for c in tools.calls], reason)
 
+    if req.background:  # checked and prepared above; admitted and run from here on, off this request
+        async def run():
+            nonlocal gen
+            try:
+                gen = await client.start(request, [job.ids], [job.params], rid, 1, job.names,
+                                         slo=(req.slo_ttft, req.slo_tpot), watch=False)
+                await gen.collect(watch=False)
+                final()
+            except asyncio.CancelledError:  # cancel: collect's own cleanup aborted the engine request
+                raise
+            except Exception as e:  # refused (429, the engine gone): the stored response says so
+                failed = response("failed", [], None)
+                if isinstance(e, APIError):
+                    failed["error"] = {"code": e.code or "server_error", "message": e.message}
+                else:
+                    log.exception("background response %s failed", rid)
+                    failed["error"] = {"code": "server_error", "message": type(e).__name__}
+                store.put(failed, [])
+
+        queued = response("queued", [], None)
+        store.start(queued, asyncio.ensure_future(run()))
+        return SafeJSONResponse(queued)
     if not req.stream:
         return await gen.respond(False, None, final)
 

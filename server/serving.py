@@ -261,15 +261,17 @@ class Generation:
 
         return SSEResponse(body(), self.aclose, ", ".join(s.request_id for s in self.streams))
 
-    async def collect(self) -> None:
+    async def collect(self, watch: bool = True) -> None:
         """Every delta into the Accumulator; a client that leaves first gets
-        ClientDisconnected (and its engine requests are aborted)."""
+        ClientDisconnected (and its engine requests are aborted). `watch`
+        False: the client is not waited on (a background response, whose
+        HTTP request has already been answered)."""
         async def drain():
             async for i, out in merge(self.streams):
                 self.acc.add(i, out)
 
         try:
-            await until_disconnected(self.request, drain())
+            await (until_disconnected(self.request, drain()) if watch else drain())
         finally:
             await self.aclose()
 
@@ -412,13 +414,16 @@ class EngineClient:
         names: dict[str, str] | None = None,
         stages: list[dict] | None = None,
         slo: tuple[float | None, float | None] = (None, None),
+        watch: bool = True,
     ) -> Generation:
         """Admits the request (one slot per prompt, or 429), then opens its
-        streams (see `open`) unless the client leaves first; on any failure the
+        streams (see `open`) unless the client leaves first (`watch` False: the
+        client is not waited on -- a background response); on any failure the
         slots are given back."""
         ticket = self.acquire(len(prompts))
         try:
-            streams = await until_disconnected(request, self.open(prompts, params, request_id, names, stages, slo))
+            opening = self.open(prompts, params, request_id, names, stages, slo)
+            streams = await (until_disconnected(request, opening) if watch else opening)
         except BaseException:
             ticket.release()
             raise

@@ -154,13 +154,18 @@ def test_harmless_unknown_fields_and_nulls_are_accepted(client):
 
 # -- tool calling (the embedded model, whose chat template renders tools) -------------------------------------
 @pytest.fixture(scope="module")
-def tclient():
+def tsrv():
     from server_util import ServerThread
     from stepserve.engine.defaults import DEFAULT_MODEL
 
     with ServerThread(DEFAULT_MODEL, served_model_name=MODEL, api_key=KEY, max_running=32) as s:
-        with openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
-            yield c
+        yield s
+
+
+@pytest.fixture(scope="module")
+def tclient(tsrv):
+    with openai.OpenAI(base_url=tsrv.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
 
 
 WEATHER = {"type": "function", "function": {
@@ -464,15 +469,53 @@ def test_responses_json_schema_and_function_calls(tclient):
     assert [i.type for i in done] == ["function_call"] and json.loads(done[0].arguments)["days"] in (1, 2, 3)
 
 
+def test_responses_in_the_background(tsrv, tclient):
+    """background: answered at once ("queued"), finished in the store, polled
+    with GET; cancel stops one still running (the engine is held meanwhile),
+    and leaves a finished or synchronous one alone."""
+    import time
+
+    client = tclient
+    r = client.responses.create(model=MODEL, input="In the beginning", max_output_tokens=8, background=True)
+    assert r.status == "queued"
+    for _ in range(200):
+        r = client.responses.retrieve(r.id)
+        if r.status != "queued":
+            break
+        time.sleep(0.05)
+    assert r.status in ("completed", "incomplete") and r.output_text
+    tsrv.engine.pause()
+    try:
+        held = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=500,
+                                       background=True)
+        assert client.responses.retrieve(held.id).status == "queued"
+        cancelled = client.responses.cancel(held.id)
+        assert cancelled.status == "cancelled"
+    finally:
+        tsrv.engine.resume()
+    for _ in range(100):  # the cancelled request was aborted in the engine, not left running
+        if tsrv.metrics()["stepserve:num_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert tsrv.metrics()["stepserve:num_requests_running"] == 0
+    assert client.responses.retrieve(held.id).status == "cancelled"
+    assert client.responses.cancel(r.id).status == r.status  # finished: unchanged
+    sync = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
+        client.responses.cancel(sync.id)
+    with pytest.raises(openai.BadRequestError, match="background can only be used when `store` is true"):
+        client.responses.create(model=MODEL, input="x", background=True, store=False)
+
+
 @pytest.mark.parametrize("kw,param", [
     (dict(tools=[{"type": "web_search"}]), "tools"),
-    (dict(background=True), "background"),
+    (dict(conversation="conv_1"), "conversation"),
     (dict(input=[{"type": "input_image", "image_url": "x"}]), "input"),
     (dict(truncation="auto"), "truncation"),
 ])
 def test_responses_bad_requests(tclient, kw, param):
     body = dict(model=MODEL, input="hi", max_output_tokens=2)
-    extra = {k: kw.pop(k) for k in list(kw) if k in ("background",)}
+    extra = {k: kw.pop(k) for k in list(kw) if k in ("conversation",)}
     with pytest.raises(openai.BadRequestError) as e:
         tclient.responses.create(**{**body, **kw}, extra_body=extra or None)
     assert e.value.body["param"] == param

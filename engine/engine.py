@@ -311,7 +311,10 @@ class Engine:
             reason = flashinfer_unavailable(self.device, pool.dtype, mc.head_dim)
             if reason is None or (choice == "flashinfer" and self.device.type != "cuda"):
                 # flashinfer named on a CPU: only a stand-in module can serve it (the CPU tests' fake)
-                backend = FlashInferAttention(pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+                try:
+                    backend = FlashInferAttention(pool, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+                except ImportError as e:
+                    raise ValueError(f"attention_backend 'flashinfer' cannot be used: {reason} ({e})") from None
                 model.use_kernels(backend.fi)
                 return backend
             if choice == "flashinfer":

@@ -94,9 +94,10 @@ def test_cpu_engine_sizes_kv_from_kv_memory_gb(llama_ckpt):
 
 def test_flashinfer_named_without_it_is_a_clear_error(llama_ckpt, monkeypatch):
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails
-    if torch.cuda.is_available():
-        with pytest.raises(ValueError, match="flashinfer"):
-            LLM(llama_ckpt, attention_backend="flashinfer", device="cuda")
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    for device in devices:
+        with pytest.raises(ValueError, match="attention_backend 'flashinfer' cannot be used"):
+            LLM(llama_ckpt, attention_backend="flashinfer", device=device)
     llm = LLM(llama_ckpt)  # auto: the torch backend
     assert llm.engine.attention_backend == "TorchAttention" and llm.engine.runner.graphs is None
 

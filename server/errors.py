@@ -91,6 +91,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         names = names[: names.index("logit_bias") + 1]
     param = ".".join(names) or None
     msg = e.get("msg", "invalid value")
+    if e.get("type"):  # pydantic's error type, which vLLM's messages carry and clients match on
+        msg += f" [type={e['type']}]"
     more = f" (and {len(errors) - 1} more errors)" if len(errors) > 1 else ""
     return (f"Invalid value for '{param}': {msg}{more}" if param else f"{msg}{more}"), param
 

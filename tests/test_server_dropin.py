@@ -636,3 +636,11 @@ def test_allowed_token_ids(srv, client):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body=body)
         assert e.value.body["param"] == param
+
+
+
+def test_validation_errors_name_the_pydantic_error_type(client):
+    """vLLM's clients match on pydantic's error types in the message."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, seed=2**64)
+    assert e.value.body["param"] == "seed" and "less_than_equal" in e.value.body["message"]

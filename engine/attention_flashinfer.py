@@ -9,8 +9,8 @@ The backend is planned once per step (`prepare`) and the plan is shared by all
 layers (`forward`):
   - decode-shaped queries (decode rows, and each position of a speculative
     verify row, which reads its own prefix length) go through flashinfer's
-    batch decode wrapper -- with tensor cores where the GQA group is 4 or more,
-    as SGLang does;
+    batch decode wrapper -- with tensor cores where the GQA group is over 4,
+    as vLLM does;
   - extend rows (prefill chunks over a radix-cached prefix) go through the
     batch prefill wrapper, causal with the query aligned to the end of its
     context, which is exactly "prefix + chunk".
@@ -111,8 +111,7 @@ class FlashInferAttention:
     def prepare(self, fb: ForwardBatch) -> None:
         self._active = None
         if fb.num_decode:
-            lens_host = fb.decode_kv_lens_host if fb.decode_kv_lens_host is not None else fb.decode_kv_lens.cpu()
-            self._plan_decode(self.decode, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens, lens_host)
+            self._plan_decode(self.decode, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens, fb.kv_lens_host())
         self._num_extend = 0
         if fb.extend_rows:
             qo = indptr_of([n for _, n, _ in fb.extend_rows])

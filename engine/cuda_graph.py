@@ -87,11 +87,11 @@ class DecodeGraphs:
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        one = torch.ones(1, dtype=torch.long)
+        no_rows = torch.zeros(0, dtype=torch.long)
         for bs in reversed(self.buckets):
             fb = self._batch(bs)
             # every row a padding row: reads and writes slot 0 only
-            self._plan(bs, self.rows[:0], self.lens[:0], one[:0])
+            self._plan(bs, self.rows[:0], self.lens[:0], no_rows)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
@@ -124,8 +124,7 @@ class DecodeGraphs:
             buf[:b].copy_(src)
             if bs > b:
                 buf[b:bs].fill_(pad)
-        lens_host = fb.decode_kv_lens_host if fb.decode_kv_lens_host is not None else fb.decode_kv_lens.cpu()
-        self._plan(bs, self.rows[:b], self.lens[:b], lens_host)
+        self._plan(bs, self.rows[:b], self.lens[:b], fb.kv_lens_host())
         self.replays += 1
         if self.capture_graphs:
             self.graphs[bs].replay()

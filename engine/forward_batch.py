@@ -40,6 +40,10 @@ class ForwardBatch:
     # a GPU backend plans from it without reading the device copy back
     decode_kv_lens_host: torch.Tensor | None = None
 
+    def kv_lens_host(self) -> torch.Tensor:
+        """decode_kv_lens on the host: the builder's copy, else read back (a sync)."""
+        return self.decode_kv_lens_host if self.decode_kv_lens_host is not None else self.decode_kv_lens.cpu()
+
 
 def token_bucket(n: int) -> int:
     """Token count rounded up to one of ~50 shapes: multiples of 8 up to 64,

@@ -296,10 +296,13 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, backend, fb, kern)
-        x = residual + x
         norm = self.model.norm
-        hidden = kern.rmsnorm(x[fb.hidden_indices], norm.weight, norm.eps) if fb.hidden_indices is not None else None
-        return self.compute_logits(kern.rmsnorm(x[fb.logits_indices], norm.weight, norm.eps)), hidden
+
+        def final(idx):  # the last residual add and norm, for the rows that need them only
+            return kern.rmsnorm(residual[idx] + x[idx], norm.weight, norm.eps)
+
+        hidden = final(fb.hidden_indices) if fb.hidden_indices is not None else None
+        return self.compute_logits(final(fb.logits_indices)), hidden
 
     def use_kernels(self, flashinfer) -> None:
         """Runs the small per-layer ops as flashinfer's fused kernels (CUDA)."""

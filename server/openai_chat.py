@@ -11,7 +11,7 @@ from starlette.requests import Request
 
 from stepserve.server.errors import APIError, bad_request
 from stepserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
-from stepserve.server.openai_common import output_grammar, sampling_kwargs, stream_usage
+from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs
 from stepserve.server.protocol import ChatCompletionRequest
 from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
 from stepserve.server.tools import ChoiceTools, constrained_schema
@@ -115,6 +115,7 @@ class ChatJob:
     names: dict[str, str]
     mode: str  # tool mode: none | auto | required | named
     choice: object  # tool_choice as plain data
+    echo: str  # vLLM's echo: the text the answer starts with
 
 
 async def prepare_chat(req: ChatCompletionRequest, client: EngineClient) -> ChatJob:
@@ -125,6 +126,11 @@ async def prepare_chat(req: ChatCompletionRequest, client: EngineClient) -> Chat
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     mode, choice = tool_mode(req)
+    # vLLM's echo: the last message's content, when it is the assistant's (a continued answer)
+    last_msg = req.messages[-1]
+    echo = last_msg.text() if req.echo and last_msg.role == "assistant" else ""
+    if echo and mode != "none":
+        raise bad_request("echo cannot be combined with tool calls", "echo")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and mode != "none" else None
     ids = await render_chat(client, req, tools)
     if req.truncate_prompt_tokens is not None:
@@ -146,7 +152,7 @@ async def prepare_chat(req: ChatCompletionRequest, client: EngineClient) -> Chat
         prompt_logprobs=req.prompt_logprobs,
         logits_processor_factory=factory,
     )
-    return ChatJob(ids, params, names, mode, choice)
+    return ChatJob(ids, params, names, mode, choice, echo)
 
 
 async def create_chat_completion(req: ChatCompletionRequest, request: Request, client: EngineClient):
@@ -160,19 +166,9 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
         return {"id": rid, "object": obj, "created": acc.created, "model": client.settings.served_model_name,
                 "system_fingerprint": None, "choices": choices, **extra}
 
-    include_usage, continuous = stream_usage(req)
-    extra = {"usage": None} if include_usage else {}
     chunk_obj = "chat.completion.chunk"
-
-    def live():  # the usage field of a streamed chunk: the running totals with continuous_usage_stats
-        return {"usage": acc.usage()} if continuous else extra
-
     per_choice: dict[int, ChoiceTools] = {}
-    # vLLM's echo: the last message's content, when it is the assistant's (a continued answer)
-    last_msg = req.messages[-1]
-    echo = last_msg.text() if req.echo and last_msg.role == "assistant" else ""
-    if echo and mode != "none":
-        raise bad_request("echo cannot be combined with tool calls", "echo")
+    echo = job.echo
 
     def chunk(out, deltas):
         events = []
@@ -198,7 +194,7 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
                      "finish_reason": reason if last else None}
                 if last and reason is not None:
                     c["stop_reason"] = o.stop_reason
-                events.append(head(chunk_obj, [c], **live()))
+                events.append(head(chunk_obj, [c], **chunk_usage(req, acc)))
         return events
 
     def final():
@@ -219,6 +215,6 @@ async def create_chat_completion(req: ChatCompletionRequest, request: Request, c
         return head("chat.completion", choices, usage=acc.usage(), prompt_logprobs=plp)
 
     first = [head(chunk_obj, [{"index": i, "delta": {"role": "assistant", "content": echo}, "logprobs": None,
-                               "finish_reason": None}], **live()) for i in range(req.n)]
-    last = (lambda: head(chunk_obj, [], usage=acc.usage())) if include_usage else None
+                               "finish_reason": None}], **chunk_usage(req, acc)) for i in range(req.n)]
+    last = (lambda: head(chunk_obj, [], usage=acc.usage())) if include_usage(req) else None
     return await gen.respond(req.stream, chunk, final, first, last)

@@ -116,13 +116,18 @@ class Accumulator:
         return usage(sum(self.prompt_tokens), completion, sum(self.cached))
 
 
-def stream_usage(req: _SamplingFields) -> tuple[bool, bool]:
-    """(a usage chunk at the end, usage so far in every chunk): stream_options'
-    include_usage, and vLLM's continuous_usage_stats, which as in vLLM only
-    adds to include_usage."""
-    so = req.stream_options
-    include = bool(so and so.include_usage)
-    return include, include and so.continuous_usage_stats
+def include_usage(req: _SamplingFields) -> bool:
+    """stream_options.include_usage: a usage chunk ends the stream."""
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def chunk_usage(req: _SamplingFields, acc: Accumulator) -> dict:
+    """The usage field of a streamed chunk: absent without include_usage,
+    null with it, and the running totals with vLLM's continuous_usage_stats
+    too (which, as in vLLM, only adds to include_usage)."""
+    if not include_usage(req):
+        return {}
+    return {"usage": acc.usage() if req.stream_options.continuous_usage_stats else None}
 
 
 async def output_grammar(client, req: _SamplingFields):

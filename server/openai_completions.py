@@ -7,7 +7,7 @@ from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
-from stepserve.server.openai_common import output_grammar, sampling_kwargs, stream_usage
+from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
 
@@ -76,11 +76,6 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         return {"id": rid, "object": "text_completion", "created": acc.created, "model": client.settings.served_model_name,
                 "choices": choices, **extra}
 
-    include_usage, continuous = stream_usage(req)
-    extra = {"usage": None} if include_usage else {}
-
-    def live(**kw):  # the usage field of a streamed chunk: the running totals with continuous_usage_stats
-        return {**kw, "usage": acc.usage()} if continuous else {**kw, **extra}
     offsets = {}  # choice index -> text offset of its next logprob (streamed)
     echo_lps = req.echo and req.logprobs is not None  # the echo waits for the prompt's logprobs
 
@@ -94,7 +89,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
                 for b in range(req.n):
                     offsets[i * req.n + b] = len(text)
                     yield head([{"index": i * req.n + b, "text": text, "logprobs": None, "finish_reason": None}],
-                               **live())
+                               **chunk_usage(req, acc))
 
     def chunk(out, deltas):
         events = []
@@ -103,7 +98,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             for b in range(req.n):
                 offsets[i * req.n + b] = len(echoes[i])
                 events.append(head([{"index": i * req.n + b, "text": echoes[i], "logprobs": lp,
-                                     "finish_reason": None}], **live()))
+                                     "finish_reason": None}], **chunk_usage(req, acc)))
         for idx, o in deltas:  # one choice per chunk, as OpenAI streams them
             lp = None
             if req.logprobs is not None:
@@ -113,7 +108,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             choice = {"index": idx, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
-            events.append(head([choice], **live()))
+            events.append(head([choice], **chunk_usage(req, acc)))
         return events
 
     def final():
@@ -133,5 +128,5 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
             choices.append(choice)
         return head(choices, usage=acc.usage())
 
-    last = (lambda: head([], usage=acc.usage())) if include_usage else None
+    last = (lambda: head([], usage=acc.usage())) if include_usage(req) else None
     return await gen.respond(req.stream, chunk, final, first(), last)

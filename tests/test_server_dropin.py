@@ -644,3 +644,15 @@ def test_validation_errors_name_the_pydantic_error_type(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=2, seed=2**64)
     assert e.value.body["param"] == "seed" and "less_than_equal" in e.value.body["message"]
+
+
+def test_a_refused_echo_admits_nothing(tsrv, tclient):
+    """echo with tool calls is refused before the request is admitted: no
+    admission slot and no engine request are left behind."""
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "In the beginning"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        tclient.chat.completions.create(model=MODEL, messages=msgs, tools=[WEATHER], max_tokens=200,
+                                        extra_body={"echo": True, "add_generation_prompt": False,
+                                                    "continue_final_message": True})
+    assert e.value.body["param"] == "echo"
+    assert tsrv.app.state.client.admission.in_flight == 0

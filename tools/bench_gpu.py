@@ -185,12 +185,14 @@ def main() -> int:
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-memory-gb", type=float, default=None)
-    p.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--make-only", action="store_true", help="with --make: write the checkpoint and stop")
     p.add_argument("--profile-batches", default="", help="comma list: print a torch profile of 8 steps at these")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.profile_batches = {int(x) for x in args.profile_batches.split(",") if x}
     if args.make_only:
+        if not args.make:
+            p.error("--make-only needs --make SHAPE")
         make_checkpoint(args.model, args.make)
         return 0
     if args.make and not os.path.isfile(os.path.join(args.model, "config.json")):

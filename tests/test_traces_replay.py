@@ -160,7 +160,7 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
     out = tmp_path / "val.json"
     rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", url, "--profile", str(tmp_path / "p.json"),
                "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--step-log", step_log, "--out", str(out), "--plot",
-               "--no-progress"])
+               "--replays", str(tmp_path / "runs"), "--no-progress"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["kind"] == "stepserve-validation" and [r["rate"] for r in res["rates"]] == [4, 16]
@@ -177,6 +177,23 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
     assert (tmp_path / "val.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "rate 4 req/s" in printed and "goals:" in printed and "engine:" in printed
+
+    # --replays kept the real runs: a slower profile is validated against the same runs, with no server
+    prof["latency"]["coef"][0] = 6e-3
+    (tmp_path / "p2.json").write_text(json.dumps(prof))
+    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
+               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v2.json"),
+               "--replays", str(tmp_path / "runs"), "--no-progress"])
+    assert rc == 0
+    again = json.loads((tmp_path / "v2.json").read_text())
+    for a, b in zip(res["rates"], again["rates"]):
+        assert a["real"] == b["real"] and a["latency"]["ttft_p50"]["real"] == b["latency"]["ttft_p50"]["real"]
+        assert b["latency"]["tpot_p50"]["sim"] > a["latency"]["tpot_p50"]["sim"]  # the simulation did change
+    # a rate the folder does not hold must be replayed: here, against no server, an error
+    with pytest.raises(Exception):
+        main(["validate", "--trace", TRACE, "--rates", "4,8", "--url", "http://127.0.0.1:9", "--profile",
+              str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1",
+              "--replays", str(tmp_path / "runs"), "--no-progress"])
 
 
 def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, tmp_path, capsys):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 
 import numpy as np
 
@@ -54,6 +56,10 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="the server's step log (`stepserve serve --step-log PATH`): adds the engine's own view per "
                         "rate")
+    g.add_argument("--replays", default=None, metavar="DIR",
+                   help="keep each real run's report in DIR; a run already there (same trace, scaling and repeat) "
+                        "is read back instead of replayed, so a profile or simulator change is validated against "
+                        "the same real runs, with no server when DIR holds them all")
 
 
 def _rel(real, sim) -> float | None:
@@ -291,6 +297,50 @@ def plot_validation(result: dict, path: str) -> str:
     return path
 
 
+class ReplayStore:
+    """The real runs of a validation kept in a folder (`--replays`), one
+    report per (rate index, repeat). A stored run is used only if its trace
+    and scaling (rate included) are those asked for now."""
+
+    def __init__(self, folder: str | None, trace: dict, n_rates: int, repeats: int):
+        self.folder, self.trace = folder, trace
+        self.n_rates, self.repeats = n_rates, repeats
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+
+    def path(self, i: int, rep: int) -> str:
+        return os.path.join(self.folder, f"rate{i}-run{rep}.json")
+
+    def _read(self, i: int, rep: int) -> dict | None:
+        if not self.folder or not os.path.isfile(self.path(i, rep)):
+            return None
+        with open(self.path(i, rep)) as f:
+            return json.load(f)
+
+    def load(self, i: int, rep: int, scaling: dict) -> dict | None:
+        r = self._read(i, rep)
+        scaling = json.loads(json.dumps(scaling))  # as it reads back
+        if r is None or r.get("trace", {}).get("path") != self.trace.get("path") or r.get("scaling") != scaling:
+            return None
+        return r
+
+    def save(self, i: int, rep: int, report: dict) -> None:
+        if self.folder:
+            from stepserve.traces.report import write_report
+
+            write_report(report, self.path(i, rep))
+
+    def server_info(self):
+        """The server the stored runs were replayed against (None: no run stored)."""
+        from stepserve.traces.replay import ServerInfo
+
+        got = [r for r in (self._read(i, rep) for i in range(self.n_rates) for rep in range(self.repeats)) if r]
+        if not got:
+            return None
+        c = got[0]["config"]
+        return ServerInfo(c.get("model"), c.get("server_max_model_len"), c.get("vocab_size"))
+
+
 def run_validate(args) -> int:
     from stepserve.engine.step_log import SETTLE_S, read_step_log
     from stepserve.scheduler.latency_model import load_profile
@@ -310,31 +360,47 @@ def run_validate(args) -> int:
         raise SystemExit("stepserve validate: give SLOs (--slo-ttft, --slo-tpot) that bind at the top rates")
     prof = load_profile(args.profile)
     cfg = sim_config(args, prof)
-    info = server_info(args.url, args.api_key)
     trace = load_trace(args.trace)
-    if args.vocab_size is None and info.vocab_size:
-        args.vocab_size = info.vocab_size  # one prompt vocabulary for both sides
-        cfg = dataclasses.replace(cfg, vocab_size=info.vocab_size)
-    limits = [x for x in (info.max_model_len, cfg.max_context) if x]
-    max_ctx = min(limits) if limits else None  # requests both sides can serve
     rates = rates_from_args(args)
+    runs = ReplayStore(args.replays, trace.info(), len(rates), args.repeats)
+    grid = [(rep, i) for rep in range(args.repeats)  # interleaved: up the grid, then down, so a slow
+            # stretch of the machine does not land on one rate's every repeat
+            for i in (range(len(rates)) if rep % 2 == 0 else reversed(range(len(rates))))]
+
+    def scaled(info):
+        """cfg and each run's (specs, scaling) for the server `info` describes."""
+        c = cfg
+        if args.vocab_size is None and info.vocab_size:  # one prompt vocabulary for both sides
+            c = dataclasses.replace(cfg, vocab_size=info.vocab_size)
+        limits = [x for x in (info.max_model_len, c.max_context) if x]
+        max_ctx = min(limits) if limits else None  # requests both sides can serve
+        return c, {(rep, i): apply_scaling(trace.specs, dataclasses.replace(scaling_from_args(args, max_ctx),
+                                                                          rate=rates[i])) for rep, i in grid}
+
+    info = runs.server_info()
+    stored = {}
+    if info is not None:
+        cfg_s, scal = scaled(info)
+        stored = {k: runs.load(k[1], k[0], scal[k][1].to_dict()) for k in grid}
+    if info is None or any(r is None for r in stored.values()):  # something to replay: ask the server
+        info = server_info(args.url, args.api_key)
+        cfg_s, scal = scaled(info)
+        stored = {k: runs.load(k[1], k[0], scal[k][1].to_dict()) for k in grid}
+    cfg = cfg_s
+    if args.vocab_size is None and info.vocab_size:
+        args.vocab_size = info.vocab_size
     reals: list[list[dict]] = [[] for _ in rates]
     sims: list[list[dict]] = [[] for _ in rates]
     views: list[list[dict]] = [[] for _ in rates]
-    run = 0
-    for rep in range(args.repeats):
-        # interleaved: up the grid, then down, so a slow stretch of the machine
-        # does not land on one rate's every repeat
-        order = range(len(rates)) if rep % 2 == 0 else reversed(range(len(rates)))
-        for i in order:
-            sc = dataclasses.replace(scaling_from_args(args, max_ctx), rate=rates[i])
-            specs, sinfo = apply_scaling(trace.specs, sc)
+    for run, (rep, i) in enumerate(grid):
+        specs, sinfo = scal[rep, i]
+        real = stored[rep, i]
+        if real is None:
             real = replay_one(args, info, trace, slo, specs, sinfo, run)
-            run += 1
-            sim = simulate_one(args, prof, dataclasses.replace(cfg, noise_seed=args.seed + rep), trace, slo, specs,
-                               sinfo)
-            reals[i].append(real)
-            sims[i].append(sim)
+            runs.save(i, rep, real)
+        sim = simulate_one(args, prof, dataclasses.replace(cfg, noise_seed=args.seed + rep), trace, slo, specs, sinfo)
+        reals[i].append(real)
+        sims[i].append(sim)
     if args.step_log:
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
         for i in range(len(rates)):

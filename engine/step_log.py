@@ -12,8 +12,9 @@ not see:
   adds    requests that entered the engine in this iteration
   cmd     seconds spent handling the commands (adding requests: their checks,
           sequences, detokenizer state)
-  rows, decode_rows, ctx, new, pairs
-          the step's features (absent: the iteration ran no step)
+  rows, decode_rows, ctx, new, pairs, ext
+          the step's features (absent: the iteration ran no step); ext: rows
+          that prefill a chunk (`StepFeatures.extend_rows`)
   step    seconds of the step (`StepRecord.wall_s`: schedule, forward, update)
   fwd     of which the forward pass (`StepRecord.forward_s`)
   out     seconds turning the step's tokens into output deltas (detokenizing)
@@ -34,7 +35,7 @@ import time
 # log (it flushes before it blocks for the next command).
 SETTLE_S = 0.2
 
-FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "step", "fwd", "out", "emit",
+FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "ext", "step", "fwd", "out", "emit",
           "outs")
 
 

@@ -319,7 +319,7 @@ class BranchAdmissionPolicy:
         candidates = [g[1:] for g in branchy]
         extra_ids = {id(r) for g in candidates for r in g}
         f = plan_features(plan)  # of the whole plan; take the extras back out
-        rows, ctx, new, pairs = f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs
+        rows, ctx, new, pairs, ext = f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows
         for g in candidates:
             for r in g:
                 rows -= 1
@@ -328,11 +328,11 @@ class BranchAdmissionPolicy:
         predict = self.predictor.predict
         if self.spec.predictor == "constant":  # the paper's ablation: shape-blind, the recent mean step time
             w = self.predictor.window
-            mean = sum(t for _, t in w) / len(w) if w else predict(rows, ctx, new, pairs)
+            mean = sum(t for _, t in w) / len(w) if w else predict(rows, ctx, new, pairs, ext)
 
             def predict(*_):
                 return mean
-        t_base = predict(rows, ctx, new, pairs)
+        t_base = predict(rows, ctx, new, pairs, ext)
         if self.spec.budget == "slo":  # the paper's ablation: a fixed budget, blind to banked or owed time
             budget = max(t_base, self._tightest_tpot(plan))
         else:
@@ -344,7 +344,7 @@ class BranchAdmissionPolicy:
         def entry(gi: int, k: int) -> tuple:
             """Request gi's k-th extra row: (-gain per cost, staleness, gi, k, its marginal cost)."""
             r = candidates[gi][k]
-            cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs) - t_base
+            cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_base
             gain = math.log((k + 2) / (k + 1)) if concave else 1.0
             return (-gain / max(cost, 1e-12), _staleness(r), gi, k, cost)
 

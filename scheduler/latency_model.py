@@ -7,6 +7,21 @@ coefficients and fitted by least squares:
   taper        T = a + b*rows + c*context_tokens                 (TAPER's predictor)
   linear       T = a + b*rows + c*context_tokens + d*new_tokens  (the default)
   linear+attn  linear + e*prefill_pairs
+  segmented    a + R(rows) + c*context_tokens + d*new_tokens + e*prefill_pairs
+               + f*extend_rows, where R is piecewise linear in rows: one slope
+               per segment between knots (1, 2, 4, ... up to the largest batch
+               the fit saw; the last segment open-ended), each >= 0
+
+The segmented form is for measured steps where one slope does not hold from
+1 row to 100: on a 2-core CPU server the second row of a decode step cost
+~2.5 ms and each row past 16 ~0.4 ms, and a linear fit through both put
+0.1 ms on every row, too little at the small batches of light load and the
+intercept too high for one row. `extend_rows` (rows that prefill a chunk) is
+the work a step does per chunk outside the forward pass: admission, the radix
+cache, the chunk's input and output bookkeeping, ~2 ms per chunk on that
+server against 0.45 ms per decode step; the forms without it fold it into
+the token terms. Both are terms the step policies price too: TAPER's
+marginal cost of a branch row is R's local slope.
 
 `prefill_pairs` counts the (query, key) pairs of the prefill chunks' causal
 attention, sum of num_new*start + num_new*(num_new+1)/2 over rows with more
@@ -45,6 +60,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -55,7 +71,40 @@ FORMS: dict[str, tuple[str, ...]] = {
     "taper": ("const", "rows", "context_tokens"),
     "linear": ("const", "rows", "context_tokens", "new_tokens"),
     "linear+attn": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs"),
+    # "rows" here is a piecewise-linear term: one coefficient per segment of `knots`
+    "segmented": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows"),
 }
+TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows")
+
+
+def row_knots(max_rows: int) -> tuple[int, ...]:
+    """The segmented form's knots for data whose largest batch is `max_rows`:
+    1, 2, 4, ... below it (so every segment holds some of the data; the last,
+    open-ended, extrapolates past it)."""
+    knots = [1]
+    while knots[-1] * 2 < max_rows:
+        knots.append(knots[-1] * 2)
+    return tuple(knots)
+
+
+def row_segments(rows: float, knots: tuple[int, ...]) -> list[float]:
+    """How much of `rows` lies in each segment [k_i, k_i+1) of `knots` (the last open)."""
+    out = []
+    for i, k in enumerate(knots):
+        hi = knots[i + 1] if i + 1 < len(knots) else float("inf")
+        out.append(float(min(max(rows - k, 0.0), hi - k)))
+    return out
+
+
+def term_names(form: str, knots: tuple[int, ...] = ()) -> list[str]:
+    """One name per coefficient: the segmented form's rows term is one per segment."""
+    out = []
+    for n in FORMS[form]:
+        if n == "rows" and form == "segmented":
+            out += [f"rows[{k},{knots[i + 1] if i + 1 < len(knots) else ''})" for i, k in enumerate(knots)]
+        else:
+            out.append(n)
+    return out
 PROFILE_KIND = "stepserve-latency-profile"
 
 
@@ -65,15 +114,25 @@ class StepFeatures:
     context_tokens: int
     new_tokens: int
     prefill_pairs: float = 0.0
+    extend_rows: int = 0  # rows that prefill a chunk of more than one token (not decode, not verify)
 
-    def vector(self, form: str) -> list[float]:
-        return [1.0 if n == "const" else float(getattr(self, n)) for n in FORMS[form]]
+    def vector(self, form: str, knots: tuple[int, ...] = ()) -> list[float]:
+        out = []
+        for n in FORMS[form]:
+            if n == "const":
+                out.append(1.0)
+            elif n == "rows" and form == "segmented":
+                out += row_segments(self.rows, knots)
+            else:
+                out.append(float(getattr(self, n)))
+        return out
 
 
 def plan_features(plan) -> StepFeatures:
     """Features of a `StepPlan`, in one pass over its rows."""
     ctx = new = 0
     pairs = 0
+    ext = 0
     for r in plan.rows:
         n = r.num_new
         s = r.start
@@ -81,42 +140,66 @@ def plan_features(plan) -> StepFeatures:
         ctx += s + n
         if n > 1:
             pairs += n * s + n * (n + 1) // 2
-    return StepFeatures(len(plan.rows), ctx, new, float(pairs))
+            if not r.draft_len:
+                ext += 1
+    return StepFeatures(len(plan.rows), ctx, new, float(pairs), ext)
 
 
 def record_features(rec) -> StepFeatures:
     """Features of a `StepRecord`."""
-    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, rec.prefill_pairs)
+    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, rec.prefill_pairs, rec.extend_rows)
 
 
 class LatencyModel(Protocol):
     form: str
 
-    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0) -> float: ...
+    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
+                extend_rows: int = 0) -> float: ...
 
     def to_dict(self) -> dict: ...
 
 
 def nnls(A: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin ||A x - b|| subject to x >= 0, exactly, for the few columns a
-    latency model has: the least-squares solution on each subset of columns
-    (the others held at 0), the best one that is non-negative."""
+    """argmin ||A x - b|| subject to x >= 0: Lawson and Hanson's active-set
+    method (exact: it ends at the least-squares solution on the columns left
+    free, with the KKT conditions met), on columns scaled to unit norm so that
+    terms of very different magnitudes (a constant, tokens, attention pairs)
+    are treated alike. Columns that are all zero get 0."""
+    A = np.asarray(A, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
     n = A.shape[1]
-    if n > 8:
-        raise ValueError("nnls here is for at most 8 coefficients")
-    best, best_r = np.zeros(n), float(b @ b)
-    for mask in range(1, 1 << n):
-        cols = [j for j in range(n) if mask >> j & 1]
-        x, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
-        if (x < 0).any():
-            continue
-        r = A[:, cols] @ x - b
-        r = float(r @ r)
-        if r < best_r:
-            best_r = r
-            best = np.zeros(n)
-            best[cols] = x
-    return best
+    norms = np.linalg.norm(A, axis=0)
+    live = norms > 0
+    x = np.zeros(n)
+    if not live.any():
+        return x
+    M = A[:, live] / norms[live]
+    m = M.shape[1]
+    z = np.zeros(m)
+    free = np.zeros(m, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.abs(M.T @ b).max()))
+    for _ in range(3 * m + 10):
+        w = M.T @ (b - M @ z)
+        cand = np.where(free, -np.inf, w)
+        j = int(np.argmax(cand))
+        if free.all() or cand[j] <= tol:
+            break
+        free[j] = True
+        while True:
+            s = np.zeros(m)
+            s[free] = np.linalg.lstsq(M[:, free], b, rcond=None)[0]
+            if (s[free] > 0).all():
+                z = s
+                break
+            neg = free & (s <= 0)
+            alpha = float(np.min(z[neg] / (z[neg] - s[neg])))
+            z = z + alpha * (s - z)
+            free &= z > 1e-15
+            z[~free] = 0.0
+            if not free.any():
+                break
+    x[live] = z / norms[live]
+    return x
 
 
 @dataclass
@@ -124,39 +207,66 @@ class LinearLatencyModel:
     form: str
     coef: list[float]
     min_s: float = 1e-6  # a prediction is never below this (a fitted intercept can be negative)
+    knots: tuple[int, ...] = ()  # the segmented form's row knots (`row_knots`)
 
     def __post_init__(self):
         if self.form not in FORMS:
             raise ValueError(f"unknown latency form {self.form!r} ({', '.join(FORMS)})")
-        if len(self.coef) != len(FORMS[self.form]):
-            raise ValueError(f"form {self.form} takes {len(FORMS[self.form])} coefficients, got {len(self.coef)}")
-        c = list(self.coef) + [0.0] * (5 - len(self.coef))
-        # the taper form has no new_tokens term: spread into fixed slots for a branch-free predict
-        if self.form == "taper":
-            c = [c[0], c[1], c[2], 0.0, 0.0]
-        self._c = tuple(float(x) for x in c)
+        self.knots = tuple(int(k) for k in self.knots)
+        if self.form == "segmented":
+            if not self.knots or self.knots[0] != 1 or any(b <= a for a, b in zip(self.knots, self.knots[1:])):
+                raise ValueError(f"the segmented form needs increasing row knots from 1, got {self.knots}")
+        elif self.knots:
+            raise ValueError(f"form {self.form} has no row knots")
+        names = term_names(self.form, self.knots)
+        if len(self.coef) != len(names):
+            raise ValueError(f"form {self.form} takes {len(names)} coefficients ({', '.join(names)}), "
+                             f"got {len(self.coef)}")
+        # spread into fixed slots (const, rows..., context, new, pairs, extend) for a branch-free predict;
+        # the rows term as a piecewise-linear function: cumulative value at each knot, slope after it
+        c = dict(zip([n for n in FORMS[self.form] if n != "rows"],
+                     [x for n, x in zip(names, self.coef) if not n.startswith("rows")]))
+        self._c = tuple(float(c.get(n, 0.0)) for n in TERMS if n != "rows")
+        slopes = [float(x) for n, x in zip(names, self.coef) if n.startswith("rows")]
+        knots = self.knots or (0,)
+        cum = [0.0]
+        for i in range(1, len(knots)):
+            cum.append(cum[-1] + slopes[i - 1] * (knots[i] - knots[i - 1]))
+        self._knots, self._cum, self._slopes = knots, tuple(cum), tuple(slopes)
 
-    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0) -> float:
-        a, b, c, d, e = self._c
-        t = a + b * rows + c * context_tokens + d * new_tokens + e * prefill_pairs
+    def row_cost(self, rows: float) -> float:
+        """The rows term: b * rows, or the segmented form's piecewise-linear R(rows)."""
+        knots = self._knots
+        i = bisect_right(knots, rows) - 1
+        if i < 0:  # below the first knot (0 rows of the segmented form): flat
+            return 0.0
+        return self._cum[i] + self._slopes[i] * (rows - knots[i])
+
+    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
+                extend_rows: int = 0) -> float:
+        a, c, d, e, f = self._c
+        t = a + self.row_cost(rows) + c * context_tokens + d * new_tokens + e * prefill_pairs + f * extend_rows
         return t if t > self.min_s else self.min_s
 
     def predict_features(self, f: StepFeatures) -> float:
-        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs)
+        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
 
     def predict_plan(self, plan) -> float:
         return self.predict_features(plan_features(plan))
 
     def to_dict(self) -> dict:
-        return {"form": self.form, "terms": list(FORMS[self.form]), "coef": list(self.coef)}
+        d = {"form": self.form, "terms": term_names(self.form, self.knots), "coef": list(self.coef)}
+        if self.knots:
+            d["knots"] = list(self.knots)
+        return d
 
     def rescaled(self, alpha: float) -> "LinearLatencyModel":
         """alpha * this model."""
-        return LinearLatencyModel(self.form, [alpha * c for c in self.coef], self.min_s)
+        return LinearLatencyModel(self.form, [alpha * c for c in self.coef], self.min_s, self.knots)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinearLatencyModel":
-        return cls(d["form"], [float(x) for x in d["coef"]])
+        return cls(d["form"], [float(x) for x in d["coef"]], knots=tuple(d.get("knots") or ()))
 
     @classmethod
     def fit(
@@ -167,38 +277,43 @@ class LinearLatencyModel:
         prior: "LinearLatencyModel | None" = None,
         ridge: float = 0.0,
         nonneg: bool = False,
+        knots: tuple[int, ...] | None = None,
     ) -> "LinearLatencyModel":
         """Least squares on relative error; `ridge` > 0 pulls towards `prior`
         (or towards zero), scaled per term by that term's own magnitude.
         `nonneg`: every coefficient >= 0 (each term is a cost; a window of
         steps that spans little of a term's range can otherwise fit it
-        negative and extrapolate nonsense outside it)."""
-        X = np.array([f.vector(form) for f in feats], dtype=np.float64)
-        y = np.asarray(times, dtype=np.float64)
-        if len(y) == 0:
+        negative and extrapolate nonsense outside it). The segmented form is
+        always fitted so (its slopes make a cost that never falls as rows
+        grow), on `knots`, by default `row_knots` of the largest batch seen."""
+        if len(feats) == 0:
             raise ValueError("no samples to fit")
+        if form == "segmented":
+            knots = tuple(knots) if knots else row_knots(max(f.rows for f in feats))
+            nonneg = True
+        else:
+            knots = ()
+        X = np.array([f.vector(form, knots) for f in feats], dtype=np.float64)
+        y = np.asarray(times, dtype=np.float64)
         w = 1.0 / np.maximum(y, 1e-9)
         Xw = X * w[:, None]
         yw = y * w
         A = Xw.T @ Xw
         rhs = Xw.T @ yw
+        k = X.shape[1]
+        w0 = np.zeros(k)
+        if prior is not None and prior.form == form and tuple(prior.knots) == knots:
+            w0 = np.asarray(prior.coef, dtype=np.float64)
         if nonneg:
             # ridge as extra rows of the system: sqrt(D) (coef - w0) ~ 0
             d = np.sqrt(np.maximum(np.diag(A), 1e-12) * ridge)
-            w0 = np.asarray(prior.coef, dtype=np.float64) if prior is not None and prior.form == form \
-                else np.zeros(len(FORMS[form]))
-            coef = nnls(np.vstack([Xw, np.diag(d)]), np.concatenate([yw, d * w0]))
+            coef = nnls(np.vstack([Xw, np.diag(d)]), np.concatenate([yw, d * w0])) if ridge > 0 else nnls(Xw, yw)
         elif ridge > 0:
             D = np.diag(np.maximum(np.diag(A), 1e-12)) * ridge
-            w0 = np.zeros(len(FORMS[form]))
-            if prior is not None and prior.form == form:
-                w0 = np.asarray(prior.coef, dtype=np.float64)
-            A = A + D
-            rhs = rhs + D @ w0
-            coef = np.linalg.solve(A, rhs)
+            coef = np.linalg.solve(A + D, rhs + D @ w0)
         else:
             coef, *_ = np.linalg.lstsq(Xw, yw, rcond=None)
-        return cls(form, [float(x) for x in coef])
+        return cls(form, [float(x) for x in coef], knots=knots)
 
 
 def sweep_features(max_rows: int = 256, max_context: int = 32768) -> list[StepFeatures]:
@@ -227,12 +342,12 @@ def linear_fit_of(model, form: str = "linear", max_rows: int = 256, max_context:
     offline sweep (`sweep_features`): what a policy that plans with the linear
     form starts from when the profile is a roofline model."""
     feats = sweep_features(max_rows, max_context)
-    times = [model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats]
+    times = [model.predict_features(f) for f in feats]
     return LinearLatencyModel.fit(feats, times, form)
 
 
 def relative_errors(model, feats: list[StepFeatures], times) -> np.ndarray:
-    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats])
+    pred = np.array([model.predict_features(f) for f in feats])
     y = np.asarray(times, dtype=np.float64)
     return np.abs(pred - y) / np.maximum(y, 1e-12)
 
@@ -295,11 +410,12 @@ class OnlineLatencyModel:
     def current(self) -> LinearLatencyModel | None:
         return self.model if self.model is not None else self.base
 
-    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0) -> float:
+    def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
+                extend_rows: int = 0) -> float:
         m = self.current()
         if m is None:
             raise RuntimeError("latency model not calibrated yet (fewer than min_samples steps, no offline profile)")
-        return m.predict(rows, context_tokens, new_tokens, prefill_pairs)
+        return m.predict(rows, context_tokens, new_tokens, prefill_pairs, extend_rows)
 
     # -- StepPolicy ------------------------------------------------------------
     def plan(self, plan, view):

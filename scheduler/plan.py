@@ -114,6 +114,7 @@ class StepRecord:
     schedule_s: float  # schedule() + update() + detokenization and outputs
     prep_s: float = 0.0  # building the batch's input tensors
     prefill_pairs: float = 0.0  # causal attention pairs of the prefill chunks (`latency_model.plan_features`)
+    extend_rows: int = 0  # rows that prefill a chunk of more than one token
     # speculation: verify rows, tokens drafted and accepted, and of `forward_s` the proposer's time
     verify_rows: int = 0
     draft_tokens: int = 0

@@ -231,9 +231,10 @@ class SpecLengthPolicy:
         for k in range(0, self.spec.kmax + 1):
             if k:
                 pairs = f.prefill_pairs + (k + 1) * starts + n_spec * (k + 1) * (k + 2) // 2
-                t = self.target.predict(f.rows, f.context_tokens + n_spec * k, f.new_tokens + n_spec * k, pairs)
+                t = self.target.predict(f.rows, f.context_tokens + n_spec * k, f.new_tokens + n_spec * k, pairs,
+                                        f.extend_rows)
             else:
-                t = self.target.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs)
+                t = self.target.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
             t += self.draft_cost.predict(k, n_spec)
             rate = (base_tokens + n_spec * (self.acceptance.expected_tokens(k) - 1.0)) / max(t, 1e-9)
             if rate > best_rate * (1 + 1e-9):

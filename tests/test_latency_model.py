@@ -26,18 +26,24 @@ def _feats(n=200, seed=0):
         new = rows + int(rng.integers(0, 2)) * int(rng.integers(1, 512))
         ctx = rows * int(rng.integers(1, 2000)) + new
         pairs = float(rng.integers(0, 100_000)) if new > rows else 0.0
-        out.append(StepFeatures(rows, ctx, new, pairs))
+        ext = int(rng.integers(1, min(rows, 3) + 1)) if new > rows else 0
+        out.append(StepFeatures(rows, ctx, new, pairs, ext))
     return out
+
+
+SEGMENTED_TRUTH = ([2e-3, 2.5e-3, 4e-4, 3e-4, 2e-4, 2e-4, 1e-4, 3e-7, 5e-6, 1e-9, 2e-3], (1, 2, 4, 8, 16, 32))
 
 
 @pytest.mark.parametrize("form", list(FORMS))
 def test_fit_recovers_coefficients(form):
     true = {"taper": [2e-3, 1e-4, 3e-7], "linear": [2e-3, 1e-4, 3e-7, 5e-6],
-            "linear+attn": [2e-3, 1e-4, 3e-7, 5e-6, 1e-9]}[form]
-    ref = LinearLatencyModel(form, true)
+            "linear+attn": [2e-3, 1e-4, 3e-7, 5e-6, 1e-9], "segmented": SEGMENTED_TRUTH[0]}[form]
+    knots = SEGMENTED_TRUTH[1] if form == "segmented" else ()
+    ref = LinearLatencyModel(form, true, knots=knots)
     feats = _feats()
     times = [ref.predict_features(f) for f in feats]
     fit = LinearLatencyModel.fit(feats, times, form)
+    assert fit.knots == knots  # rows 1..63 seen: knots up to 32, the last segment open
     assert fit.coef == pytest.approx(true, rel=1e-6, abs=1e-12)
     assert error_summary(fit, feats, times)["median_ape"] < 1e-9
 
@@ -75,7 +81,7 @@ def test_plan_features():
 class FakeRecord:
     def __init__(self, f: StepFeatures, t: float):
         self.rows, self.context_tokens, self.new_tokens, self.wall_s = f.rows, f.context_tokens, f.new_tokens, t
-        self.prefill_pairs = f.prefill_pairs
+        self.prefill_pairs, self.extend_rows = f.prefill_pairs, f.extend_rows
 
 
 def test_online_refit_window_and_period():
@@ -178,6 +184,7 @@ def test_load_profile_file_and_errors(tmp_path):
 
 def test_profile_command_writes_a_fitted_profile(llama_ckpt, tmp_path, capsys):
     from stepserve.cli import main
+    from stepserve.traces.profile import POINT_FORMS
 
     out = tmp_path / "prof.json"
     rc = main(["profile", "--model", llama_ckpt, "--batch-sizes", "1,4", "--context-lens", "16,48",
@@ -187,7 +194,7 @@ def test_profile_command_writes_a_fitted_profile(llama_ckpt, tmp_path, capsys):
     prof = json.loads(out.read_text())
     assert prof["source"] == "measured" and prof["target"] == "wall_s"
     assert prof["latency"]["form"] in FORMS and len(prof["latency"]["coef"]) == len(FORMS[prof["latency"]["form"]])
-    assert set(prof["forms"]) == set(FORMS)
+    assert set(prof["forms"]) == set(POINT_FORMS)  # the segmented form is fitted from a server's step log only
     scenarios = {p["scenario"] for p in prof["points"]}
     assert scenarios == {"decode", "prefill", "mixed"}
     assert prof["heldout"]["num_test_points"] >= 1 and prof["heldout"]["points"]["median_ape"] is not None
@@ -319,3 +326,95 @@ def test_online_fit_never_extrapolates_a_negative_cost():
     m = online.current()
     assert min(m.coef) >= 0
     assert m.predict(256, 4000, 256) >= m.predict(8, 4000, 8)
+
+
+def test_nnls_matches_the_best_nonnegative_subset_fit():
+    """Lawson-Hanson `nnls` against an independent reference: the least-squares
+    fit on every subset of columns (the rest at 0), best non-negative one. On
+    problems whose columns differ in scale by 10^6, as a latency model's do."""
+    import itertools
+
+    from stepserve.scheduler.latency_model import nnls
+
+    rng = np.random.default_rng(5)
+    for trial in range(60):
+        n = int(rng.integers(1, 8))
+        A = rng.normal(size=(30, n)) * (10.0 ** rng.integers(-3, 4, size=n))
+        b = A @ rng.normal(size=n) + 0.1 * rng.normal(size=30)
+        best, best_r = np.zeros(n), float(b @ b)
+        for k in range(1, n + 1):
+            for cols in itertools.combinations(range(n), k):
+                x, *_ = np.linalg.lstsq(A[:, cols], b, rcond=None)
+                r = A[:, cols] @ x - b
+                if (x >= 0).all() and float(r @ r) < best_r:
+                    best_r, best = float(r @ r), np.zeros(n)
+                    best[list(cols)] = x
+        x = nnls(A, b)
+        r = A @ x - b
+        assert (x >= 0).all()
+        assert float(r @ r) == pytest.approx(best_r, rel=1e-9, abs=1e-12), trial
+    assert (nnls(np.zeros((5, 3)), np.ones(5)) == 0).all()  # all-zero columns get 0
+
+
+def test_segmented_rows_term_is_piecewise_linear():
+    """The segmented form's rows term: one slope per segment between knots,
+    the last open-ended; a dict round trip keeps the knots; bad knots and
+    knots on another form are refused."""
+    a, slopes = 1e-3, [3e-3, 5e-4, 4e-4, 3e-4]
+    m = LinearLatencyModel("segmented", [a, *slopes, 0.0, 0.0, 0.0, 2e-3], knots=(1, 2, 4, 8))
+    assert m.predict(1, 0, 0) == pytest.approx(a)
+    assert m.predict(2, 0, 0) == pytest.approx(a + 3e-3)
+    assert m.predict(3, 0, 0) == pytest.approx(a + 3e-3 + 5e-4)
+    assert m.predict(100, 0, 0) == pytest.approx(a + 3e-3 + 2 * 5e-4 + 4 * 4e-4 + 92 * 3e-4)
+    assert m.predict(3, 0, 0, 0.0, 2) == pytest.approx(a + 3e-3 + 5e-4 + 4e-3)  # two prefill chunks
+    ts = [m.predict(r, 0, 0) for r in range(1, 300)]
+    assert all(b > a for a, b in zip(ts, ts[1:]))
+    d = json.loads(json.dumps(m.to_dict()))
+    assert d["terms"][1:5] == ["rows[1,2)", "rows[2,4)", "rows[4,8)", "rows[8,)"]
+    back = LinearLatencyModel.from_dict(d)
+    assert back.knots == (1, 2, 4, 8) and back.predict(77, 5, 3, 1.0, 1) == m.predict(77, 5, 3, 1.0, 1)
+    assert back.rescaled(2.0).predict(77, 0, 0) == pytest.approx(2 * m.predict(77, 0, 0))
+    with pytest.raises(ValueError):
+        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0], knots=(2, 4, 8, 16))  # must start at 1
+    with pytest.raises(ValueError):
+        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0], knots=(1, 2, 4, 8))  # a coefficient short
+    with pytest.raises(ValueError):
+        LinearLatencyModel("linear", [a, 1e-4, 0, 0], knots=(1, 2))
+
+
+def test_segmented_fit_follows_a_concave_batch_curve_where_linear_cannot():
+    """Decode steps whose cost jumps from 1 row to 2 and then grows slowly (a
+    2-core CPU server's shape): the segmented fit predicts every batch size
+    within the noise; the linear one misses the small batches, where light
+    load lives, and its slope is the average, not the local one."""
+    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 0, 0, 2e-3],
+                               knots=(1, 2, 4, 8, 16, 32))
+    rng = np.random.default_rng(2)
+    feats, times = [], []
+    for _ in range(2000):
+        b = int(rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]))
+        ctx = b * int(rng.integers(16, 500))
+        ext = int(rng.random() < 0.2)
+        f = StepFeatures(b + ext, ctx + 100 * ext, b + 100 * ext, 0.0, ext)
+        feats.append(f)
+        times.append(truth.predict_features(f) * rng.uniform(0.95, 1.05))
+    seg = LinearLatencyModel.fit(feats, times, "segmented")
+    lin = LinearLatencyModel.fit(feats, times, "linear")
+    for b in (1, 2, 4, 16, 64):
+        f = StepFeatures(b, b * 200, b)
+        assert seg.predict_features(f) == pytest.approx(truth.predict_features(f), rel=0.03)
+    assert max(abs(lin.predict_features(StepFeatures(b, b * 200, b)) / truth.predict_features(StepFeatures(b, b * 200, b))
+                   - 1) for b in (1, 2)) > 0.1
+    f = StepFeatures(2, 400, 2)
+    assert seg.predict(3, 600, 3) - seg.predict_features(f) == pytest.approx(4e-4 + 200e-7, rel=0.1)
+
+
+def test_profile_refuses_the_segmented_form_without_a_step_log(tmp_path):
+    """The segmented form is fitted from a server's step log; a sweep's few
+    dozen points cannot identify a slope per batch range."""
+    from stepserve.cli import main
+
+    with pytest.raises(SystemExit, match="step log"):
+        main(["profile", "--form", "segmented", "--out", str(tmp_path / "p.json")])
+    with pytest.raises(SystemExit, match="step-log"):
+        main(["profile", "--form", "segmented", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.json")])

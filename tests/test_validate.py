@@ -29,7 +29,8 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
             if process:  # its records stay in the child
                 return None
             return await asyncio.wrap_future(eng.call(
-                lambda e: [(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs) for r in e.records]))
+                lambda e: [(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs, r.extend_rows)
+                           for r in e.records]))
 
     records = asyncio.run(go())
     lines = read_step_log(str(path))
@@ -41,8 +42,9 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
     # two 5-token requests: every token is one row of one step
     assert sum(ln["rows"] for ln in steps) == 10
     assert steps[0]["pairs"] > 0 and steps[-1]["pairs"] == 0  # a prefill first, a decode last
+    assert steps[0]["ext"] >= 1 and steps[-1]["ext"] == 0  # ... which prefilled a chunk, and one that did not
     if records is not None:  # the thread engine is at hand: the log is its records, step for step
-        assert [(ln["rows"], ln["ctx"], ln["new"], ln["pairs"]) for ln in steps] == records
+        assert [(ln["rows"], ln["ctx"], ln["new"], ln["pairs"], ln["ext"]) for ln in steps] == records
 
 
 def _line(t, wait=0.0, adds=0, step=None, rows=1, new=1):
@@ -196,8 +198,39 @@ def test_calibration_takes_the_attention_term_where_long_prefills_need_it():
                             "step": t, "cmd": 0.0, "out": 0.0, "emit": 0.0}))
     model, fit = fit_steps(steps, "auto")
     assert fit["form"] == "linear+attn" and model.coef[-1] == pytest.approx(6e-8, rel=0.2)
-    assert set(fit["forms_heldout_steps"]) == {"linear", "linear+attn"}
+    assert set(fit["forms_heldout_steps"]) == {"linear", "linear+attn", "segmented"}
     assert fit_steps(steps, "linear")[1]["form"] == "linear"
+
+
+def test_calibration_takes_the_segmented_form_for_a_concave_batch_curve():
+    """Busy steps of a server whose second decode row costs 2.5 ms and later
+    ones 0.3-0.4 ms, and whose prefill chunks cost 2 ms each outside the
+    forward pass: auto takes the segmented form (better held out than the
+    linear ones by far more than the parsimony margin), and its terms are the
+    truth's: the per-chunk cost and the slope of each batch range."""
+    import random
+
+    from stepserve.traces.calibrate import fit_steps
+
+    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 1e-5, 0.0, 2e-3],
+                               knots=(1, 2, 4, 8, 16, 32))
+    rng = random.Random(4)
+    steps = []
+    for _ in range(3000):
+        b = rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+        ext = rng.choice([0, 0, 0, 1, 2])
+        n = b + sum(rng.choice([16, 64, 256]) for _ in range(ext))
+        ctx = b * rng.randint(16, 500) + n - b
+        t = truth.predict(b + ext, ctx, n, 0.0, ext) * rng.uniform(0.93, 1.07)
+        steps.append((0.0, {"rows": b + ext, "decode_rows": b, "ctx": ctx, "new": n, "pairs": 0.0,
+                            "step": t, "cmd": 0.0, "out": 0.0, "emit": 0.0}))
+    model, fit = fit_steps(steps, "auto")
+    assert fit["form"] == "segmented" and model.knots[:6] == (1, 2, 4, 8, 16, 32)
+    errs = fit["forms_heldout_steps"]
+    assert errs["segmented"]["time_error"] < 0.5 * errs["linear"]["time_error"]
+    assert model.coef[-1] == pytest.approx(2e-3, rel=0.1)  # the chunk's own cost (logs without `ext`: rows - decode)
+    assert [model.predict(b, 0, 0) - model.predict(b - 1, 0, 0) for b in (2, 3, 40)] == \
+        pytest.approx([2.5e-3, 4e-4, 4e-4], rel=0.15)
 
 
 def test_profile_refuses_a_step_log_it_would_not_read(tmp_path):

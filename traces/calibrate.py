@@ -24,7 +24,8 @@ over the same sweep:
               to the client holding it, fitted as delivery_s + stream_s * k
               over probes whose step made k tokens (1 alone, B + 1 beside B
               streams)
-  noise       quantiles of (measured iteration / model) over busy iterations
+  noise       quantiles of (measured iteration / model) over busy iterations,
+              and their lag-1 autocorrelation (`noise_lag1`)
 
 The server and the profiler must share a clock (one machine): the step log
 holds wall-clock times, and so do the probes.
@@ -62,7 +63,11 @@ def step_lines(lines: list[dict]) -> list[tuple[float, dict]]:
 
 
 def features(line: dict) -> StepFeatures:
-    return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0))
+    """A step line's features. Logs written before `ext` was logged: every
+    row that is not a decode row prefilled a chunk (they ran no speculation)."""
+    ext = line.get("ext")
+    return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0),
+                        line["rows"] - line["decode_rows"] if ext is None else ext)
 
 
 def _folds(n: int, k: int = 4) -> list[np.ndarray]:
@@ -87,34 +92,40 @@ def _summary(e: np.ndarray) -> dict:
             "mean_ape": float(e.mean())}
 
 
+def time_error(errs: np.ndarray, times: np.ndarray) -> float:
+    """Held-out |error| in seconds per second of step time: what the
+    simulator's clock gets wrong. A median would weigh a 1-token chunk like a
+    2,000-token one and hide the long steps where the forms differ most."""
+    return float((errs * times).sum() / times.sum())
+
+
+CANDIDATE_FORMS = ("linear", "linear+attn", "segmented")  # simplest first; each nests the one before
+PARSIMONY = 0.005  # a form with more terms is taken when it is more than 0.5% better held out
+
+
 def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[LinearLatencyModel, dict]:
     """The step model on busy iterations, and its 4-fold held-out error per
-    iteration. `auto`: linear+attn when its attention coefficient is positive
-    and it predicts the prefill steps (the only ones where the two forms
-    differ) no worse held out, else linear. "No worse" is in time: the held-out
-    absolute errors summed over the prefill steps, against their summed time.
-    A median would weigh a 1-token chunk like a 2,000-token one, and hide the
-    long-context steps where the attention term is all the difference, and
-    where the simulator's clock spends its time."""
+    iteration. `auto`: of `CANDIDATE_FORMS`, the simplest whose held-out error
+    in time (`time_error`) is within `PARSIMONY` of the least (the richer
+    forms nest the simpler ones: where they are no better, their extra terms
+    would only fit noise); linear+attn only when its attention coefficient
+    is positive."""
     busy = [ln for idle, ln in steps if idle < BUSY_S]
     if len(busy) < 10:
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
     feats = [features(ln) for ln in busy]
     times = np.array([iteration_time(ln) for ln in busy])
-    errs = {f: _heldout(feats, times, f) for f in (["linear", "linear+attn"] if form == "auto" else [form])}
+    errs = {f: _heldout(feats, times, f) for f in (CANDIDATE_FORMS if form == "auto" else [form])}
     if form == "auto":
-        prefill = np.array([f.prefill_pairs > 0 for f in feats])
-        attn = LinearLatencyModel.fit(feats, times, "linear+attn")
-
-        def time_error(f: str) -> float:  # held-out |error| in seconds per second of prefill steps
-            return float((errs[f][prefill] * times[prefill]).sum() / times[prefill].sum())
-
-        better = (not prefill.any()) or time_error("linear+attn") <= time_error("linear")
-        form = "linear+attn" if attn.coef[-1] > 0 and better else "linear"
+        ok = [f for f in CANDIDATE_FORMS
+              if f != "linear+attn" or LinearLatencyModel.fit(feats, times, "linear+attn").coef[-1] > 0]
+        best = min(time_error(errs[f], times) for f in ok)
+        form = next(f for f in ok if time_error(errs[f], times) <= best * (1 + PARSIMONY))
     model = LinearLatencyModel.fit(feats, times, form)
-    return model, {"form": form, "heldout_steps": _summary(errs[form]), "forms_heldout_steps":
-                   {f: _summary(e) for f, e in errs.items()}, "train_steps": error_summary(model, feats, times),
-                   "busy_steps": len(busy)}
+    return model, {"form": form, "heldout_steps": _summary(errs[form]) | {"time_error": time_error(errs[form], times)},
+                   "forms_heldout_steps": {f: _summary(e) | {"time_error": time_error(e, times)}
+                                           for f, e in errs.items()},
+                   "train_steps": error_summary(model, feats, times), "busy_steps": len(busy)}
 
 
 def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], list[tuple[int, float]]]:
@@ -141,6 +152,29 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
     return entry, delivery
 
 
+def noise_lag1(ratio: list[tuple[bool, float]]) -> float:
+    """Lag-1 autocorrelation of the step scatter: the correlation of the normal
+    scores of measured/predicted between each busy step and the busy step
+    right after it (pairs across an idle wait are left out). The simulator
+    draws its scatter as a Gaussian AR(1) with it (`SimConfig.noise_lag1`);
+    normal scores (ranks mapped through the inverse normal CDF) are what that
+    copula correlates, and they are not thrown by the scatter's long tail."""
+    from statistics import NormalDist
+
+    busy = [r for b, r in ratio if b]
+    if len(busy) < 10:
+        return 0.0
+    order = np.argsort(np.argsort(np.asarray(busy)))
+    inv = NormalDist().inv_cdf
+    score = iter([inv((k + 0.5) / len(busy)) for k in order])
+    z = [next(score) if b else None for b, _ in ratio]
+    pairs = np.array([(a, b) for a, b in zip(z, z[1:]) if a is not None and b is not None])
+    if len(pairs) < 10:
+        return 0.0
+    rho = float(np.corrcoef(pairs[:, 0], pairs[:, 1])[0, 1])
+    return float(np.clip(rho, 0.0, 0.99)) if np.isfinite(rho) else 0.0
+
+
 def wake_curve(samples: list[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
     """(median idle, median extra time) per `WAKE_BINS` range of idle time
     with at least `MIN_BIN` samples; extra times below 0 count as 0."""
@@ -161,7 +195,8 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
     woke = [iteration_time(ln) - model.predict_features(features(ln)) for idle, ln in steps if idle >= IDLE_S]
     curve = wake_curve([(idle, iteration_time(ln) - model.predict_features(features(ln)))
                         for idle, ln in steps if idle >= BUSY_S])
-    busy_ratio = [iteration_time(ln) / model.predict_features(features(ln)) for idle, ln in steps if idle < BUSY_S]
+    ratio = [(idle < BUSY_S, iteration_time(ln) / model.predict_features(features(ln))) for idle, ln in steps]
+    busy_ratio = [r for busy, r in ratio if busy]
     entry, delivery = probe_costs(window, probes)
     delivery_s = stream_s = 0.0
     if delivery:
@@ -191,6 +226,6 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         "costs": costs,
         "fit": fit,
         "noise": {"kind": "measured/predicted iteration quantiles, busy steps of the step log, clipped to p1..p99",
-                  "n": len(busy_ratio), "quantiles": [float(x) for x in q]},
+                  "n": len(busy_ratio), "quantiles": [float(x) for x in q], "lag1": noise_lag1(ratio)},
         "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery)},
     }

@@ -37,10 +37,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from stepserve.scheduler.latency_model import (
-    FORMS, PROFILE_KIND, LinearLatencyModel, ServingCosts, StepFeatures, plan_features,
+    FORMS, PROFILE_KIND, LinearLatencyModel, ServingCosts, StepFeatures, plan_features, term_names,
 )
 from stepserve.traces.progress import log_line, progress_bar
 from stepserve.traces.report import write_report
+
+# the forms a sweep's few dozen points can fit (the segmented one needs a step log)
+POINT_FORMS = ("taper", "linear", "linear+attn")
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +60,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default="wall_s", choices=["wall_s", "forward_s"],
                    help="which step time to model (wall_s: the whole step, what a request waits for)")
     g.add_argument("--form", default="auto", choices=["auto", *FORMS],
-                   help="model form; auto = linear, or linear+attn when it is > 0.5 pt better held out")
+                   help="model form; auto = linear, or linear+attn when it is > 0.5 pt better held out; from a "
+                        "step log (--url --step-log), the form of the least held-out error in time, segmented "
+                        "included (which only a step log's thousands of exact steps can fit)")
     g.add_argument("--sweep-seed", type=int, default=0)
     g.add_argument("--out", default="profile.json")
     g.add_argument("--url", default=None,
@@ -327,7 +332,7 @@ def fit_and_evaluate(points: list[dict], holdout: float, seed: int, form: str = 
     and per raw step inside the held-out points."""
     parts = folds(len(points), holdout, seed)
     forms = {}
-    for name in FORMS:
+    for name in POINT_FORMS:
         pt_err: list[float] = []
         raw_err: list[float] = []
         for test in parts if len(parts) > 1 else [[]]:
@@ -362,6 +367,9 @@ def run_profile(args) -> int:
     if args.step_log:
         raise SystemExit("stepserve profile: --step-log names the server's step log, to calibrate from; it needs "
                          "--url (the in-process sweep reads its engine's steps directly)")
+    if args.form not in ("auto", *POINT_FORMS):
+        raise SystemExit(f"stepserve profile: --form {args.form} is fitted from a server's step log "
+                         "(--url URL --step-log PATH); a sweep's points fit " + ", ".join(POINT_FORMS))
     import torch
 
     from stepserve.cli import engine_config
@@ -464,6 +472,9 @@ def _run_http(args) -> int:
     from stepserve.traces.profile_http import HTTPSweep, run_http_sweep
     from stepserve.traces.replay import ReplayConfig, Replayer, server_info
 
+    if args.form not in ("auto", *POINT_FORMS) and not args.step_log:
+        raise SystemExit(f"stepserve profile: --form {args.form} is fitted from the server's step log: give "
+                         "--step-log PATH")
     info = server_info(args.url, args.api_key)
     max_len = info.max_model_len or args.max_model_len or 2048
     vocab = info.vocab_size or 256
@@ -513,7 +524,7 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
 
     if len(points) < 5:
         raise SystemExit(f"only {len(points)} points measured: widen the sweep")
-    fit = fit_and_evaluate(points, args.holdout, args.sweep_seed, args.form)
+    fit = fit_and_evaluate(points, args.holdout, args.sweep_seed, args.form if args.form in POINT_FORMS else "auto")
     fitted: Fitted = fit["fit"]
     model_fit: LinearLatencyModel = fitted.model
     noise = step_noise(points)
@@ -567,7 +578,7 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
     }
     write_report(profile, args.out)
     print(f"{describe_points(points)} over {args.rounds} rounds; form {model_fit.form}: "
-          + ", ".join(f"{n}={c:.4g}" for n, c in zip(FORMS[model_fit.form], model_fit.coef))
+          + ", ".join(f"{n}={c:.4g}" for n, c in zip(term_names(model_fit.form, model_fit.knots), model_fit.coef))
           + "".join(f"; {name} {getattr(fitted.costs, name) * 1e3:.3f} ms" for name in ServingCosts.KEYS
                     if name != "wake_curve" and getattr(fitted.costs, name))
           + (f"; wake-up after idling {', '.join(f'{x * 1e3:.0f} ms: {y * 1e3:.1f} ms' for x, y in fitted.costs.wake_curve)}"

@@ -37,6 +37,7 @@ DEFAULT_VOCAB = 32000
 # Any id works: outputs never reach a tokenizer. One the prompts never use
 # (they start at MIN_TOKEN_ID) keeps an output from extending a cached prompt.
 PLACEHOLDER_TOKEN = 1
+_SQRT_HALF = math.sqrt(0.5)
 
 
 @dataclass
@@ -74,6 +75,13 @@ class SimConfig:
     # simulated server past saturation at a rate the real one sustained).
     noise_quantiles: list[float] = field(default_factory=list)
     noise_seed: int = 0
+    # Successive steps' scatter is not independent on a real machine: it swings
+    # slowly (lag-1 autocorrelation of 0.5-0.9 over a server's busy steps), and
+    # a slow stretch lengthens every token of the requests in it, which is what
+    # TPOT and TTFT tails are made of. The draws follow a Gaussian AR(1) with
+    # this lag-1 correlation, mapped onto the quantiles (a Gaussian copula: the
+    # same scatter, its correlation the machine's). 0: independent draws.
+    noise_lag1: float = 0.0
 
     @classmethod
     def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
@@ -84,6 +92,7 @@ class SimConfig:
         noise = overrides.pop("noise", None)
         if noise and noise.get("quantiles"):
             kw["noise_quantiles"] = list(noise["quantiles"])
+            kw["noise_lag1"] = float(noise.get("lag1") or 0.0)
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -111,11 +120,15 @@ class SimRunner:
     set: for how long)."""
 
     def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
-                 costs: ServingCosts | None = None):
+                 costs: ServingCosts | None = None, noise_lag1: float = 0.0):
+        if not -1.0 < noise_lag1 < 1.0:
+            raise ValueError(f"noise_lag1 must be in (-1, 1), got {noise_lag1}")
         self.model = latency_model
         self.clock = clock
         mean = sum(noise_quantiles) / len(noise_quantiles) if noise_quantiles else 1.0
         self.noise = [q / mean for q in noise_quantiles]
+        self.rho = noise_lag1
+        self._innov = math.sqrt(1.0 - noise_lag1 * noise_lag1)
         self.reset(noise_seed, costs or ServingCosts())
 
     def reset(self, noise_seed: int, costs: ServingCosts) -> None:
@@ -123,12 +136,18 @@ class SimRunner:
         self.rng = random.Random(noise_seed)
         self.costs = costs
         self.idle_s = float("inf")
+        self._z = self.rng.gauss(0.0, 1.0) if self.rho else 0.0  # the AR(1) state, from its stationary law
 
     def step_time(self, f: StepFeatures) -> float:
-        dt = self.model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs)
+        dt = self.model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
         if self.noise:
             q = self.noise
-            dt *= q[int(self.rng.random() * (len(q) - 1) + 0.5)]
+            if self.rho:
+                self._z = self.rho * self._z + self._innov * self.rng.gauss(0.0, 1.0)
+                u = 0.5 * (1.0 + math.erf(self._z * _SQRT_HALF))
+            else:
+                u = self.rng.random()
+            dt *= q[int(u * (len(q) - 1) + 0.5)]
         return dt
 
     def run(self, plan, features: StepFeatures) -> SimOutput:
@@ -167,7 +186,8 @@ class Simulator:
         self.policies = list(policies)
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
-        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed)
+        self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
+                                noise_lag1=self.cfg.noise_lag1)
         self.core: EngineCore | None = None
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token

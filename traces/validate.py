@@ -56,6 +56,15 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="the server's step log (`stepserve serve --step-log PATH`): adds the engine's own view per "
                         "rate")
+    g.add_argument("--sim-seeds", type=int, default=1,
+                   help="simulations per real run, each with its own step-noise seed (cheap: the simulated "
+                        "figures are medians over all of them, so they carry less of the noise's luck than "
+                        "the real ones)")
+    g.add_argument("--speed-from-step-log", action="store_true",
+                   help="simulate each run with the profile's step model scaled by that run's measured/predicted "
+                        "busy time in the step log: the machine's speed at the time of the run, not of the profile. "
+                        "What is left is the simulator's own error (a diagnostic: on a shared machine the speed "
+                        "drifted by up to 1.6x between the profile and a replay)")
     g.add_argument("--replays", default=None, metavar="DIR",
                    help="keep each real run's report in DIR; a run already there (same trace, scaling and repeat) "
                         "is read back instead of replayed, so a profile or simulator change is validated against "
@@ -85,7 +94,8 @@ def _spread(xs: list) -> float | None:
 def compare_rate(reals: list[dict], sims: list[dict]) -> dict:
     """Real and simulated figures of one rate (medians over the repeats of
     each), with the errors the goals judge, and the real runs' own spread."""
-    out = {"rate": reals[0]["scaling"].get("rate_rps"), "repeats": len(reals), "latency": {}, "real": {}, "sim": {}}
+    out = {"rate": reals[0]["scaling"].get("rate_rps"), "repeats": len(reals), "simulations": len(sims), "latency": {},
+           "real": {}, "sim": {}}
     for m in LATENCIES:
         for q in QUANTILES:
             a = [r[f"{m}_s"][q] for r in reals]
@@ -162,7 +172,8 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
     steps = [ln for _, ln in timed]
     it = np.array([iteration_time(ln) for ln in steps])
     feats = [features(ln) for ln in steps]  # any LatencyModel: `predict` is its one method
-    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) for f in feats])
+    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+                     for f in feats])
     ratio = it / pred
     after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
@@ -353,6 +364,10 @@ def run_validate(args) -> int:
 
     if not args.trace or not args.profile:
         raise SystemExit("stepserve validate: --trace and --profile are required")
+    if args.sim_seeds < 1:
+        raise SystemExit("stepserve validate: --sim-seeds must be at least 1")
+    if args.speed_from_step_log and not args.step_log:
+        raise SystemExit("stepserve validate: --speed-from-step-log reads each run's speed from --step-log")
     if not args.rates or len(rates_from_args(args)) < 2:
         raise SystemExit("stepserve validate: give --rates, two or more, from light load through saturation")
     slo = slo_from_args(args)
@@ -392,19 +407,32 @@ def run_validate(args) -> int:
     reals: list[list[dict]] = [[] for _ in rates]
     sims: list[list[dict]] = [[] for _ in rates]
     views: list[list[dict]] = [[] for _ in rates]
+    real_of = {}
     for run, (rep, i) in enumerate(grid):
         specs, sinfo = scal[rep, i]
         real = stored[rep, i]
         if real is None:
             real = replay_one(args, info, trace, slo, specs, sinfo, run)
             runs.save(i, rep, real)
-        sim = simulate_one(args, prof, dataclasses.replace(cfg, noise_seed=args.seed + rep), trace, slo, specs, sinfo)
-        reals[i].append(real)
-        sims[i].append(sim)
+        real_of[rep, i] = real
+    view_of = {}
     if args.step_log:
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
-        for i in range(len(rates)):
-            views[i] = [v for v in (step_log_view(lines, real, prof.model) for real in reals[i]) if v is not None]
+        view_of = {k: step_log_view(lines, real, prof.model) for k, real in real_of.items()}
+    for rep, i in grid:
+        specs, sinfo = scal[rep, i]
+        p = prof
+        if args.speed_from_step_log:
+            v = view_of.get((rep, i))
+            if v is None:
+                raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
+            p = dataclasses.replace(prof, model=prof.model.rescaled(v["step_ratio"]["sum"]))
+        for j in range(args.sim_seeds):
+            seed = args.seed + rep * args.sim_seeds + j
+            sims[i].append(simulate_one(args, p, dataclasses.replace(cfg, noise_seed=seed), trace, slo, specs, sinfo))
+        reals[i].append(real_of[rep, i])
+        if view_of.get((rep, i)) is not None:
+            views[i].append(view_of[rep, i])
     per_rate = []
     for i in range(len(rates)):
         r = compare_rate(reals[i], sims[i])
@@ -416,7 +444,8 @@ def run_validate(args) -> int:
         "kind": VALIDATION_KIND, "command": command_line(), "versions": versions(), "trace": trace.info(),
         "scaling": sinfo.to_dict(), "slo": dataclasses.asdict(slo), "goals": GOALS,
         "profile": {"path": args.profile, "name": prof.name, "source": prof.source, "engine": prof.engine},
-        "simulator": dataclasses.asdict(cfg) | {"noise_quantiles": len(cfg.noise_quantiles)},
+        "simulator": dataclasses.asdict(cfg) | {"noise_quantiles": len(cfg.noise_quantiles),
+                                                "speed_from_step_log": args.speed_from_step_log},
         "rates": per_rate, "summary": summary,
     }
     for r in per_rate:

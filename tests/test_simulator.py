@@ -121,6 +121,52 @@ def test_step_noise_scatters_without_moving_the_mean():
     assert skewed.stats["virtual_busy_s"] == pytest.approx(plain.stats["virtual_busy_s"], rel=0.15)
 
 
+def _normal_scores(x):
+    from statistics import NormalDist
+
+    order = np.argsort(np.argsort(np.asarray(x)))
+    return np.array([NormalDist().inv_cdf((k + 0.5) / len(x)) for k in order])
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.5, 0.85])
+def test_step_noise_carries_the_profiles_lag1_correlation(rho):
+    """With noise_lag1 the step scatter is a Gaussian AR(1) on the measured
+    quantiles: successive draws correlate as asked (in normal scores, what the
+    calibration measures), and each quantile is still drawn as often as any
+    other, so the scatter's spread and mean are the profile's."""
+    from stepserve.scheduler.latency_model import StepFeatures
+    from stepserve.traces.simulator import SimRunner, VirtualClock
+
+    q = list(np.linspace(0.5, 2.0, 101))
+    runner = SimRunner(LinearLatencyModel("linear", [1e-3, 0, 0, 0]), VirtualClock(), q, noise_seed=3,
+                       noise_lag1=rho)
+    f = StepFeatures(1, 1, 1)
+    draws = np.array([runner.step_time(f) for _ in range(20000)]) / 1e-3 * np.mean(q)
+    z = _normal_scores(draws + np.random.default_rng(0).uniform(0, 1e-9, draws.size))  # ties broken at random
+    assert float(np.corrcoef(z[:-1], z[1:])[0, 1]) == pytest.approx(rho, abs=0.03)
+    counts = np.histogram(draws, bins=[0.49, 0.875, 1.25, 1.625, 2.01])[0] / draws.size
+    assert counts == pytest.approx([0.25, 0.25, 0.25, 0.25], abs=0.04 if rho > 0.6 else 0.02)
+    with pytest.raises(ValueError):
+        SimRunner(LinearLatencyModel("linear", [1e-3, 0, 0, 0]), VirtualClock(), q, noise_lag1=1.0)
+
+
+def test_calibration_measures_the_lag1_of_the_step_scatter():
+    """`noise_lag1` recovers the correlation of an AR(1) scatter over busy
+    steps, ignores pairs across an idle wait, and reads independent scatter
+    as ~0."""
+    from stepserve.traces.calibrate import noise_lag1
+
+    rng = np.random.default_rng(1)
+    z, xs = 0.0, []
+    for _ in range(20000):
+        z = 0.7 * z + np.sqrt(1 - 0.49) * rng.normal()
+        xs.append(float(np.exp(0.2 * z)))
+    assert noise_lag1([(True, x) for x in xs]) == pytest.approx(0.7, abs=0.03)
+    # an idle wait after every other step: only the pairs within each busy stretch count
+    assert noise_lag1([(i % 2 == 0, x) for i, x in enumerate(xs)]) == 0.0  # no busy step follows a busy one
+    assert noise_lag1([(True, float(x)) for x in rng.lognormal(0, 0.2, 20000)]) == pytest.approx(0.0, abs=0.03)
+
+
 def test_branches_decode_side_by_side():
     """Eager: 3 branches get a token each step. The request's TPOT counts the
     tokens of all its branches after the first step's three."""

@@ -189,6 +189,22 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
     for a, b in zip(res["rates"], again["rates"]):
         assert a["real"] == b["real"] and a["latency"]["ttft_p50"]["real"] == b["latency"]["ttft_p50"]["real"]
         assert b["latency"]["tpot_p50"]["sim"] > a["latency"]["tpot_p50"]["sim"]  # the simulation did change
+    # --speed-from-step-log: each simulation runs at its real run's measured speed, so a profile 3x off
+    # in its intercept still simulates the engine's busy time; --sim-seeds: simulations per real run
+    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
+               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v3.json"),
+               "--replays", str(tmp_path / "runs"), "--step-log", step_log, "--speed-from-step-log",
+               "--sim-seeds", "2", "--no-progress"])
+    assert rc == 0
+    fast = json.loads((tmp_path / "v3.json").read_text())
+    assert fast["simulator"]["speed_from_step_log"] is True
+    for b, c in zip(again["rates"], fast["rates"]):
+        assert c["simulations"] == 2 and c["repeats"] == 1
+        (eng,) = c["engine"]
+        assert abs(c["sim"]["busy_s"] / eng["busy_s"] - 1) < abs(b["sim"]["busy_s"] / eng["busy_s"] - 1)
+    with pytest.raises(SystemExit, match="step-log"):
+        main(["validate", "--trace", TRACE, "--rates", "4,16", "--profile", str(tmp_path / "p2.json"),
+              "--slo-ttft", "0.5", "--replays", str(tmp_path / "runs"), "--speed-from-step-log"])
     # a rate the folder does not hold must be replayed: here, against no server, an error
     with pytest.raises(Exception):
         main(["validate", "--trace", TRACE, "--rates", "4,8", "--url", "http://127.0.0.1:9", "--profile",

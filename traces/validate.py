@@ -368,12 +368,15 @@ def run_validate(args) -> int:
         raise SystemExit("stepserve validate: --sim-seeds must be at least 1")
     if args.speed_from_step_log and not args.step_log:
         raise SystemExit("stepserve validate: --speed-from-step-log reads each run's speed from --step-log")
+    prof = load_profile(args.profile)
+    if args.speed_from_step_log and not hasattr(prof.model, "rescaled"):
+        raise SystemExit("stepserve validate: --speed-from-step-log rescales a measured (linear) step model, and "
+                         f"{args.profile} is a {prof.source} one")
     if not args.rates or len(rates_from_args(args)) < 2:
         raise SystemExit("stepserve validate: give --rates, two or more, from light load through saturation")
     slo = slo_from_args(args)
     if slo.ttft_s is None and slo.tpot_s is None and slo.e2e_s is None:
         raise SystemExit("stepserve validate: give SLOs (--slo-ttft, --slo-tpot) that bind at the top rates")
-    prof = load_profile(args.profile)
     cfg = sim_config(args, prof)
     trace = load_trace(args.trace)
     rates = rates_from_args(args)

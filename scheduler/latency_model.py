@@ -14,13 +14,14 @@ coefficients and fitted by least squares:
 
 The segmented form is for measured steps where one slope does not hold from
 1 row to 100: on a 2-core CPU server the second row of a decode step cost
-~2.5 ms and each row past 16 ~0.4 ms, and a linear fit through both put
-0.1 ms on every row, too little at the small batches of light load and the
-intercept too high for one row. `extend_rows` (rows that prefill a chunk) is
-the work a step does per chunk outside the forward pass: admission, the radix
-cache, the chunk's input and output bookkeeping, ~2 ms per chunk on that
-server against 0.45 ms per decode step; the forms without it fold it into
-the token terms. Both are terms the step policies price too: TAPER's
+0.9-2.5 ms (by the machine's phase) and each row past 4 or 8 an order of
+magnitude less, and a linear fit through both put ~0.1 ms on every row, too
+little at the small batches of light load and the intercept too high for
+one row. `extend_rows` (rows that prefill a chunk) is the work a step does
+per chunk outside the forward pass: admission, the radix cache, the chunk's
+input and output bookkeeping; on that server steps with a chunk spent
+0.6-3.7 ms outside the forward pass (growing with the chunk), decode steps
+0.45 ms. The forms without it fold it into the token terms. Both are terms the step policies price too: TAPER's
 marginal cost of a branch row is R's local slope.
 
 `prefill_pairs` counts the (query, key) pairs of the prefill chunks' causal
@@ -222,12 +223,16 @@ class LinearLatencyModel:
         if len(self.coef) != len(names):
             raise ValueError(f"form {self.form} takes {len(names)} coefficients ({', '.join(names)}), "
                              f"got {len(self.coef)}")
-        # spread into fixed slots (const, rows..., context, new, pairs, extend) for a branch-free predict;
-        # the rows term as a piecewise-linear function: cumulative value at each knot, slope after it
-        c = dict(zip([n for n in FORMS[self.form] if n != "rows"],
-                     [x for n, x in zip(names, self.coef) if not n.startswith("rows")]))
-        self._c = tuple(float(c.get(n, 0.0)) for n in TERMS if n != "rows")
-        slopes = [float(x) for n, x in zip(names, self.coef) if n.startswith("rows")]
+        # spread into fixed slots (const, context, new, pairs, extend; 0 where the form has no such term),
+        # and the rows term as a piecewise-linear function: cumulative value at each knot, slope after it
+        coef = iter(float(x) for x in self.coef)
+        c, slopes = {}, []
+        for n in FORMS[self.form]:
+            if n == "rows":
+                slopes = [next(coef) for _ in range(max(1, len(self.knots)))]
+            else:
+                c[n] = next(coef)
+        self._c = tuple(c.get(n, 0.0) for n in TERMS if n != "rows")
         knots = self.knots or (0,)
         cum = [0.0]
         for i in range(1, len(knots)):

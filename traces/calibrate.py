@@ -115,16 +115,17 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[Line
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
     feats = [features(ln) for ln in busy]
     times = np.array([iteration_time(ln) for ln in busy])
-    errs = {f: _heldout(feats, times, f) for f in (CANDIDATE_FORMS if form == "auto" else [form])}
+    forms = CANDIDATE_FORMS if form == "auto" else (form,)
+    errs = {f: _heldout(feats, times, f) for f in forms}
+    terr = {f: time_error(e, times) for f, e in errs.items()}
+    models = {f: LinearLatencyModel.fit(feats, times, f) for f in forms}
     if form == "auto":
-        ok = [f for f in CANDIDATE_FORMS
-              if f != "linear+attn" or LinearLatencyModel.fit(feats, times, "linear+attn").coef[-1] > 0]
-        best = min(time_error(errs[f], times) for f in ok)
-        form = next(f for f in ok if time_error(errs[f], times) <= best * (1 + PARSIMONY))
-    model = LinearLatencyModel.fit(feats, times, form)
-    return model, {"form": form, "heldout_steps": _summary(errs[form]) | {"time_error": time_error(errs[form], times)},
-                   "forms_heldout_steps": {f: _summary(e) | {"time_error": time_error(e, times)}
-                                           for f, e in errs.items()},
+        ok = [f for f in forms if f != "linear+attn" or models[f].coef[-1] > 0]
+        best = min(terr[f] for f in ok)
+        form = next(f for f in ok if terr[f] <= best * (1 + PARSIMONY))
+    model = models[form]
+    return model, {"form": form, "heldout_steps": _summary(errs[form]) | {"time_error": terr[form]},
+                   "forms_heldout_steps": {f: _summary(e) | {"time_error": terr[f]} for f, e in errs.items()},
                    "train_steps": error_summary(model, feats, times), "busy_steps": len(busy)}
 
 

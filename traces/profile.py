@@ -61,8 +61,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
                    help="which step time to model (wall_s: the whole step, what a request waits for)")
     g.add_argument("--form", default="auto", choices=["auto", *FORMS],
                    help="model form; auto = linear, or linear+attn when it is > 0.5 pt better held out; from a "
-                        "step log (--url --step-log), the form of the least held-out error in time, segmented "
-                        "included (which only a step log's thousands of exact steps can fit)")
+                        "step log (--url --step-log), the simplest of linear, linear+attn and segmented whose "
+                        "held-out error in time is within 0.5%% of the least (segmented only a step log's "
+                        "thousands of exact steps can fit)")
     g.add_argument("--sweep-seed", type=int, default=0)
     g.add_argument("--out", default="profile.json")
     g.add_argument("--url", default=None,

@@ -345,11 +345,13 @@ class ReplayStore:
         """The server the stored runs were replayed against (None: no run stored)."""
         from stepserve.traces.replay import ServerInfo
 
-        got = [r for r in (self._read(i, rep) for i in range(self.n_rates) for rep in range(self.repeats)) if r]
-        if not got:
-            return None
-        c = got[0]["config"]
-        return ServerInfo(c.get("model"), c.get("server_max_model_len"), c.get("vocab_size"))
+        for i in range(self.n_rates):
+            for rep in range(self.repeats):
+                r = self._read(i, rep)
+                if r is not None:
+                    c = r["config"]
+                    return ServerInfo(c.get("model"), c.get("server_max_model_len"), c.get("vocab_size"))
+        return None
 
 
 def run_validate(args) -> int:

@@ -76,6 +76,12 @@ FORMS: dict[str, tuple[str, ...]] = {
     "segmented": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows"),
 }
 TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows")
+# A step's cost in two parts that a busy machine slows by different amounts:
+# per step, per row and per context token (the loop, small kernels and decode
+# attention: latency- and memory-bound), and per token computed (the matrix
+# products and prefill attention: compute-bound). Measured on 2 shared cores,
+# replay traffic slowed the first by up to 1.5x where it slowed the second 1.1x.
+TOKEN_TERMS = ("new_tokens", "prefill_pairs")
 
 
 def row_knots(max_rows: int) -> tuple[int, ...]:
@@ -265,9 +271,20 @@ class LinearLatencyModel:
             d["knots"] = list(self.knots)
         return d
 
-    def rescaled(self, alpha: float) -> "LinearLatencyModel":
-        """alpha * this model."""
-        return LinearLatencyModel(self.form, [alpha * c for c in self.coef], self.min_s, self.knots)
+    def rescaled(self, alpha: float, token_alpha: float | None = None) -> "LinearLatencyModel":
+        """alpha * this model; with `token_alpha`, the `TOKEN_TERMS` part
+        times token_alpha and the rest times alpha."""
+        if token_alpha is None:
+            return LinearLatencyModel(self.form, [alpha * c for c in self.coef], self.min_s, self.knots)
+        n_rows = max(1, len(self.knots))
+        scale = [s for n in FORMS[self.form]
+                 for s in ([alpha] * n_rows if n == "rows" else [token_alpha if n in TOKEN_TERMS else alpha])]
+        return LinearLatencyModel(self.form, [k * c for k, c in zip(scale, self.coef)], self.min_s, self.knots)
+
+    def token_part(self, f: StepFeatures) -> float:
+        """The `TOKEN_TERMS` part of a prediction (before the `min_s` floor)."""
+        _, _, d, e, _ = self._c
+        return d * f.new_tokens + e * f.prefill_pairs
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinearLatencyModel":

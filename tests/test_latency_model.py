@@ -418,3 +418,19 @@ def test_profile_refuses_the_segmented_form_without_a_step_log(tmp_path):
         main(["profile", "--form", "segmented", "--out", str(tmp_path / "p.json")])
     with pytest.raises(SystemExit, match="step-log"):
         main(["profile", "--form", "segmented", "--url", "http://127.0.0.1:9", "--out", str(tmp_path / "p.json")])
+
+
+@pytest.mark.parametrize("form,coef,knots", [
+    ("linear", [1e-3, 2e-4, 1e-7, 3e-6], ()),
+    ("segmented", [3e-3, 9e-4, 4e-4, 6e-5, 1e-7, 9e-5, 1e-9, 5e-4], (1, 2, 4)),
+])
+def test_rescaled_in_two_parts(form, coef, knots):
+    """rescaled(a, b): the per-token terms (new tokens, prefill pairs) times b,
+    everything else (the constant, every rows segment, context, chunks) times a."""
+    m = LinearLatencyModel(form, coef, knots=knots)
+    r = m.rescaled(1.5, 1.1)
+    for f in (StepFeatures(1, 100, 1), StepFeatures(7, 900, 7), StepFeatures(3, 700, 600, 2.5e5, 1)):
+        tok = m.token_part(f)
+        assert 0 < tok < m.predict_features(f)
+        assert r.predict_features(f) == pytest.approx(1.5 * (m.predict_features(f) - tok) + 1.1 * tok, rel=1e-12)
+    assert m.rescaled(2.0, 2.0).coef == pytest.approx(m.rescaled(2.0).coef)

@@ -240,3 +240,27 @@ def test_profile_refuses_a_step_log_it_would_not_read(tmp_path):
     with pytest.raises(SystemExit, match="needs --url"):
         main(["profile", "--step-log", str(tmp_path / "steps.jsonl"), "--out", str(tmp_path / "p.json")])
     assert not (tmp_path / "p.json").exists()
+
+
+def test_run_speed_tells_the_per_step_part_from_the_per_token_part():
+    """Steps of a machine on which the profile's per-step/row part runs 1.5x
+    slower and its per-token part 1.1x: the two factors come back. A model
+    with no per-token term gets the one busy-time factor."""
+    import numpy as np
+
+    from stepserve.scheduler.latency_model import StepFeatures
+    from stepserve.traces.validate import run_speed
+
+    m = LinearLatencyModel("linear+attn", [3e-3, 5e-5, 7e-7, 1e-4, 1e-7])
+    rng = np.random.default_rng(0)
+    feats = [StepFeatures(int(r), int(r) * 150, int(r) if i % 3 else int(r) + 400, 0.0 if i % 3 else 1e5)
+             for i, r in enumerate(rng.integers(1, 32, 300))]
+    pred = np.array([m.predict_features(f) for f in feats])
+    times = np.array([1.5 * (m.predict_features(f) - m.token_part(f)) + 1.1 * m.token_part(f) for f in feats])
+    s = run_speed(m, feats, times, pred)
+    assert s["step"] == pytest.approx(1.5) and s["token"] == pytest.approx(1.1)
+    assert s["busy_ratio"] == pytest.approx(times.sum() / pred.sum())
+    taper = LinearLatencyModel("taper", [3e-3, 5e-5, 7e-7])
+    tp = np.array([taper.predict_features(f) for f in feats])
+    s = run_speed(taper, feats, 1.3 * tp, tp)
+    assert s["token"] is None and s["step"] == pytest.approx(1.3)

@@ -32,6 +32,7 @@ import os
 
 import numpy as np
 
+from stepserve.scheduler.latency_model import nnls
 from stepserve.traces.calibrate import features, iteration_time, step_lines
 from stepserve.traces.options import add_trace_args, rates_from_args, scaling_from_args, slo_from_args
 
@@ -61,8 +62,9 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
                         "figures are medians over all of them, so they carry less of the noise's luck than "
                         "the real ones)")
     g.add_argument("--speed-from-step-log", action="store_true",
-                   help="simulate each run with the profile's step model scaled by that run's measured/predicted "
-                        "busy time in the step log: the machine's speed at the time of the run, not of the profile. "
+                   help="simulate each run with the profile's step model scaled to that run's steps in the step "
+                        "log (one factor for the per-step, per-row and per-context-token part, one for the per-token "
+                        "part): the machine's speed at the time of the run, not of the profile. "
                         "What is left is the simulator's own error (a diagnostic: on a shared machine the speed "
                         "drifted by up to 1.6x between the profile and a replay)")
     g.add_argument("--replays", default=None, metavar="DIR",
@@ -175,6 +177,7 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
     pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
                      for f in feats])
     ratio = it / pred
+    speed = run_speed(model, feats, it, pred)
     after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
     # arrived, so (pickup - client send) is its way in, with no step to wait for
@@ -199,11 +202,34 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
         "step_ratio": {"p10": q(ratio, 10), "p50": q(ratio, 50), "p90": q(ratio, 90),
                        "sum": float(it.sum() / pred.sum())},
         "step_ape_p50": q(np.abs(ratio - 1), 50),
+        "speed": speed,
         "steps_after_idle": int(after_idle.sum()),
         "wake_extra_s_p50": q((it - pred)[after_idle], 50),
         "busy_step_ratio_p50": q(ratio[~after_idle], 50),
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
     }
+
+
+def run_speed(model, feats: list, times: np.ndarray, pred: np.ndarray) -> dict:
+    """The machine's speed during a run against the profile's: the factors
+    that best scale the model's prediction of each of the run's steps to its
+    measured time (least squares in seconds). `step` scales the per-step,
+    per-row and per-context-token part, `token` the per-token part
+    (`TOKEN_TERMS`): a busy machine slows the two differently. One factor for
+    both (measured/predicted busy time) where the model has no such split, or
+    the run does not tell the two apart (a factor would come out 0)."""
+    one = float(times.sum() / pred.sum())
+    out = {"step": one, "token": None, "busy_ratio": one}
+    if not hasattr(model, "token_part"):
+        return out
+    tok = np.array([model.token_part(f) for f in feats])
+    rest = pred - tok
+    if tok.sum() <= 0 or rest.sum() <= 0:
+        return out
+    k = nnls(np.column_stack([rest, tok]), times)
+    if np.all(k > 0) and np.all(np.isfinite(k)):
+        out["step"], out["token"] = float(k[0]), float(k[1])
+    return out
 
 
 # -- output ----------------------------------------------------------------------------------------
@@ -243,7 +269,9 @@ def format_rate(r: dict) -> str:
         lines.append(f"  engine: {v['steps']} steps, busy {v['busy_s']:.2f} s (model {v['predicted_busy_s']:.2f} s), "
                      f"{v['mean_rows']:.1f} rows per step; "
                      f"measured/predicted step p50 {v['step_ratio']['p50']:.2f} (p10 {v['step_ratio']['p10']:.2f}, "
-                     f"p90 {v['step_ratio']['p90']:.2f}); {v['steps_after_idle']} steps after idle, "
+                     f"p90 {v['step_ratio']['p90']:.2f}); machine speed x{v['speed']['step']:.2f} per step/row"
+                     + ("" if v["speed"]["token"] is None else f", x{v['speed']['token']:.2f} per token")
+                     + f"; {v['steps_after_idle']} steps after idle, "
                      f"+{_ms(v['wake_extra_s_p50'])} ms p50; entry into an idle engine "
                      f"{_ms(e['p50'])} ms p50 ({e['n']} requests)")
     return "\n".join(lines)
@@ -261,7 +289,9 @@ def format_summary(summary: dict, per_rate: list[dict]) -> str:
         if k == "all_met":
             continue
         if k == "knee":
-            lines.append(f"  knee (attainment < 90%): real {v['real']}, sim {v['sim']} req/s: "
+            def rate(x):
+                return "none" if x is None else f"{x:.3g}"
+            lines.append(f"  knee (attainment < 90%): real {rate(v['real'])}, sim {rate(v['sim'])} req/s: "
                          f"{'met' if v['met'] else 'MISSED'} (within one grid step)")
             continue
         worst = "-" if v["worst"] is None else (f"{v['worst'] * 100:.1f}pt" if k == "attainment"
@@ -431,7 +461,7 @@ def run_validate(args) -> int:
             v = view_of.get((rep, i))
             if v is None:
                 raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
-            p = dataclasses.replace(prof, model=prof.model.rescaled(v["step_ratio"]["sum"]))
+            p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
         for j in range(args.sim_seeds):
             seed = args.seed + rep * args.sim_seeds + j
             sims[i].append(simulate_one(args, p, dataclasses.replace(cfg, noise_seed=seed), trace, slo, specs, sinfo))

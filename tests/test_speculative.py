@@ -57,6 +57,21 @@ def test_greedy_output_equals_plain(plain, proposer, length):
     assert not report.busy and report.accounted == report.capacity
 
 
+@pytest.mark.parametrize("shaped_max", [0, 64])
+def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shaped_max):
+    """The draft model's catch-up entries, all as extend rows (0) or all as
+    decode-shaped queries (64, prompts included), and the default split: the
+    plain output, with drafts accepted."""
+    from stepserve.engine import speculative
+
+    ref = _tokens(plain.generate(PROMPTS, _mixed_params()))
+    for m in (shaped_max, speculative.DECODE_SHAPED_MAX):
+        monkeypatch.setattr(speculative, "DECODE_SHAPED_MAX", m)
+        llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:4")
+        assert _tokens(llm.generate(PROMPTS, _mixed_params())) == ref
+        assert llm.engine.stats().policy["spec_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_greedy_random_checkpoints(ckpt_factory, arch):
     """Random checkpoints of each architecture, with a different random draft

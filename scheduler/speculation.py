@@ -14,24 +14,27 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              the expected committed tokens per second of the whole step:
 
                rate(k) = (tokens without speculation + R_k * (E[k] - 1))
-                         / (T_target(plan with k drafts per row) + T_draft(k))
+                         / (T_0 + T_spec * (C_b[k] - 1))
 
              E[k] = 1 + sum_j prod_{i <= j} alpha_i, the expected tokens a
              verify row emits, from a running estimate of the per-position
              acceptance rate alpha_i (the probability that draft i is accepted
              when every draft before it was), updated from every
-             verification (decayed counts, so it follows the workload);
-             T_target: the shared step-latency model at this batch's rows,
-             context and new tokens with the drafts counted in (an offline
-             profile when given, else fitted online on the decode-shaped
-             steps seen, less their drafting time: prefill tokens cost far
-             less each than decode-shaped ones, and would make long drafts
-             look cheap); T_draft: the proposer's own time, a linear
-             fit over (k, k * rows) of the drafting time of the steps seen.
-             Until the step model is calibrated k cycles through 0..kmax;
-             after, one step in 64 tries each k in turn, so the estimates keep
-             following the workload where k = 0 wins. Options:
-             `adaptive:kmax=8`.
+             verification (decayed counts, so it follows the workload).
+             C_b[k]: the step time with k drafts per row, drafting included,
+             over the time with none, measured in the batch-size range b of
+             the drafting rows (1, 2-3, 4-7, ...; `DraftCostTable`) from
+             pairs of back-to-back decode steps, one at k and one at 0. A
+             pair sees the same contexts and the same machine, so it needs no
+             step model, and neither a growing context nor a drifting machine
+             moves it; a line through the measured k prices the others. A
+             range starts with pairs at k = 1 and 4; after, one step in 32
+             starts a pair next to the range's choice, so the costs keep
+             following the machine even where k = 0 wins. T_0 / T_spec: the step's time without drafts, and a
+             decode step's of the drafting rows alone (both 1 when every row
+             of the step drafts; with prefill chunks in the step, from the
+             step-latency model, fitted on the steps that drafted nothing).
+             Options: `adaptive:kmax=8`.
 
 A row is eligible when it decodes (not a prefill chunk, not forking), its
 request allows speculation (`Seq.speculative`), and at least two tokens are
@@ -43,12 +46,11 @@ step, so drafting never holds memory.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import OnlineLatencyModel, StepFeatures, nnls, plan_features
+from stepserve.scheduler.latency_model import OnlineLatencyModel, nnls, plan_features
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
@@ -125,31 +127,100 @@ class AcceptanceEstimate:
         return 1.0 + float(np.cumprod(self.alpha[:k]).sum())
 
 
-class DraftCost:
-    """The proposer's time per step, fitted on the steps seen:
-    draft_s = c0 + c1 * rows + c2 * k + c3 * k * rows when anything is drafted
-    (k the longest draft of the step, rows the verify rows). Until `min_samples`
-    steps are in, it predicts 0 (speculation looks cheap, so it is tried)."""
+def row_bucket(rows: int) -> int:
+    """The batch-size range of `rows` decode-shaped rows: 1, 2-3, 4-7, ... (0, 1, 2, ...)."""
+    return max(int(rows), 1).bit_length() - 1
 
-    def __init__(self, window: int = 256, min_samples: int = 8):
-        self.obs: deque[tuple[float, float, float]] = deque(maxlen=window)
-        self.min_samples = min_samples
-        self.coef: np.ndarray | None = None
-        self._since = 0
 
-    def add(self, k: int, rows: int, seconds: float) -> None:
-        self.obs.append((k, rows, seconds))
-        self._since += 1
-        if len(self.obs) >= self.min_samples and (self.coef is None or self._since >= 16):
-            x = np.array([[1.0, r, k, k * r] for k, r, _ in self.obs])
-            y = np.array([s for _, _, s in self.obs])
-            self.coef = nnls(x, y)  # every term a cost: never a negative slope to extrapolate
-            self._since = 0
+class DraftCostTable:
+    """What drafting k tokens per row costs, measured per batch-size range
+    (`row_bucket`): the step time with k drafts per row (drafting included)
+    over the step time without, from *pairs* of back-to-back decode steps of
+    the same range, one at k and one at 0 (the order alternates). A pair sees
+    the same context lengths and the same machine, so neither a growing
+    context nor a drifting machine speed moves the ratio, and no step model is
+    needed.
 
-    def predict(self, k: int, rows: int) -> float:
-        if k <= 0 or rows <= 0 or self.coef is None:
-            return 0.0
-        return max(float(self.coef @ np.array([1.0, rows, k, k * rows])), 0.0)
+    Each (range, k) cell keeps a decayed mean of its pairs (`decay` per new
+    pair). Between and beyond the measured k, a line through them stands in:
+    ratio(k) = 1 + a + b * k (a, b >= 0; the draft model's fixed cost per step
+    and its cost per draft, with the verify tokens'), so two measured lengths
+    price them all; a cell's own mean is pulled toward the line by
+    `line_weight` pairs' worth, so one noisy pair does not decide alone. A
+    range with nothing measured borrows the nearest measured range's line."""
+
+    def __init__(self, kmax: int, decay: float = 0.8, line_weight: float = 1.0):
+        self.kmax = kmax
+        self.decay = decay
+        self.line_weight = line_weight
+        self.weight: dict[int, np.ndarray] = {}
+        self.total: dict[int, np.ndarray] = {}
+        self._lines: dict[int, tuple[float, float]] = {}
+
+    def add(self, bucket: int, k: int, ratio: float) -> None:
+        if bucket not in self.weight:
+            self.weight[bucket], self.total[bucket] = np.zeros(self.kmax + 1), np.zeros(self.kmax + 1)
+        w, t = self.weight[bucket], self.total[bucket]
+        w[k] = w[k] * self.decay + 1.0
+        t[k] = t[k] * self.decay + ratio
+        self._lines.pop(bucket, None)
+
+    def measured(self, bucket: int) -> list[int]:
+        """The draft lengths with pairs in this range."""
+        w = self.weight.get(bucket)
+        return [] if w is None else [k for k in range(1, self.kmax + 1) if w[k] > 0]
+
+    def line(self, bucket: int) -> tuple[float, float] | None:
+        """(a, b) of this range's line (or the nearest measured range's); None: nothing measured anywhere."""
+        if bucket not in self.weight:
+            if not self.weight:
+                return None
+            bucket = min(self.weight, key=lambda b: (abs(b - bucket), b))
+        got = self._lines.get(bucket)
+        if got is None:
+            w, t = self.weight[bucket], self.total[bucket]
+            ks = [k for k in range(1, self.kmax + 1) if w[k] > 0]
+            y = np.array([t[k] / w[k] - 1.0 for k in ks])
+            sw = np.sqrt(np.array([w[k] for k in ks]))
+            if len(ks) == 1:  # through the origin
+                got = (0.0, max(float(y[0]) / ks[0], 0.0))
+            else:
+                a, b = nnls(np.column_stack([np.ones(len(ks)), ks]) * sw[:, None], y * sw)
+                got = (float(a), float(b))
+            self._lines[bucket] = got
+        return got
+
+    def ratio(self, bucket: int, k: int) -> float | None:
+        """Step time at k drafts per row over the time at none (1.0 for k = 0;
+        None while nothing is measured)."""
+        if k == 0:
+            return 1.0
+        ln = self.line(bucket)
+        if ln is None:
+            return None
+        est = 1.0 + ln[0] + ln[1] * k
+        w = self.weight.get(bucket)
+        if w is None or w[k] <= 0:
+            return est
+        return float((self.total[bucket][k] + self.line_weight * est) / (w[k] + self.line_weight))
+
+    def to_dict(self) -> dict:
+        return {f"rows {1 << b}-{(2 << b) - 1}": [round(self.ratio(b, k), 4) for k in range(self.kmax + 1)]
+                for b in sorted(self.weight)}
+
+
+@dataclass
+class _Pair:
+    """An exploration pair in flight: two back-to-back decode steps of `rows`
+    rows, at `first` then `second` drafts per row (one of them 0)."""
+
+    bucket: int
+    rows: int
+    k: int  # the draft length measured (the other step is at 0)
+    first: int
+    second: int
+    done: int = 0  # steps of the pair observed
+    per_row: tuple[float, float] = (0.0, 0.0)  # seconds per row of each step
 
 
 class SpecLengthPolicy:
@@ -158,12 +229,13 @@ class SpecLengthPolicy:
     name = "spec-length"
 
     def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
-                 min_samples: int = 32, explore_every: int = 64):
+                 min_samples: int = 32, explore_every: int = 32):
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
         self.acceptance = AcceptanceEstimate(kmax)
-        self.draft_cost = DraftCost()
-        # the target's step time without drafting: the profile's model rescaled online, or fitted online
+        self.costs = DraftCostTable(kmax)
+        # a step's time without drafting (for steps that mix prefill chunks with the drafting rows):
+        # the profile's model rescaled online, or fitted online, on the steps that drafted nothing
         self.target = OnlineLatencyModel(base=latency_model, min_samples=min_samples, target="wall_s",
                                          refit_every_steps=64)
         self.explore_every = explore_every
@@ -174,6 +246,11 @@ class SpecLengthPolicy:
         self.accepted = 0
         self.emitted = 0
         self.last_k = 0
+        self.pairs = 0  # exploration pairs measured
+        self._pair: _Pair | None = None
+        self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
+        self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
+        self._flip = False
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -183,6 +260,7 @@ class SpecLengthPolicy:
                 and r.seq.num_output > 0 and not r.seq.fork_children and r.seq.remaining_tokens >= 2]
         self.steps += 1
         if not rows:
+            self._pair = None
             return plan
         if self.spec.mode == "fixed":
             k = self.spec.k
@@ -212,55 +290,103 @@ class SpecLengthPolicy:
         return plan
 
     def _choose(self, plan: StepPlan, rows) -> int:
-        """The adaptive k for this step. Until the step model is calibrated,
-        k cycles through 0..kmax, so that the fit sees every draft length (with
-        one k per step, rows and new tokens would be collinear); after, one
-        step in `explore_every` tries a k in turn, so that the estimates of
-        acceptance and costs keep following the workload even where k = 0
-        wins."""
+        """The adaptive k for this step: the k that maximises expected tokens
+        per second, with the cost of k drafts per row from `DraftCostTable`.
+        A batch-size range with fewer than two draft lengths measured runs
+        exploration pairs (k = 0 and one k > 0, on two back-to-back decode
+        steps) at k = 1 and k = min(4, kmax) first; after, one step in
+        `explore_every` starts a pair at a length next to the range's last
+        choice (or at it), in turn, so the costs keep following the machine
+        and the batch where it matters, k = 0 included."""
         kmax = self.spec.kmax
-        if not self.target.calibrated:
-            return self.steps % (kmax + 1)
-        if self.steps % self.explore_every == 0:
-            return (self.steps // self.explore_every) % kmax + 1
-        f = plan_features(plan)
+        pure = len(rows) == len(plan.rows)  # every row decodes and may draft: what a pair measures
+        bucket = row_bucket(len(rows))
+        pair = self._pair
+        if pair is not None:
+            if pure and pair.done == 1 and pair.rows == len(rows):
+                return pair.second
+            self._pair = None  # the batch changed under it: dropped
+        if pure:
+            seen = self.costs.measured(bucket)
+            todo = [k for k in dict.fromkeys((1, min(4, kmax))) if k not in seen]
+            k = None
+            if todo:
+                k = todo[0]
+            elif self.steps % self.explore_every == 0:
+                best = self._best.get(bucket, 0)
+                near = sorted({min(max(best + d, 1), kmax) for d in (-1, 0, 1)})
+                turn = self._explore_k.get(bucket, -1) + 1
+                self._explore_k[bucket] = turn
+                k = near[turn % len(near)]
+            if k is not None:
+                self._flip = not self._flip
+                first, second = (0, k) if self._flip else (k, 0)
+                self._pair = _Pair(bucket, len(rows), k, first, second)
+                return first
+        if self.costs.ratio(bucket, 1) is None:
+            return 0  # nothing measured yet (a step with prefill in it: no pair to start)
         n_spec = len(rows)
-        starts = sum(r.start for r in rows)
+        if pure or not self.target.calibrated:
+            # in units of the step without drafts (with prefill chunks in it and no step model yet:
+            # as if the chunks were free, which makes drafting look dearer, not cheaper)
+            t0, t_spec = 1.0, 1.0
+        else:
+            f = plan_features(plan)
+            starts = sum(r.start for r in rows)
+            t0 = self.target.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+            t_spec = self.target.predict(n_spec, starts + n_spec, n_spec)
         base_tokens = len(plan.samples)
         best_k, best_rate = 0, -1.0
-        for k in range(0, self.spec.kmax + 1):
-            if k:
-                pairs = f.prefill_pairs + (k + 1) * starts + n_spec * (k + 1) * (k + 2) // 2
-                t = self.target.predict(f.rows, f.context_tokens + n_spec * k, f.new_tokens + n_spec * k, pairs,
-                                        f.extend_rows)
-            else:
-                t = self.target.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
-            t += self.draft_cost.predict(k, n_spec)
-            rate = (base_tokens + n_spec * (self.acceptance.expected_tokens(k) - 1.0)) / max(t, 1e-9)
+        for k in range(0, kmax + 1):
+            t = t0 + t_spec * (self.costs.ratio(bucket, k) - 1.0)
+            rate = (base_tokens + n_spec * (self.acceptance.expected_tokens(k) - 1.0)) / max(t, 1e-12)
             if rate > best_rate * (1 + 1e-9):
                 best_k, best_rate = k, rate
+        if pure:
+            self._best[bucket] = best_k
         return best_k
 
     # -- observing ---------------------------------------------------------------
     def observe(self, plan: StepPlan, record: StepRecord) -> None:
         if self.spec.mode == "none":
             return
-        if plan.num_decode + plan.num_verify == len(plan.rows):
-            # decode-shaped steps only: what k changes is the cost of decode-shaped tokens, which on
-            # a CPU cost several times a prefill token (small GEMMs); prefill steps would set the
-            # per-token cost of the fit to theirs and make long drafts look cheap
-            f: StepFeatures = plan_features(plan)
-            self.target.add(f, max(record.wall_s - record.draft_s, 1e-9))
+        if not plan.num_verify and self.target is not None:
+            self.target.add(plan_features(plan), record.wall_s)  # a step without drafts, whatever its shape
+        pair = self._pair
+        if pair is not None:
+            self._pair_step(pair, plan, record)
         if not plan.num_verify:
             return
         vr = plan.verify_rows
         drafted = [len(r.draft) if r.draft is not None else 0 for r in vr]
         accepted = [r.num_accepted for r in vr]
         self.acceptance.update(drafted, accepted)
-        self.draft_cost.add(max(r.draft_len for r in vr), len(vr), record.draft_s)
         self.drafted += sum(drafted)
         self.accepted += sum(accepted)
         self.emitted += sum(accepted) + len(vr)
+
+    def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord) -> None:
+        """One step of the exploration pair: kept when every row ran at the
+        pair's k for this step (no row capped, none left out), else the pair
+        is dropped."""
+        k = pair.first if pair.done == 0 else pair.second
+        n = len(plan.rows)
+        if k == 0:
+            ok = plan.num_decode == n == pair.rows
+        else:
+            ok = plan.num_verify == n == pair.rows and all(r.draft_len == k for r in plan.verify_rows)
+        if not ok:
+            self._pair = None
+            return
+        per_row = list(pair.per_row)
+        per_row[pair.done] = record.wall_s / n
+        pair.per_row = (per_row[0], per_row[1])
+        pair.done += 1
+        if pair.done == 2:
+            at_k, at_0 = (per_row[0], per_row[1]) if pair.first else (per_row[1], per_row[0])
+            self.costs.add(pair.bucket, pair.k, at_k / max(at_0, 1e-12))
+            self.pairs += 1
+            self._pair = None
 
     def stats(self) -> dict:
         alpha = self.acceptance.alpha
@@ -275,4 +401,6 @@ class SpecLengthPolicy:
             "spec_last_k": self.last_k,
             "spec_k_steps": dict(sorted(self.k_hist.items())),
             "spec_acceptance": [round(float(a), 4) for a in alpha],
+            "spec_cost_pairs": self.pairs,
+            "spec_cost_ratio": self.costs.to_dict(),
         }

@@ -51,6 +51,7 @@ _POLICY_METRICS = {
     "spec_mean_accepted_length": ("gauge", "Mean accepted draft tokens per verify row, since start"),
     "spec_last_k": ("gauge", "The draft length the speculation-length policy chose last"),
     "spec_k_steps": ("counter", "Steps by the draft length chosen (label k; 0: plain decoding)"),
+    "spec_cost_pairs": ("counter", "Pairs of steps (one at k drafts, one at none) the adaptive length measured"),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,10 +14,9 @@ from stepserve import LLM
 from stepserve.engine import speculative
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.engine.speculative import NgramProposer, verify_rows
-from stepserve.scheduler.latency_model import LinearLatencyModel
-from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
-from stepserve.scheduler.speculation import AcceptanceEstimate, SpecLengthPolicy, SpecLengthSpec
+from stepserve.scheduler.speculation import AcceptanceEstimate, SpecLengthPolicy, SpecLengthSpec, row_bucket
 
 PROMPTS = [
     "In the beginning God created the heaven and the earth.",
@@ -62,8 +62,6 @@ def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shap
     """The draft model's catch-up entries, all as extend rows (0) or all as
     decode-shaped queries (64, prompts included), and the default split: the
     plain output, with drafts accepted."""
-    from stepserve.engine import speculative
-
     ref = _tokens(plain.generate(PROMPTS, _mixed_params()))
     for m in (shaped_max, speculative.DECODE_SHAPED_MAX):
         monkeypatch.setattr(speculative, "DECODE_SHAPED_MAX", m)
@@ -332,19 +330,98 @@ def _decode_plan(n: int, start: int = 100) -> StepPlan:
     return plan
 
 
-@pytest.mark.parametrize("per_token,expect_zero", [(1e-6, False), (1e-2, True)])
-def test_adaptive_picks_zero_where_speculation_loses(per_token, expect_zero):
-    """With a step cost dominated by new tokens (compute-bound), drafting
-    costs more than it brings: k = 0. Where new tokens are nearly free
-    (memory-bound), it drafts."""
-    model = LinearLatencyModel("linear", [1e-3, 1e-5, 1e-8, per_token])
-    pol = SpecLengthPolicy("adaptive:kmax=6", latency_model=model)
-    pol.acceptance = AcceptanceEstimate(6, prior=0.7, prior_weight=100)
-    plan = pol.plan(_decode_plan(32), EngineView(0.0, 32, 0, 10_000, 10_000, 4096, 2048))
-    k = max(r.draft_len for r in plan.rows)
-    assert (k == 0) == expect_zero
-    if not expect_zero:
-        assert all(r.num_new == 1 + r.draft_len for r in plan.rows)
+def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, context: int = 100) -> list[int]:
+    """`steps` decode steps of `rows` rows through the policy, each timed at
+    cost(rows, k, context) (a growing context, +-5% noise), each draft accepted
+    with probability alpha; the k chosen per step."""
+    rng = np.random.default_rng(seed)
+    view = EngineView(0.0, rows, 0, 10_000, 10_000, 4096, 2048)
+    ks = []
+    for i in range(steps):
+        plan = pol.plan(_decode_plan(rows, start=context + i), view)
+        plan.sort_decode_first()
+        k = max(r.draft_len for r in plan.rows)
+        ks.append(k)
+        for r in plan.verify_rows:
+            r.draft = [0] * r.draft_len
+            acc = 0
+            while acc < r.draft_len and rng.random() < alpha:
+                acc += 1
+            r.num_accepted = acc
+        wall = cost(rows, k, context + i) * (1 + 0.05 * rng.standard_normal())
+        pol.observe(plan, StepRecord(i, rows, plan.num_decode, rows * (context + i), plan.num_new_tokens, wall, wall, 0.0))
+    return ks
+
+
+def _rate(cost, alpha, rows, context, k):
+    """Expected tokens per second per row at k drafts."""
+    return (1 + sum(alpha ** j for j in range(1, k + 1))) / cost(rows, k, context)
+
+
+def _best_k(cost, alpha, rows, context, kmax):
+    return max(range(kmax + 1), key=lambda k: _rate(cost, alpha, rows, context, k))
+
+
+def _settled(ks):
+    return max(set(ks), key=ks.count)
+
+
+@pytest.mark.parametrize("name,cost", [
+    # memory-bound: a verify token costs 2% of a decode step's per-row time -> long drafts
+    ("memory-bound", lambda rows, k, ctx: 1e-3 + rows * (1e-4 + 1e-6 * ctx) * (1 + 0.02 * k)),
+    # compute-bound: each draft token costs as much as the row's decode -> no drafting
+    ("compute-bound", lambda rows, k, ctx: 1e-3 + rows * (1e-4 + 1e-6 * ctx) * (1 + 1.0 * k)),
+    # in between: the best k is short
+    ("between", lambda rows, k, ctx: 1e-3 + rows * (1e-4 + 1e-6 * ctx) * (1 + 0.3 * k)),
+])
+def test_adaptive_length_follows_measured_draft_costs(name, cost):
+    """The adaptive length measures what k drafts cost in pairs of steps and
+    then settles on the k that maximises tokens per second under that cost
+    (k = 0 where drafting loses), while the context grows under it."""
+    pol = SpecLengthPolicy("adaptive:kmax=6")
+    ks = _drive(pol, cost, alpha=0.7, steps=400)
+    want = _best_k(cost, 0.7, 32, 300, 6)
+    best = _rate(cost, 0.7, 32, 300, want)
+    settled = ks[200:]
+    assert pol.pairs >= 8  # k = 1 and 4, then one pair in 32 steps
+    # every step but the exploration pairs' at the best k or one within 3% of it
+    good = [k for k in settled if _rate(cost, 0.7, 32, 300, k) >= 0.97 * best]
+    assert len(good) >= 0.85 * len(settled), (name, want, {k: settled.count(k) for k in set(settled)})
+    if want == 0:
+        assert _settled(settled) == 0
+    ratio = pol.costs.ratio(row_bucket(32), 3)
+    assert ratio == pytest.approx(cost(32, 3, 300) / cost(32, 0, 300), rel=0.1)
+
+
+def test_adaptive_length_learns_each_batch_range_apart():
+    """One policy, batches of 2 rows (where drafts are nearly free) and of 64
+    (where they cost a full row each): it drafts long at 2 and not at 64."""
+    def cost(rows, k, ctx):
+        per_draft = 0.02 if rows < 8 else 1.0
+        return 1e-3 + rows * 1e-4 * (1 + per_draft * k)
+
+    pol = SpecLengthPolicy("adaptive:kmax=6")
+    small = _drive(pol, cost, alpha=0.7, steps=200, rows=2)
+    big = _drive(pol, cost, alpha=0.7, steps=200, rows=64, seed=1)
+    small2 = _drive(pol, cost, alpha=0.7, steps=100, rows=2, seed=2)
+    assert _settled(big[100:]) == 0
+    best = _rate(cost, 0.7, 2, 100, _best_k(cost, 0.7, 2, 100, 6))
+    # at 2 rows k = 4, 5 and 6 are within 5% of each other: any of them
+    assert _settled(small[100:]) >= 4 and _rate(cost, 0.7, 2, 100, _settled(small[100:])) >= 0.95 * best
+    assert _settled(small2) == _settled(small[100:])  # the small range's costs were kept, not relearned
+
+
+def test_draft_cost_table_pairs_are_kept_only_when_whole():
+    """A pair whose second step lost a row (a request finished) or capped a
+    draft is dropped, not measured."""
+    pol = SpecLengthPolicy("adaptive:kmax=2")
+    view = EngineView(0.0, 8, 0, 10_000, 10_000, 4096, 2048)
+    plan = pol.plan(_decode_plan(8), view)
+    plan.sort_decode_first()
+    assert pol._pair is not None and pol._pair.done == 0
+    pol.observe(plan, StepRecord(0, 8, plan.num_decode, 800, plan.num_new_tokens, 1e-2, 1e-2, 0.0))
+    plan = pol.plan(_decode_plan(7), view)  # one row fewer: the pair is dropped, a new one starts
+    assert pol.pairs == 0 and pol._pair.rows == 7
 
 
 # ---------------------------------------------------------------------------

@@ -24,8 +24,8 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              C_b[k]: the step time with k drafts per row, drafting included,
              over the time with none, measured in the batch-size range b of
              the drafting rows (1, 2-3, 4-7, ...; `DraftCostTable`) from
-             pairs of back-to-back decode steps, one at k and one at 0. A
-             pair sees the same contexts and the same machine, so it needs no
+             pairs of back-to-back decode steps, one at 0 and one at k (after
+             a step at k that lets a draft model catch up). A pair sees the same contexts and the same machine, so it needs no
              step model, and neither a growing context nor a drifting machine
              moves it; a line through the measured k prices the others. A
              range starts with pairs at k = 1 and 4; after, one step in 32
@@ -136,7 +136,7 @@ class DraftCostTable:
     """What drafting k tokens per row costs, measured per batch-size range
     (`row_bucket`): the step time with k drafts per row (drafting included)
     over the step time without, from *pairs* of back-to-back decode steps of
-    the same range, one at k and one at 0 (the order alternates). A pair sees
+    the same range, one at 0 and one at k (`_Pair`). A pair sees
     the same context lengths and the same machine, so neither a growing
     context nor a drifting machine speed moves the ratio, and no step model is
     needed.
@@ -149,7 +149,7 @@ class DraftCostTable:
     `line_weight` pairs' worth, so one noisy pair does not decide alone. A
     range with nothing measured borrows the nearest measured range's line."""
 
-    def __init__(self, kmax: int, decay: float = 0.8, line_weight: float = 1.0):
+    def __init__(self, kmax: int, decay: float = 0.9, line_weight: float = 3.0):
         self.kmax = kmax
         self.decay = decay
         self.line_weight = line_weight
@@ -211,16 +211,21 @@ class DraftCostTable:
 
 @dataclass
 class _Pair:
-    """An exploration pair in flight: two back-to-back decode steps of `rows`
-    rows, at `first` then `second` drafts per row (one of them 0)."""
+    """An exploration pair in flight: three back-to-back decode steps of
+    `rows` rows at k, 0 and k drafts per row. The first primes the proposer
+    (a draft model catches up on every token decoded since its rows last
+    drafted, up to the whole prompt of a new request, which would make its
+    step look dear); the ratio is that of the third to the second."""
 
     bucket: int
     rows: int
-    k: int  # the draft length measured (the other step is at 0)
-    first: int
-    second: int
+    k: int  # the draft length measured
     done: int = 0  # steps of the pair observed
-    per_row: tuple[float, float] = (0.0, 0.0)  # seconds per row of each step
+    seconds: tuple[float, float] = (0.0, 0.0)  # wall time of the second and third steps
+
+    @property
+    def next_k(self) -> int:
+        return 0 if self.done == 1 else self.k
 
 
 class SpecLengthPolicy:
@@ -250,7 +255,6 @@ class SpecLengthPolicy:
         self._pair: _Pair | None = None
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
-        self._flip = False
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -293,8 +297,8 @@ class SpecLengthPolicy:
         """The adaptive k for this step: the k that maximises expected tokens
         per second, with the cost of k drafts per row from `DraftCostTable`.
         A batch-size range with fewer than two draft lengths measured runs
-        exploration pairs (k = 0 and one k > 0, on two back-to-back decode
-        steps) at k = 1 and k = min(4, kmax) first; after, one step in
+        exploration pairs (`_Pair`: steps at k, 0 and k, the last two
+        measured) at k = 1 and k = min(4, kmax) first; after, one step in
         `explore_every` starts a pair at a length next to the range's last
         choice (or at it), in turn, so the costs keep following the machine
         and the batch where it matters, k = 0 included."""
@@ -303,8 +307,8 @@ class SpecLengthPolicy:
         bucket = row_bucket(len(rows))
         pair = self._pair
         if pair is not None:
-            if pure and pair.done == 1 and pair.rows == len(rows):
-                return pair.second
+            if pure and 0 < pair.done < 3 and pair.rows == len(rows):
+                return pair.next_k
             self._pair = None  # the batch changed under it: dropped
         if pure:
             seen = self.costs.measured(bucket)
@@ -319,10 +323,8 @@ class SpecLengthPolicy:
                 self._explore_k[bucket] = turn
                 k = near[turn % len(near)]
             if k is not None:
-                self._flip = not self._flip
-                first, second = (0, k) if self._flip else (k, 0)
-                self._pair = _Pair(bucket, len(rows), k, first, second)
-                return first
+                self._pair = _Pair(bucket, len(rows), k)
+                return k
         if self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
         n_spec = len(rows)
@@ -369,7 +371,7 @@ class SpecLengthPolicy:
         """One step of the exploration pair: kept when every row ran at the
         pair's k for this step (no row capped, none left out), else the pair
         is dropped."""
-        k = pair.first if pair.done == 0 else pair.second
+        k = pair.next_k
         n = len(plan.rows)
         if k == 0:
             ok = plan.num_decode == n == pair.rows
@@ -378,15 +380,14 @@ class SpecLengthPolicy:
         if not ok:
             self._pair = None
             return
-        per_row = list(pair.per_row)
-        per_row[pair.done] = record.wall_s / n
-        pair.per_row = (per_row[0], per_row[1])
-        pair.done += 1
-        if pair.done == 2:
-            at_k, at_0 = (per_row[0], per_row[1]) if pair.first else (per_row[1], per_row[0])
-            self.costs.add(pair.bucket, pair.k, at_k / max(at_0, 1e-12))
+        if pair.done == 1:
+            pair.seconds = (record.wall_s, 0.0)
+        elif pair.done == 2:
+            self.costs.add(pair.bucket, pair.k, record.wall_s / max(pair.seconds[0], 1e-12))
             self.pairs += 1
             self._pair = None
+            return
+        pair.done += 1
 
     def stats(self) -> dict:
         alpha = self.acceptance.alpha

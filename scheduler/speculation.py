@@ -337,7 +337,7 @@ class SpecLengthPolicy:
             starts = sum(r.start for r in rows)
             t0 = self.target.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
             t_spec = self.target.predict(n_spec, starts + n_spec, n_spec)
-        base_tokens = len(plan.samples)
+        base_tokens = len(plan.sampling())  # (`plan.samples` is frozen at commit, after the policies)
         best_k, best_rate = 0, -1.0
         for k in range(0, kmax + 1):
             t = t0 + t_spec * (self.costs.ratio(bucket, k) - 1.0)

@@ -325,9 +325,7 @@ def _decode_plan(n: int, start: int = 100) -> StepPlan:
         seq = SimpleNamespace(speculative=True, num_output=10, fork_children=[], remaining_tokens=50,
                               num_tokens=start + 1)
         rows.append(ScheduledRow(seq, start, 1, True))
-    plan = StepPlan(rows=rows)
-    plan.samples = [(i, r.seq) for i, r in enumerate(rows)]
-    return plan
+    return StepPlan(rows=rows)  # as the policies see it: before commit, `samples` not yet frozen
 
 
 def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, context: int = 100) -> list[int]:

@@ -29,7 +29,8 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              step model, and neither a growing context nor a drifting machine
              moves it; a line through the measured k prices the others. A
              range starts with pairs at k = 1 and 4; after, one step in 32
-             starts a pair next to the range's choice, so the costs keep
+             starts a pair next to the range's choice (one in 256 for a
+             length priced under 0.9x the choice's rate), so the costs keep
              following the machine even where k = 0 wins. T_0 / T_spec: the step's time without drafts, and a
              decode step's of the drafting rows alone (both 1 when every row
              of the step drafts; with prefill chunks in the step, from the
@@ -55,6 +56,7 @@ from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
 MODES = ("none", "fixed", "adaptive")
+FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 
 
 @dataclass(frozen=True)
@@ -255,6 +257,7 @@ class SpecLengthPolicy:
         self._pair: _Pair | None = None
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
+        self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -271,6 +274,7 @@ class SpecLengthPolicy:
         else:
             k = self._choose(plan, rows)
         self.last_k = k
+        self._last_rows = (len(rows), len(plan.rows))
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
         if k <= 0:
             return plan
@@ -322,13 +326,32 @@ class SpecLengthPolicy:
                 turn = self._explore_k.get(bucket, -1) + 1
                 self._explore_k[bucket] = turn
                 k = near[turn % len(near)]
+                # a length priced well below the choice is measured 8x less often: its pairs cost
+                # most there, and only a large change in the machine or the acceptance would flip it
+                if (self._rate(plan, rows, bucket, k) < FAR * self._rate(plan, rows, bucket, best)
+                        and self.steps % (8 * self.explore_every)):
+                    k = None
             if k is not None:
-                self._pair = _Pair(bucket, len(rows), k)
-                return k
+                # where these rows all drafted last step the proposer is current: the pair starts at 0
+                primed = self.last_k > 0 and self._last_rows == (len(rows), len(plan.rows))
+                self._pair = _Pair(bucket, len(rows), k, done=1 if primed else 0)
+                return 0 if primed else k
         if self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
+        best_k, best_rate = 0, -1.0
+        for k in range(0, kmax + 1):
+            rate = self._rate(plan, rows, bucket, k)
+            if rate > best_rate * (1 + 1e-9):
+                best_k, best_rate = k, rate
+        if pure:
+            self._best[bucket] = best_k
+        return best_k
+
+    def _rate(self, plan: StepPlan, rows, bucket: int, k: int) -> float:
+        """Expected tokens per second (in units of the step without drafts
+        when every row of the step drafts) at k drafts per row."""
         n_spec = len(rows)
-        if pure or not self.target.calibrated:
+        if len(rows) == len(plan.rows) or not self.target.calibrated:
             # in units of the step without drafts (with prefill chunks in it and no step model yet:
             # as if the chunks were free, which makes drafting look dearer, not cheaper)
             t0, t_spec = 1.0, 1.0
@@ -338,15 +361,8 @@ class SpecLengthPolicy:
             t0 = self.target.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
             t_spec = self.target.predict(n_spec, starts + n_spec, n_spec)
         base_tokens = len(plan.sampling())  # (`plan.samples` is frozen at commit, after the policies)
-        best_k, best_rate = 0, -1.0
-        for k in range(0, kmax + 1):
-            t = t0 + t_spec * (self.costs.ratio(bucket, k) - 1.0)
-            rate = (base_tokens + n_spec * (self.acceptance.expected_tokens(k) - 1.0)) / max(t, 1e-12)
-            if rate > best_rate * (1 + 1e-9):
-                best_k, best_rate = k, rate
-        if pure:
-            self._best[bucket] = best_k
-        return best_k
+        t = t0 + t_spec * (self.costs.ratio(bucket, k) - 1.0)
+        return (base_tokens + n_spec * (self.acceptance.expected_tokens(k) - 1.0)) / max(t, 1e-12)
 
     # -- observing ---------------------------------------------------------------
     def observe(self, plan: StepPlan, record: StepRecord) -> None:

@@ -375,18 +375,20 @@ def _settled(ks):
 def test_adaptive_length_follows_measured_draft_costs(name, cost):
     """The adaptive length measures what k drafts cost in pairs of steps and
     then settles on the k that maximises tokens per second under that cost
-    (k = 0 where drafting loses), while the context grows under it."""
+    (k = 0 where drafting loses, with few pairs spent there), while the
+    context grows under it."""
     pol = SpecLengthPolicy("adaptive:kmax=6")
     ks = _drive(pol, cost, alpha=0.7, steps=400)
     want = _best_k(cost, 0.7, 32, 300, 6)
     best = _rate(cost, 0.7, 32, 300, want)
     settled = ks[200:]
-    assert pol.pairs >= 8  # k = 1 and 4, then one pair in 32 steps
+    # k = 1 and 4, then one pair in 32 steps; a length priced far below the choice, one in 256
+    assert pol.pairs >= (8 if want else 3)
     # every step but the exploration pairs' at the best k or one within 3% of it
     good = [k for k in settled if _rate(cost, 0.7, 32, 300, k) >= 0.97 * best]
     assert len(good) >= 0.85 * len(settled), (name, want, {k: settled.count(k) for k in set(settled)})
-    if want == 0:
-        assert _settled(settled) == 0
+    if want == 0:  # drafting loses by 2x: it is rarely tried
+        assert settled.count(0) >= 0.95 * len(settled)
     ratio = pol.costs.ratio(row_bucket(32), 3)
     assert ratio == pytest.approx(cost(32, 3, 300) / cost(32, 0, 300), rel=0.1)
 

@@ -99,6 +99,8 @@ MODELS: dict[str, ModelShape] = {
     "llama2-70b": ModelShape("Llama-2-70b", 8192, 28672, 80, 64, 8, 128, 32000, 4096),
     "qwen3-8b": ModelShape("Qwen3-8B", 4096, 12288, 36, 32, 8, 128, 151936, 40960, qk_norm=True),
     "qwen3-32b": ModelShape("Qwen3-32B", 5120, 25600, 64, 64, 8, 128, 151936, 40960, qk_norm=True),
+    # a draft model for llama3-8b (same tokenizer)
+    "llama3.2-1b": ModelShape("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 64, 128256, 131072, tied=True),
 }
 
 

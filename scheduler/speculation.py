@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import OnlineLatencyModel, nnls, plan_features
+from stepserve.scheduler.latency_model import LinearLatencyModel, OnlineLatencyModel, linear_fit_of, nnls, plan_features
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
@@ -96,17 +96,22 @@ def _draft_length(text: str, what: str) -> int:
 
 class AcceptanceEstimate:
     """Per-position acceptance rates from decayed counts: position j was
-    *tried* when drafts 1..j-1 were accepted and a j-th was drafted, and
-    *accepted* when it was too. Starts at `prior` with the weight of
-    `prior_weight` tries."""
+    *tried* when drafts 1..j-1 were accepted and a j-th was asked for, and
+    *accepted* when it was too. Each position's rate leans on the one before
+    it with the weight of `prior_weight` tries (the first on `prior`), so a
+    position seldom tried (drafts rarely run that long) reads like the
+    positions before it rather than like a fixed prior."""
 
     def __init__(self, kmax: int, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.995):
-        self.tried = np.full(kmax, prior_weight, dtype=np.float64)
-        self.accepted = np.full(kmax, prior * prior_weight, dtype=np.float64)
+        self.tried = np.zeros(kmax, dtype=np.float64)
+        self.accepted = np.zeros(kmax, dtype=np.float64)
+        self.prior = prior
+        self.prior_weight = prior_weight
         self.decay = decay
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
-        """One verification step: per verify row, its draft length and how many were accepted."""
+        """One verification step: per verify row, the draft length asked for
+        and how many drafts were accepted."""
         kmax = len(self.tried)
         t = np.zeros(kmax)
         a = np.zeros(kmax)
@@ -120,7 +125,11 @@ class AcceptanceEstimate:
 
     @property
     def alpha(self) -> np.ndarray:
-        return self.accepted / self.tried
+        out = np.empty_like(self.tried)
+        prev, w = self.prior, self.prior_weight
+        for j in range(len(out)):
+            prev = out[j] = (self.accepted[j] + w * prev) / (self.tried[j] + w)
+        return out
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
@@ -243,6 +252,8 @@ class SpecLengthPolicy:
         self.costs = DraftCostTable(kmax)
         # a step's time without drafting (for steps that mix prefill chunks with the drafting rows):
         # the profile's model rescaled online, or fitted online, on the steps that drafted nothing
+        if latency_model is not None and not isinstance(latency_model, LinearLatencyModel):
+            latency_model = linear_fit_of(latency_model)  # a roofline estimate: its linear fit, rescaled online
         self.target = OnlineLatencyModel(base=latency_model, min_samples=min_samples, target="wall_s",
                                          refit_every_steps=64)
         self.explore_every = explore_every
@@ -378,7 +389,10 @@ class SpecLengthPolicy:
         vr = plan.verify_rows
         drafted = [len(r.draft) if r.draft is not None else 0 for r in vr]
         accepted = [r.num_accepted for r in vr]
-        self.acceptance.update(drafted, accepted)
+        # per position asked for: a proposer that offered fewer drafts than asked (an n-gram lookup
+        # that found nothing) failed the position after its last, as a rejected draft would; the
+        # costs are measured at what was asked, so the tokens expected must be too
+        self.acceptance.update([r.draft_len for r in vr], accepted)
         self.drafted += sum(drafted)
         self.accepted += sum(accepted)
         self.emitted += sum(accepted) + len(vr)

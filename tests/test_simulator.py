@@ -329,3 +329,102 @@ def test_max_concurrency_is_a_closed_loop():
     assert sum(1 for r in three.records if r.start_s == 0.0) == 3
     with pytest.raises(ValueError):
         Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100)).run(specs, max_concurrency=0)
+
+
+def _spec_sim(acceptance, length="fixed:4", model=CONST_1MS, draft=None, check_every=1, **kw):
+    from stepserve.scheduler.policies import speculation_policy
+
+    pol = speculation_policy(length, latency_model=model)
+    cfg = SimConfig(kv_slots=4000, max_context=512, vocab_size=100, acceptance=acceptance, check_every=check_every,
+                    **kw)
+    return Simulator(model, cfg, [pol], draft_model=draft), pol
+
+
+def test_speculation_every_draft_accepted():
+    """Acceptance 1 and fixed:4: after the prefill step (the first token) each
+    step emits 5 tokens per row; outputs are exactly as long as asked, and the
+    KV check holds after every step."""
+    sim, pol = _spec_sim([1.0])
+    res = sim.run([_spec(0, 0.0, 10, 21), _spec(1, 0.0, 12, 11)])
+    a, b = res.records
+    assert a.output_tokens == 21 and b.output_tokens == 11
+    # r0: 1 + 5 * 4 = 21 tokens in 5 steps; r1: 1 + 5 + (capped to 5 left) in 3 steps
+    assert res.stats["steps"] == 5 and a.end_s == pytest.approx(5e-3) and b.end_s == pytest.approx(3e-3)
+    st = pol.stats()
+    assert st["spec_mean_accepted_length"] == pytest.approx(4.0, abs=0.5)
+
+
+def test_speculation_nothing_accepted_is_plain_decoding_at_verify_cost():
+    """Acceptance 0: one token per step as without speculation, each step
+    priced with its verify tokens (here 0.1 ms per new token)."""
+    model = LinearLatencyModel("linear", [1e-3, 0.0, 0.0, 1e-4])
+    plain = Simulator(model, SimConfig(kv_slots=4000, max_context=512, vocab_size=100)).run([_spec(0, 0.0, 10, 9)])
+    sim, _ = _spec_sim([0.0], model=model)
+    spec = sim.run([_spec(0, 0.0, 10, 9)])
+    assert spec.stats["steps"] == plain.stats["steps"] == 9
+    (p,), (s,) = plain.records, spec.records
+    # the 8 decode steps: 1 new token (1.1 ms) without, 1 + min(4, left - 1) with
+    assert p.e2e == pytest.approx(1e-3 + 1e-3 + 8 * 1.1e-3)
+    drafts = [min(4, 9 - i - 1) for i in range(1, 9)]
+    assert s.e2e == pytest.approx(1e-3 + 1e-3 + sum(1.1e-3 + 1e-4 * d for d in drafts))
+
+
+def test_speculation_acceptance_is_drawn_position_by_position():
+    """Acceptance 0.6 per position, fixed:4: accepted drafts per verify row
+    average 0.6 + 0.36 + 0.216 + 0.1296 (each position only after the one
+    before it); a per-position list uses each rate at its position."""
+    specs = [_spec(i, 0.0, 10, 400) for i in range(8)]
+    sim, pol = _spec_sim([0.6], check_every=0)
+    sim.run(specs)
+    assert pol.stats()["spec_mean_accepted_length"] == pytest.approx(1.3056, rel=0.04)
+    sim, pol = _spec_sim([0.9, 0.5, 0.0], check_every=0)
+    sim.run(specs)
+    assert pol.stats()["spec_mean_accepted_length"] == pytest.approx(0.9 + 0.45, rel=0.04)
+
+
+def test_speculation_draft_model_time_is_charged():
+    """A draft model of 0.5 ms per step: fixed:2 and every draft accepted
+    makes each decode step 1 ms (target) + 2 x 0.5 ms."""
+    draft = LinearLatencyModel("linear", [5e-4, 0.0, 0.0, 0.0])
+    sim, _ = _spec_sim([1.0], length="fixed:2", draft=draft)
+    (a,) = sim.run([_spec(0, 0.0, 10, 7)]).records
+    assert a.output_tokens == 7 and a.end_s == pytest.approx(1e-3 + 2 * 2e-3)
+
+
+def test_adaptive_speculation_in_the_simulator_follows_the_load():
+    """On the H100 roofline of an 8B target with a 1B draft (acceptance 0.8):
+    one request at a time drafts (k = 2-3 are within 1% of each other
+    there); 256 at once hardly ever."""
+    from stepserve.scheduler.policies import speculation_policy
+
+    prof = load_profile("h100:llama3-8b")
+    draft = load_profile("h100:llama3.2-1b").model
+    ks = {}
+    for n in (1, 256):
+        pol = speculation_policy("adaptive", latency_model=prof.model)
+        cfg = SimConfig.from_profile(prof.engine, max_running=256, acceptance=[0.8])
+        specs = [_spec(i, 0.0, 64, 256) for i in range(n)] if n > 1 else [_spec(i, i * 10.0, 64, 256) for i in range(4)]
+        res = Simulator(prof.model, cfg, [pol], draft_model=draft).run(specs)
+        assert all(r.completed and r.output_tokens == 256 for r in res.records)
+        hist = pol.stats()["spec_k_steps"]
+        ks[n] = sum(k * c for k, c in hist.items()) / sum(hist.values())
+    assert ks[1] >= 1.5 and ks[256] <= 0.1 * ks[1]
+
+
+def test_simulate_cli_speculation(tmp_path):
+    from stepserve.cli import main
+
+    trace = "synthetic:num=20,rate=10,input=uniform:16:64,output=uniform:16:64"
+    base = ["simulate", "--trace", trace, "--profile", "h100:llama3-8b", "--no-progress"]
+    out = tmp_path / "s.json"
+    assert main([*base, "--speculative", "draft", "--draft-profile", "h100:llama3.2-1b", "--acceptance", "0.8,0.7",
+                 "--spec-length", "fixed:3", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["config"]["speculative"] == "draft" and rep["config"]["acceptance"] == [0.8, 0.7]
+    assert rep["config"]["spec_length"] == "fixed:3"
+    for bad in (["--speculative", "draft", "--acceptance", "0.8"],  # no draft profile
+                ["--speculative", "ngram"],  # no acceptance
+                ["--acceptance", "0.8"],  # no proposer
+                ["--speculative", "ngram", "--acceptance", "1.5"]):
+        with pytest.raises(SystemExit):
+            main([*base, *bad])

@@ -39,6 +39,57 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
                    help="predicted step times exactly (default: scattered like the profile's measured steps, seeded)")
     g.add_argument("--no-serving-costs", action="store_true",
                    help="steps only: leave out the profile's request entry, token delivery and wake-up costs")
+    add_sim_speculative_args(g)
+
+
+def add_sim_speculative_args(g) -> None:
+    from stepserve.cli import _checked
+    from stepserve.engine.speculative import PROPOSERS
+    from stepserve.scheduler.speculation import SpecLengthSpec
+
+    g.add_argument("--speculative", default="none", choices=list(PROPOSERS),
+                   help="simulate speculative decoding: draft (a draft model whose steps --draft-profile prices) or "
+                        "ngram (a proposer that costs nothing); drafts are accepted as --acceptance says")
+    g.add_argument("--spec-length", type=_checked(SpecLengthSpec.parse), default=None, metavar="SPEC",
+                   help="none, fixed:K or adaptive[:kmax=K] (the default with --speculative)")
+    g.add_argument("--draft-profile", default=None, metavar="PROFILE",
+                   help="the draft model's step latency: a built-in roofline name (e.g. h100:llama3.2-1b) or a "
+                        "`stepserve profile` JSON")
+    g.add_argument("--acceptance", type=_checked(parse_acceptance), default=None, metavar="A[,A2,...]",
+                   help="the probability that draft position j is accepted when every draft before it was, per "
+                        "position (the last repeats), e.g. 0.8 or 0.8,0.75,0.7")
+
+
+def parse_acceptance(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--acceptance needs numbers in [0, 1], got {text!r}") from None
+    if not rates or any(not 0.0 <= a <= 1.0 for a in rates):
+        raise ValueError(f"--acceptance needs numbers in [0, 1], got {text!r}")
+    return rates
+
+
+def speculation(args):
+    """(the speculation-length spec or None, the draft's latency model or None) of the flags."""
+    from stepserve.scheduler.latency_model import load_profile
+
+    if args.speculative == "none":
+        for flag, v in (("--spec-length", args.spec_length), ("--draft-profile", args.draft_profile),
+                        ("--acceptance", args.acceptance)):
+            if v is not None:
+                raise SystemExit(f"stepserve: {flag} needs --speculative draft or ngram")
+        return None, None
+    if args.acceptance is None:
+        raise SystemExit("stepserve: --speculative needs --acceptance (how often the target accepts a draft)")
+    draft = None
+    if args.speculative == "draft":
+        if args.draft_profile is None:
+            raise SystemExit("stepserve: --speculative draft needs --draft-profile (the draft model's step latency)")
+        draft = load_profile(args.draft_profile).model
+    elif args.draft_profile is not None:
+        raise SystemExit("stepserve: --draft-profile is for --speculative draft")
+    return args.spec_length or "adaptive", draft
 
 
 def make_policies(args, latency_model, slo) -> list:
@@ -47,13 +98,18 @@ def make_policies(args, latency_model, slo) -> list:
     profile's step model and the run's SLOs."""
     from stepserve.scheduler.policies import branch_admission_policy, make_policy
 
+    from stepserve.scheduler.policies import speculation_policy
+
     kw = dict(latency_model=latency_model, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
     try:
         branch = branch_admission_policy(args.branch_policy, **kw)
         named = [make_policy(name, **kw) for name in args.policy]
     except ValueError as e:
         raise SystemExit(f"stepserve: {e}") from None
-    return ([branch] if branch is not None else []) + named
+    spec_length, _ = speculation(args)
+    spec = speculation_policy(spec_length, latency_model=latency_model) if spec_length else None
+    # the engine's order: branch admission, then speculation length, then the rest
+    return ([branch] if branch is not None else []) + ([spec] if spec is not None else []) + named
 
 
 def run_simulate(args) -> int:
@@ -98,6 +154,7 @@ def sim_config(args, prof):
         kv_slots=args.kv_slots, vocab_size=args.vocab_size, seed=args.seed, admission=args.admission,
         prefix_caching=not args.no_prefix_caching, check_every=args.check_every,
         noise=None if args.no_step_noise else prof.data.get("noise"), noise_seed=args.seed,
+        acceptance=parse_acceptance(args.acceptance) if args.acceptance else None,
     )
     if args.no_serving_costs:
         cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[])
@@ -119,7 +176,7 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
         base = prof.model if isinstance(prof.model, LinearLatencyModel) else None
         online = OnlineLatencyModel(base=base)
         policies.append(online)
-    sim = Simulator(prof.model, cfg, policies)
+    sim = Simulator(prof.model, cfg, policies, draft_model=speculation(args)[1])
     if online is not None:
         online.clock = sim.clock  # refit periods in virtual seconds
     bar = progress_bar(len(specs), "simulate", "req", not args.no_progress)
@@ -146,7 +203,9 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
         mode="simulate", records=res.records, duration_s=res.duration_s, slo=slo, trace=trace.info(),
         scaling=sinfo.to_dict(),
         config={"profile": args.profile, "profile_source": prof.source, "branch_policy": args.branch_policy,
-                "policies": args.policy,
+                "policies": args.policy, "speculative": args.speculative,
+                "spec_length": str(speculation(args)[0]) if args.speculative != "none" else None,
+                "draft_profile": args.draft_profile,
                 "max_concurrency": args.max_concurrency,
                 **dataclasses.asdict(cfg)},
         itl_values=res.itl_s, extra=extra, with_itl=False,

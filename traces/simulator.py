@@ -82,6 +82,11 @@ class SimConfig:
     # this lag-1 correlation, mapped onto the quantiles (a Gaussian copula: the
     # same scatter, its correlation the machine's). 0: independent draws.
     noise_lag1: float = 0.0
+    # Speculative decoding (with a speculation-length policy among the
+    # policies): the probability that draft position j is accepted when every
+    # draft before it was, per position (the last repeats for deeper ones);
+    # each verify row's accepted run is drawn from it. Empty: no row drafts.
+    acceptance: list = field(default_factory=list)
 
     @classmethod
     def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
@@ -111,6 +116,7 @@ class VirtualClock:
 class SimOutput:
     token_ids: list[int]
     prep_s: float = 0.0
+    draft_s: float = 0.0  # of the step, the proposer's time
 
 
 class SimRunner:
@@ -120,10 +126,14 @@ class SimRunner:
     set: for how long)."""
 
     def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
-                 costs: ServingCosts | None = None, noise_lag1: float = 0.0):
+                 costs: ServingCosts | None = None, noise_lag1: float = 0.0, acceptance=(), draft_model=None):
         if not -1.0 < noise_lag1 < 1.0:
             raise ValueError(f"noise_lag1 must be in (-1, 1), got {noise_lag1}")
+        if any(not 0.0 <= a <= 1.0 for a in acceptance):
+            raise ValueError(f"acceptance rates must be in [0, 1], got {list(acceptance)}")
         self.model = latency_model
+        self.acceptance = [float(a) for a in acceptance]
+        self.draft_model = draft_model  # the draft model's step latency (None: a proposer that costs nothing)
         self.clock = clock
         mean = sum(noise_quantiles) / len(noise_quantiles) if noise_quantiles else 1.0
         self.noise = [q / mean for q in noise_quantiles]
@@ -134,6 +144,7 @@ class SimRunner:
     def reset(self, noise_seed: int, costs: ServingCosts) -> None:
         """A new run: the noise's seed, the serving costs, an idle engine."""
         self.rng = random.Random(noise_seed)
+        self.accept_rng = random.Random(noise_seed * 7919 + 1)  # its own stream: the noise's draws do not move
         self.costs = costs
         self.idle_s = float("inf")
         self._z = self.rng.gauss(0.0, 1.0) if self.rho else 0.0  # the AR(1) state, from its stationary law
@@ -152,11 +163,40 @@ class SimRunner:
 
     def run(self, plan, features: StepFeatures) -> SimOutput:
         dt = self.step_time(features)
+        draft_s = self.speculate(plan) if plan.num_verify else 0.0
+        dt += draft_s
         if self.idle_s:
             dt += self.costs.wake(self.idle_s)
             self.idle_s = 0.0
         self.clock.t += dt
-        return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples))
+        return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples), draft_s=draft_s)
+
+    def speculate(self, plan) -> float:
+        """The verify rows' drafts (placeholders) and accepted runs, drawn
+        position by position from `acceptance`; returns the proposer's time:
+        one draft-model step per draft position, over the rows still drafting
+        (each at its context so far), as the draft model runs them."""
+        acc_rates = self.acceptance
+        if not acc_rates:
+            raise ValueError("a speculation policy drafted, but the simulation has no acceptance rates")
+        last = len(acc_rates) - 1
+        rng = self.accept_rng.random
+        rows = plan.verify_rows
+        for r in rows:
+            k = r.draft_len
+            r.draft = [PLACEHOLDER_TOKEN] * k
+            a = 0
+            while a < k and rng() < acc_rates[min(a, last)]:
+                a += 1
+            r.num_accepted = a
+        if self.draft_model is None:
+            return 0.0
+        t = 0.0
+        for j in range(max(r.draft_len for r in rows)):
+            active = [r for r in rows if r.draft_len > j]
+            n = len(active)
+            t += self.draft_model.predict(n, sum(r.start + 1 + j for r in active), n)
+        return t
 
 
 @dataclass
@@ -181,13 +221,18 @@ class Simulator:
     request's timing record. Also the core's `StepHooks`: it turns each step's
     tokens into first-token times, inter-token gaps and completions."""
 
-    def __init__(self, latency_model, cfg: SimConfig | None = None, policies=()):
+    def __init__(self, latency_model, cfg: SimConfig | None = None, policies=(), draft_model=None):
         self.cfg = cfg or SimConfig()
         self.policies = list(policies)
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
         self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
-                                noise_lag1=self.cfg.noise_lag1)
+                                noise_lag1=self.cfg.noise_lag1, acceptance=self.cfg.acceptance,
+                                draft_model=draft_model)
+        # requests may decode speculatively where a speculation-length policy runs
+        self.speculative = any(getattr(p, "name", None) == "spec-length" for p in self.policies)
+        if self.speculative and not self.cfg.acceptance:
+            raise ValueError("a speculation-length policy needs the simulation's acceptance rates (SimConfig.acceptance)")
         self.core: EngineCore | None = None
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
@@ -292,6 +337,7 @@ class Simulator:
                 return spec.arrival_s
             return max(spec.arrival_s, freed[0]) if freed else math.inf
 
+        speculative = self.speculative
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while i < n or core.has_work():
             t = clock.t
@@ -320,7 +366,7 @@ class Simulator:
                 later = sum(len(st.branches) for st in stages)
                 core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n + later), seeds=[0] * spec.n,
                                    stages=stages or None, stage_seeds=[0] * later if stages else None,
-                                   ignore_eos=True)
+                                   ignore_eos=True, speculative=speculative)
             if not core.has_work():
                 t_next = send_time(specs[i]) + oh
                 self.runner.idle_s += t_next - clock.t

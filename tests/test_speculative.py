@@ -14,6 +14,7 @@ from stepserve import LLM
 from stepserve.engine import speculative
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.engine.speculative import NgramProposer, verify_rows
+from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 from stepserve.scheduler.speculation import AcceptanceEstimate, SpecLengthPolicy, SpecLengthSpec, row_bucket
@@ -409,6 +410,38 @@ def test_adaptive_length_learns_each_batch_range_apart():
     # at 2 rows k = 4, 5 and 6 are within 5% of each other: any of them
     assert _settled(small[100:]) >= 4 and _rate(cost, 0.7, 2, 100, _settled(small[100:])) >= 0.95 * best
     assert _settled(small2) == _settled(small[100:])  # the small range's costs were kept, not relearned
+
+
+@pytest.mark.parametrize("case", ["chunk-bound", "row-bound"])
+def test_adaptive_length_in_steps_with_prefill_chunks(case):
+    """A step with a prefill chunk in it runs whatever its decode rows do, so
+    drafting there pays only if the tokens it adds are worth more than they
+    cost by the step model: where the chunk makes every token cost compute
+    (a decode row's share of the step is little more than its token), it
+    does not draft, though pure decode steps of the same rows draft long;
+    where a decode row's share is mostly per-row cost and tokens are cheap,
+    it drafts. (Priced by the mixed step's own tokens per second, the chunk
+    made drafts look cheap and it drafted kmax in both.)"""
+    def cost(rows, k, ctx):  # pure decode steps: memory-bound, drafts nearly free
+        return 1e-3 + rows * (1e-4 + 1e-6 * ctx) * (1 + 0.02 * k)
+
+    # const, rows, context_tokens, new_tokens
+    coef = [1e-3, 1e-5, 1e-8, 5e-5] if case == "chunk-bound" else [1e-3, 1e-4, 1e-8, 1e-6]
+    pol = SpecLengthPolicy("adaptive:kmax=6", latency_model=LinearLatencyModel("linear", coef))
+    pure = _drive(pol, cost, alpha=0.7, steps=200)
+    assert _settled(pure[100:]) >= 4
+    view = EngineView(0.0, 33, 1, 10_000, 10_000, 4096, 4096)
+    mixed = []
+    for i in range(40):
+        plan = _decode_plan(32, start=300 + i)
+        chunk = SimpleNamespace(speculative=True, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
+        plan.rows.append(ScheduledRow(chunk, 0, 1024, False))
+        plan = pol.plan(plan, view)
+        mixed.append(max(r.draft_len for r in plan.rows))
+    if case == "chunk-bound":
+        assert mixed.count(0) == len(mixed), mixed
+    else:
+        assert min(mixed) >= 2, mixed
 
 
 def test_draft_cost_table_pairs_are_kept_only_when_whole():

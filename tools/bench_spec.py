@@ -24,6 +24,15 @@ its distribution; no corpus is needed):
 
     python tools/bench_spec.py --proposer draft --workload text --out spec-draft.json
     python tools/bench_spec.py --proposer ngram --workload repetitive --out spec-ngram.json
+
+With --simulate PROFILE the same sweep runs in the simulator instead: the real
+scheduler and the same policies on PROFILE's step model (a roofline name such
+as h100:llama3-8b, or a profile file), the draft model's steps priced by
+--draft-profile, accepted runs drawn from --acceptance, --prompt-len-token
+prompts; repeats differ in their seeds.
+
+    python tools/bench_spec.py --simulate h100:llama3-8b --draft-profile h100:llama3.2-1b \
+        --acceptance 0.8 --batch-sizes 1,2,4,8,16,32,64,128,256 --output-len 256
 """
 
 from __future__ import annotations
@@ -58,9 +67,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    g = p.add_argument_group("in the simulator")
+    g.add_argument("--simulate", default=None, metavar="PROFILE",
+                   help="run the sweep in the simulator on this target profile (roofline name or file)")
+    g.add_argument("--draft-profile", default=None, metavar="PROFILE", help="the draft model's step latency")
+    g.add_argument("--acceptance", default="0.8", metavar="A[,A2,...]",
+                   help="per-position acceptance rates of the simulated drafts")
+    g.add_argument("--prompt-len", type=int, default=1024, help="simulated prompt tokens per request")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     configs = ["none"] + [f"fixed:{k}" for k in args.fixed.split(",")] + ["adaptive"]
+    if args.simulate:
+        rows = simulated_sweep(args, sizes, configs)
+        return report(args, rows, configs)
     engines = {c: LLM(speculative="none" if c == "none" else args.proposer, spec_length=None if c == "none" else c)
                for c in configs}
     prompts_all = make_prompts(engines["none"], max(sizes), args.workload, args.seed)
@@ -85,25 +104,88 @@ def main(argv=None) -> int:
                 tput[c].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
                 # the steps with all b rows in the batch (before the first request finishes): the rate a
                 # batch of b sustains, without the ragged finish (verify rows finish at different steps)
-                steps = [r for r in records[n0:] if r.rows == b]
-                full[c].append(sum(r.rows + r.accepted_tokens for r in steps) / sum(r.wall_s for r in steps))
+                full[c].append(full_batch_rate(records[n0:], b))
                 if c != "none":
-                    d = spec.setdefault(c, {"draft": 0, "accepted": 0, "rows": 0, "k": {}})
-                    d["draft"] += after["spec_draft_tokens"] - before["spec_draft_tokens"]
-                    d["accepted"] += after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-                    d["rows"] += (after["spec_emitted_tokens"] - before["spec_emitted_tokens"]) - (
-                        after["spec_accepted_tokens"] - before["spec_accepted_tokens"])
-                    for k, n in after["spec_k_steps"].items():
-                        d["k"][k] = d["k"].get(k, 0) + n - before["spec_k_steps"].get(k, 0)
-        row = {"batch": b, "tok_s": {c: statistics.median(v) for c, v in tput.items()},
-               "full_batch_tok_s": {c: statistics.median(v) for c, v in full.items()},
-               "runs": tput, "full_batch_runs": full,
-               "accepted_per_row": {c: d["accepted"] / d["rows"] if d["rows"] else 0.0 for c, d in spec.items()},
-               "adaptive_k_steps": {k: n for k, n in sorted(spec["adaptive"]["k"].items()) if n}}
-        rows.append(row)
-        print(json.dumps({"batch": b, **{c: round(v, 1) for c, v in row["tok_s"].items()},
-                          "full_batch": {c: round(v, 1) for c, v in row["full_batch_tok_s"].items()},
-                          "adaptive_k": row["adaptive_k_steps"]}), file=sys.stderr, flush=True)
+                    count_spec(spec.setdefault(c, {"draft": 0, "accepted": 0, "rows": 0, "k": {}}), before, after)
+        rows.append(batch_row(b, tput, full, spec))
+    return report(args, rows, configs)
+
+
+def full_batch_rate(records, b: int) -> float:
+    """Output tokens per second of the decode steps with all b requests in
+    the batch (before the first request finishes; no prefill chunk in them)."""
+    steps = [r for r in records if r.rows == b and r.extend_rows == 0]
+    return sum(r.rows + r.accepted_tokens for r in steps) / sum(r.wall_s for r in steps)
+
+
+def count_spec(d: dict, before: dict, after: dict) -> None:
+    """Adds the drafted/accepted tokens, verify rows and k histogram between two policy stats to `d`."""
+    d["draft"] += after["spec_draft_tokens"] - before.get("spec_draft_tokens", 0)
+    acc = after["spec_accepted_tokens"] - before.get("spec_accepted_tokens", 0)
+    d["accepted"] += acc
+    d["rows"] += (after["spec_emitted_tokens"] - before.get("spec_emitted_tokens", 0)) - acc
+    for k, n in after["spec_k_steps"].items():
+        d["k"][k] = d["k"].get(k, 0) + n - before.get("spec_k_steps", {}).get(k, 0)
+
+
+def batch_row(b: int, tput: dict, full: dict, spec: dict) -> dict:
+    row = {"batch": b, "tok_s": {c: statistics.median(v) for c, v in tput.items()},
+           "full_batch_tok_s": {c: statistics.median(v) for c, v in full.items()},
+           "runs": tput, "full_batch_runs": full,
+           "accepted_per_row": {c: d["accepted"] / d["rows"] if d["rows"] else 0.0 for c, d in spec.items()},
+           "adaptive_k_steps": {k: n for k, n in sorted(spec["adaptive"]["k"].items(), key=lambda kv: int(kv[0]))
+                                if n}}
+    print(json.dumps({"batch": b, **{c: round(v, 1) for c, v in row["tok_s"].items()},
+                      "full_batch": {c: round(v, 1) for c, v in row["full_batch_tok_s"].items()},
+                      "adaptive_k": row["adaptive_k_steps"]}), file=sys.stderr, flush=True)
+    return row
+
+
+def simulated_sweep(args, sizes, configs) -> list[dict]:
+    """The sweep in the simulator: per configuration one simulated engine whose
+    policies live through the whole run, as the real sweep's engines do; per
+    batch size, b requests sent at once (a closed batch), a warm-up pass and
+    `--repeats` passes with different seeds."""
+    import dataclasses
+
+    from stepserve.scheduler.latency_model import load_profile
+    from stepserve.scheduler.policies import speculation_policy
+    from stepserve.traces.request_spec import RequestSpec, Segment
+    from stepserve.traces.simulate_cli import parse_acceptance
+    from stepserve.traces.simulator import SimConfig, Simulator
+
+    if args.proposer == "draft" and args.draft_profile is None:
+        raise SystemExit("bench_spec: --simulate with the draft proposer needs --draft-profile")
+    prof = load_profile(args.simulate)
+    draft = load_profile(args.draft_profile).model if args.proposer == "draft" else None
+    base = SimConfig.from_profile(prof.engine, noise=prof.data.get("noise"), acceptance=parse_acceptance(args.acceptance),
+                                  max_running=max(max(sizes), 1))
+    sims = {c: Simulator(prof.model, base, [] if c == "none" else [speculation_policy(c, latency_model=prof.model)],
+                         draft_model=draft) for c in configs}
+    rows = []
+    for b in sizes:
+        specs = [RequestSpec(f"b{b}-{i}", 0.0, args.output_len, (Segment(f"p{b}-{i}", args.prompt_len),))
+                 for i in range(b)]
+        tput = {c: [] for c in configs}
+        full = {c: [] for c in configs}
+        spec = {c: {"draft": 0, "accepted": 0, "rows": 0, "k": {}} for c in configs if c != "none"}
+        for rep in range(args.repeats + 1):
+            for c, sim in sims.items():
+                sim.cfg = dataclasses.replace(base, seed=args.seed + rep, noise_seed=args.seed + rep)
+                pol = sim.policies[0] if sim.policies else None
+                before = pol.stats() if pol else {}
+                res = sim.run(specs)
+                if rep == 0:
+                    continue
+                tput[c].append(b * args.output_len / res.duration_s)
+                full[c].append(full_batch_rate(sim.core.records, b))
+                if pol:
+                    count_spec(spec[c], before, pol.stats())
+        rows.append(batch_row(b, tput, full, spec))
+    return rows
+
+
+def report(args, rows, configs) -> int:
     print("Full batch (steps with all B requests decoding), output tok/s:")
     print(table(rows, configs, "full_batch_tok_s"))
     print("\nEnd to end (the whole generate call, the ragged finish included), output tok/s:")
@@ -111,6 +193,8 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"proposer": args.proposer, "workload": args.workload, "output_len": args.output_len,
+                       "simulate": args.simulate, "draft_profile": args.draft_profile,
+                       "acceptance": args.acceptance if args.simulate else None,
                        "repeats": args.repeats, "machine": platform.processor() or platform.machine(),
                        "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     return 0

@@ -1,0 +1,51 @@
+"""tools/bench_spec.py's simulated sweep, through its command line: the
+speculation-length policies on a roofline step model, closed batches of B
+requests."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sweep(tmp_path, acceptance: str, sizes: str = "1,8") -> dict:
+    out = tmp_path / f"sweep-{acceptance}.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_spec.py"), "--simulate", "h100:llama3-8b",
+           "--draft-profile", "h100:llama3.2-1b", "--acceptance", acceptance, "--batch-sizes", sizes,
+           "--output-len", "48", "--prompt-len", "256", "--repeats", "1", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Full batch" in done.stdout and "| 8 |" in done.stdout
+    return {r["batch"]: r for r in json.loads(out.read_text())["rows"]}
+
+
+def test_simulated_sweep_drafts_when_drafts_are_accepted(tmp_path):
+    rows = sweep(tmp_path, "0.9")
+    for b, r in rows.items():
+        full = r["full_batch_tok_s"]
+        # a memory-bound 8B target verifies 5 tokens for little more than 1: drafting wins
+        assert full["fixed:4"] > 1.3 * full["none"], (b, full)
+        assert r["accepted_per_row"]["fixed:4"] > 2.0
+        assert sum(n for k, n in r["adaptive_k_steps"].items() if int(k) >= 2) > r["adaptive_k_steps"].get("0", 0)
+        assert full["adaptive"] > 1.3 * full["none"]
+
+
+def test_simulated_sweep_stops_drafting_when_nothing_is_accepted(tmp_path):
+    rows = sweep(tmp_path, "0.0")
+    for b, r in rows.items():
+        full = r["full_batch_tok_s"]
+        assert full["none"] > full["fixed:8"], (b, full)
+        assert r["accepted_per_row"]["fixed:1"] == 0.0
+        k = r["adaptive_k_steps"]
+        # after the pairs that measure the costs, plain decoding
+        assert k.get("0", 0) > 0.8 * sum(k.values()), k
+        assert full["adaptive"] > 0.9 * full["none"]
+
+
+def test_simulated_sweep_needs_a_draft_profile(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_spec.py"), "--simulate", "h100:llama3-8b",
+           "--batch-sizes", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--draft-profile" in done.stderr

@@ -17,22 +17,25 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
 
                rate(k) = (tokens without speculation + R_k * (E[k] - 1)) / C_b[k]
 
-             A step with prefill chunks in it runs (and so do the next ones)
-             whatever its decode rows do, so there a decode row's next token
-             costs only what a decode row adds to such a step (m0, from the
-             step-latency model), and the k that saves most time wins:
+             A step with prefill chunks in it, while more prompt is queued
+             after it, runs (and so do the next ones) whatever its decode
+             rows do, so there a decode row's next token costs only what a
+             decode row adds to such a step (m0, from the step-latency
+             model), and the k that saves most time wins:
 
                gain(k) = R_k * (E[k] - 1) * m0
                          - T_spec * (C_b[k] - 1) - (T(+R_k * k tokens) - T)
 
              (T_spec: a decode step of the drafting rows alone; the last term,
              what the step model says the verify tokens add on top of the
-             chunks, where the chunks make the step compute-bound). Pricing
-             a mixed step by its own tokens per second instead drafts long
-             where the chunks dominate it (the drafts look cheap beside the
-             chunks) and slows the prefill near saturation (simulated Azure
-             conversations on an 8B H100 profile at 20 req/s: goodput 2.8
-             req/s against 15.9).
+             chunks, where the chunks make the step compute-bound). A step
+             with the last of the prompt in it scores its decode rows as a
+             decode step of their own, R_k * E[k] over T_spec plus the same
+             added time. Pricing a mixed step by its own tokens per second
+             instead drafts long where the chunks dominate it (the drafts
+             look cheap beside the chunks) and slows the prefill near
+             saturation (simulated Azure conversations on an 8B H100
+             profile at 20 req/s: goodput 2.8 req/s against 16.0).
 
              E[k] = 1 + sum_j prod_{i <= j} alpha_i, the expected tokens a
              verify row emits, from a running estimate of the per-position
@@ -301,7 +304,7 @@ class SpecLengthPolicy:
         if self.spec.mode == "fixed":
             k = self.spec.k
         else:
-            k = self._choose(plan, rows)
+            k = self._choose(plan, rows, view)
         self.last_k = k
         self._last_rows = (len(rows), len(plan.rows))
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
@@ -326,7 +329,7 @@ class SpecLengthPolicy:
             self.verify_steps += 1
         return plan
 
-    def _choose(self, plan: StepPlan, rows) -> int:
+    def _choose(self, plan: StepPlan, rows, view: EngineView) -> int:
         """The adaptive k for this step: the k that maximises expected tokens
         per second, with the cost of k drafts per row from `DraftCostTable`.
         A batch-size range with fewer than two draft lengths measured runs
@@ -371,7 +374,10 @@ class SpecLengthPolicy:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
             score = lambda k: self._rate(plan, rows, bucket, k)  # noqa: E731
         else:
-            score = self._gain_fn(plan, rows, bucket)
+            # more prompt left after this step (a chunk that does not end its prompt, a request waiting):
+            # the next steps run for it too
+            busy = view.num_waiting > 0 or any(r.num_new > 1 and not r.sample for r in plan.rows)
+            score = self._mixed_score(plan, rows, bucket, busy)
         best_k, best = 0, score(0)
         for k in range(1, kmax + 1):
             v = score(k)
@@ -389,34 +395,41 @@ class SpecLengthPolicy:
         base_tokens = len(plan.sampling())  # (`plan.samples` is frozen at commit, after the policies)
         return (base_tokens + len(rows) * (self.acceptance.expected_tokens(k) - 1.0)) / self.costs.ratio(bucket, k)
 
-    def _gain_fn(self, plan: StepPlan, rows, bucket: int):
-        """k -> the seconds k drafts per row save, for a step with prefill
-        chunks in it. Such a step runs whether its rows draft or not (the
-        chunks keep the engine busy), and so would the steps after it, so a
-        decode row's next tokens cost only what a decode row adds to a step
-        (m0, from the step model). k drafts pay when the tokens they add are
-        worth more of that than the time they add: the drafting itself and
+    def _mixed_score(self, plan: StepPlan, rows, bucket: int, busy: bool):
+        """k -> the score of k drafts per row in a step with prefill chunks.
+
+        While more prompt is left after this step (`busy`), this step and
+        the next ones run for it whatever the decode rows do, so a decode
+        row's next token costs only the row's share of such a step (m0, from
+        the step model): the score is the time the drafts save, their tokens
+        at m0 less the time they add. When this step ends the last prompt,
+        the next steps exist for the decode rows, so they are scored as a
+        decode step of their own (tokens per second), the chunks' time being
+        spent either way. The time k drafts add, both ways: the drafting and
         the verify tokens' pure-decode cost (`DraftCostTable`, relative to a
-        decode step of these rows alone), plus what the step model says the
-        extra tokens cost on top of the chunks (where the chunks make the step
-        compute-bound, verify tokens are no longer nearly free)."""
+        decode step of the drafting rows alone), plus what the step model
+        says the extra tokens cost on top of the chunks (which make the step
+        compute-bound: there verify tokens are no longer nearly free)."""
         n = len(rows)
         f = plan_features(plan)
         starts = sum(r.start for r in rows)
         predict = self.target.predict
         t0 = predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        t_spec = predict(n, starts + n, n)  # a decode step of the drafting rows alone
         without = predict(f.rows - n, f.context_tokens - starts - n, f.new_tokens - n, f.prefill_pairs, f.extend_rows)
         m0 = max(t0 - without, 0.0) / n  # a decode row's share of a step like this one
-        t_spec = predict(n, starts + n, n)  # a decode step of the drafting rows alone
 
-        def gain(k: int) -> float:
-            if k == 0:
-                return 0.0
-            extra = predict(f.rows, f.context_tokens + n * k, f.new_tokens + n * k, f.prefill_pairs, f.extend_rows)
-            cost = t_spec * (self.costs.ratio(bucket, k) - 1.0) + max(extra - t0, 0.0)
-            return n * (self.acceptance.expected_tokens(k) - 1.0) * m0 - cost
+        def added(k: int) -> float:
+            on_top = predict(f.rows, f.context_tokens + n * k, f.new_tokens + n * k, f.prefill_pairs, f.extend_rows)
+            return t_spec * (self.costs.ratio(bucket, k) - 1.0) + max(on_top - t0, 0.0)
 
-        return gain
+        def saved(k: int) -> float:
+            return n * (self.acceptance.expected_tokens(k) - 1.0) * m0 - added(k) if k else 0.0
+
+        def rate(k: int) -> float:
+            return n * self.acceptance.expected_tokens(k) / (t_spec + (added(k) if k else 0.0))
+
+        return saved if busy else rate
 
     # -- observing ---------------------------------------------------------------
     def observe(self, plan: StepPlan, record: StepRecord) -> None:

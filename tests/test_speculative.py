@@ -412,36 +412,50 @@ def test_adaptive_length_learns_each_batch_range_apart():
     assert _settled(small2) == _settled(small[100:])  # the small range's costs were kept, not relearned
 
 
+def _mixed_choices(pol, busy: bool, steps: int = 40) -> list[int]:
+    """The k chosen for steps of 32 decode rows and a 1024-token prefill
+    chunk: with more prompt to come (`busy`: a request waiting, the chunk not
+    the prompt's last) or the last of it."""
+    view = EngineView(0.0, 33, 1 if busy else 0, 10_000, 10_000, 4096, 4096)
+    ks = []
+    for i in range(steps):
+        plan = _decode_plan(32, start=300 + i)
+        chunk = SimpleNamespace(speculative=True, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
+        plan.rows.append(ScheduledRow(chunk, 0, 1024, not busy))
+        plan = pol.plan(plan, view)
+        ks.append(max(r.draft_len for r in plan.rows))
+    return ks
+
+
 @pytest.mark.parametrize("case", ["chunk-bound", "row-bound"])
 def test_adaptive_length_in_steps_with_prefill_chunks(case):
-    """A step with a prefill chunk in it runs whatever its decode rows do, so
-    drafting there pays only if the tokens it adds are worth more than they
-    cost by the step model: where the chunk makes every token cost compute
-    (a decode row's share of the step is little more than its token), it
-    does not draft, though pure decode steps of the same rows draft long;
-    where a decode row's share is mostly per-row cost and tokens are cheap,
-    it drafts. (Priced by the mixed step's own tokens per second, the chunk
-    made drafts look cheap and it drafted kmax in both.)"""
+    """A step with a prefill chunk in it, while more prompt is queued, runs
+    whatever its decode rows do, and so do the next ones: drafting there pays
+    only if the tokens it adds are worth more than they cost by the step
+    model. Where the chunk makes every token cost compute (a decode row's
+    share of the step is little more than its token) it does not draft,
+    though pure decode steps of the same rows draft long; where a decode
+    row's share is mostly per-row cost and tokens are cheap, it drafts.
+    (Priced by the mixed step's own tokens per second, the chunk made drafts
+    look cheap and it drafted kmax in both.) With the last of the prompt in
+    the step, the next steps are the decode rows' own: they draft as a
+    decode step of theirs would, the verify tokens priced on top of the
+    chunk (short drafts where that is compute)."""
     def cost(rows, k, ctx):  # pure decode steps: memory-bound, drafts nearly free
         return 1e-3 + rows * (1e-4 + 1e-6 * ctx) * (1 + 0.02 * k)
 
     # const, rows, context_tokens, new_tokens
     coef = [1e-3, 1e-5, 1e-8, 5e-5] if case == "chunk-bound" else [1e-3, 1e-4, 1e-8, 1e-6]
     pol = SpecLengthPolicy("adaptive:kmax=6", latency_model=LinearLatencyModel("linear", coef))
-    pure = _drive(pol, cost, alpha=0.7, steps=200)
-    assert _settled(pure[100:]) >= 4
-    view = EngineView(0.0, 33, 1, 10_000, 10_000, 4096, 4096)
-    mixed = []
-    for i in range(40):
-        plan = _decode_plan(32, start=300 + i)
-        chunk = SimpleNamespace(speculative=True, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
-        plan.rows.append(ScheduledRow(chunk, 0, 1024, False))
-        plan = pol.plan(plan, view)
-        mixed.append(max(r.draft_len for r in plan.rows))
+    pure = _settled(_drive(pol, cost, alpha=0.7, steps=200)[100:])
+    assert pure >= 4
+    busy, last = _mixed_choices(pol, busy=True), _mixed_choices(pol, busy=False)
     if case == "chunk-bound":
-        assert mixed.count(0) == len(mixed), mixed
+        assert busy.count(0) == len(busy), busy
+        assert all(1 <= k <= 2 for k in last), last
     else:
-        assert min(mixed) >= 2, mixed
+        assert min(busy) >= 2, busy
+        assert all(k >= pure - 1 for k in last), (last, pure)
 
 
 def test_draft_cost_table_pairs_are_kept_only_when_whole():

@@ -134,13 +134,12 @@ class AcceptanceEstimate:
         """One verification step: per verify row, the draft length asked for
         and how many drafts were accepted."""
         kmax = len(self.tried)
-        t = np.zeros(kmax)
-        a = np.zeros(kmax)
-        for d, acc in zip(drafted, accepted):
-            d = min(d, kmax)
-            n = min(acc + 1, d)  # positions tried: each accepted one, and the first rejected
-            t[:n] += 1
-            a[: min(acc, d)] += 1
+        d = np.minimum(np.asarray(drafted, dtype=np.int64), kmax)
+        acc = np.asarray(accepted, dtype=np.int64)
+        pos = np.arange(kmax)
+        # positions tried: each accepted one, and the first rejected; accepted: the accepted ones
+        t = (np.minimum(acc + 1, d)[:, None] > pos).sum(axis=0)
+        a = (np.minimum(acc, d)[:, None] > pos).sum(axis=0)
         self.tried = self.tried * self.decay + t
         self.accepted = self.accepted * self.decay + a
 
@@ -154,9 +153,13 @@ class AcceptanceEstimate:
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
-        if k <= 0:
-            return 1.0
-        return 1.0 + float(np.cumprod(self.alpha[:k]).sum())
+        return float(self.expected(k)[k]) if k > 0 else 1.0
+
+    def expected(self, kmax: int) -> np.ndarray:
+        """`expected_tokens(k)` for every k in [0, kmax], in one pass."""
+        out = np.ones(kmax + 1)
+        out[1:] += np.cumsum(np.cumprod(self.alpha[:kmax]))
+        return out
 
 
 def row_bucket(rows: int) -> int:
@@ -346,6 +349,8 @@ class SpecLengthPolicy:
             if pure and 0 < pair.done < 3 and pair.rows == len(rows):
                 return pair.next_k
             self._pair = None  # the batch changed under it: dropped
+        expected = self.acceptance.expected(kmax)
+        base = len(plan.sampling())  # tokens without drafts (`plan.samples` is frozen at commit, after the policies)
         if pure:
             seen = self.costs.measured(bucket)
             todo = [k for k in dict.fromkeys((1, min(4, kmax))) if k not in seen]
@@ -360,7 +365,8 @@ class SpecLengthPolicy:
                 k = near[turn % len(near)]
                 # a length priced well below the choice is measured 8x less often: its pairs cost
                 # most there, and only a large change in the machine or the acceptance would flip it
-                if (self._rate(plan, rows, bucket, k) < FAR * self._rate(plan, rows, bucket, best)
+                if (self._rate(base, len(rows), expected, bucket, k)
+                        < FAR * self._rate(base, len(rows), expected, bucket, best)
                         and self.steps % (8 * self.explore_every)):
                     k = None
             if k is not None:
@@ -372,12 +378,12 @@ class SpecLengthPolicy:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
         if pure or not self.target.calibrated:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
-            score = lambda k: self._rate(plan, rows, bucket, k)  # noqa: E731
+            score = lambda k: self._rate(base, len(rows), expected, bucket, k)  # noqa: E731
         else:
             # more prompt left after this step (a chunk that does not end its prompt, a request waiting):
             # the next steps run for it too
             busy = view.num_waiting > 0 or any(r.num_new > 1 and not r.sample for r in plan.rows)
-            score = self._mixed_score(plan, rows, bucket, busy)
+            score = self._mixed_score(plan, rows, bucket, busy, expected)
         best_k, best = 0, score(0)
         for k in range(1, kmax + 1):
             v = score(k)
@@ -387,15 +393,15 @@ class SpecLengthPolicy:
             self._best[bucket] = best_k
         return best_k
 
-    def _rate(self, plan: StepPlan, rows, bucket: int, k: int) -> float:
+    def _rate(self, base_tokens: int, n: int, expected: np.ndarray, bucket: int, k: int) -> float:
         """Expected tokens per step time (in units of the step without drafts)
-        at k drafts per row, for a step whose rows all decode: every step of
-        such a batch exists for its decode rows, so fewer, dearer steps win
-        when they commit more tokens per second."""
-        base_tokens = len(plan.sampling())  # (`plan.samples` is frozen at commit, after the policies)
-        return (base_tokens + len(rows) * (self.acceptance.expected_tokens(k) - 1.0)) / self.costs.ratio(bucket, k)
+        at k drafts for each of n rows, for a step whose rows all decode
+        (`base_tokens` sampled without drafts; `expected`, E[k] per k): every
+        step of such a batch exists for its decode rows, so fewer, dearer
+        steps win when they commit more tokens per second."""
+        return (base_tokens + n * (expected[k] - 1.0)) / self.costs.ratio(bucket, k)
 
-    def _mixed_score(self, plan: StepPlan, rows, bucket: int, busy: bool):
+    def _mixed_score(self, plan: StepPlan, rows, bucket: int, busy: bool, expected: np.ndarray):
         """k -> the score of k drafts per row in a step with prefill chunks.
 
         While more prompt is left after this step (`busy`), this step and
@@ -424,10 +430,10 @@ class SpecLengthPolicy:
             return t_spec * (self.costs.ratio(bucket, k) - 1.0) + max(on_top - t0, 0.0)
 
         def saved(k: int) -> float:
-            return n * (self.acceptance.expected_tokens(k) - 1.0) * m0 - added(k) if k else 0.0
+            return n * (expected[k] - 1.0) * m0 - added(k) if k else 0.0
 
         def rate(k: int) -> float:
-            return n * self.acceptance.expected_tokens(k) / (t_spec + (added(k) if k else 0.0))
+            return n * expected[k] / (t_spec + (added(k) if k else 0.0))
 
         return saved if busy else rate
 

@@ -483,6 +483,8 @@ class Engine:
     def admitted(self, seq) -> None:
         req = seq.group
         req.num_cached_tokens = max(req.num_cached_tokens, seq.num_cached)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self.scheduler.clock()  # the clock tokens are stamped with
 
     def ran(self, plan: StepPlan, out) -> None:
         for pl in out.prompt_logprobs:

@@ -94,6 +94,7 @@ class OutputBatch(NamedTuple):
     arrival_time: list[float]
     first_token_time: list[float | None]
     finished_time: list[float | None]
+    first_scheduled_time: list[float | None]
     num_outputs: list[int]  # how many of the completion rows below are this delta's
     prompt_logprobs: dict[int, list]  # delta row -> its prompt logprobs, for the deltas that have them
     prompt_token_ids: dict[int, list[int]]  # delta row -> the prompt's ids, on a text prompt's first delta
@@ -128,7 +129,7 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
     lacks their ids; each is sent (and dropped from the set) with its first
     delta, or dropped when the add failed."""
     request_id, finished, num_cached_tokens, num_outputs = [], [], [], []
-    arrival_time, first_token_time, finished_time = [], [], []
+    arrival_time, first_token_time, finished_time, first_scheduled_time = [], [], [], []
     index, text, token_ids, finish_reason, stop_reason, logprobs, cumulative_logprob = [], [], [], [], [], [], []
     prompt_ids: dict[int, list[int]] = {}
     prompt_lps: dict[int, list] = {}
@@ -152,6 +153,7 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
         arrival_time.append(m.arrival_time)
         first_token_time.append(m.first_token_time)
         finished_time.append(m.finished_time)
+        first_scheduled_time.append(m.first_scheduled_time)
         num_outputs.append(len(out.outputs))
         for o in out.outputs:
             if o.stage:
@@ -165,7 +167,8 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
             cumulative_logprob.append(o.cumulative_logprob)
     return OutputBatch(
         request_id=request_id, finished=finished, num_cached_tokens=num_cached_tokens, arrival_time=arrival_time,
-        first_token_time=first_token_time, finished_time=finished_time, num_outputs=num_outputs,
+        first_token_time=first_token_time, finished_time=finished_time, first_scheduled_time=first_scheduled_time,
+        num_outputs=num_outputs,
         prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids, index=index, text=text, token_ids=token_ids,
         finish_reason=finish_reason, stop_reason=stop_reason, logprobs=logprobs,
         cumulative_logprob=cumulative_logprob, stage=stage, failed=failed, replies=replies,
@@ -188,7 +191,8 @@ def decode_batch(batch: OutputBatch, prompts: dict[str, Any]) -> tuple[Outputs, 
                      batch.stop_reason, batch.logprobs, batch.cumulative_logprob))
     for row, st in batch.stage.items():
         comps[row].stage = st
-    metrics = map(RequestMetrics, batch.arrival_time, batch.first_token_time, batch.finished_time)
+    metrics = map(RequestMetrics, batch.arrival_time, batch.first_token_time, batch.finished_time,
+                  batch.first_scheduled_time)
     prompt_lps, prompt_ids = batch.prompt_logprobs, batch.prompt_token_ids
     outputs: Outputs = []
     k = 0

@@ -38,6 +38,7 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    first_scheduled_time: float | None = None  # first admitted into the running batch
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Request:
     branches: list[Branch] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished_time: float | None = None
+    first_scheduled_time: float | None = None  # when a sequence of it was first admitted
     prompt_logprobs: list[TokenLogprob | None] | None = None  # filled as the prompt is computed
     prompt_logprobs_sent: bool = False
     stages_left: int = 0  # a fork/join request: stages not started yet
@@ -217,6 +219,7 @@ class Request:
             outputs=outs,
             finished=self.finished,
             num_cached_tokens=self.num_cached_tokens,
-            metrics=RequestMetrics(self.arrival_time, min(first) if first else None, self.finished_time),
+            metrics=RequestMetrics(self.arrival_time, min(first) if first else None, self.finished_time,
+                                   self.first_scheduled_time),
             prompt_logprobs=prompt_lps,
         )

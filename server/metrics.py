@@ -135,6 +135,16 @@ class ServerMetrics:
                                           buckets=(1, 2, 5, 10, 20))
         self.request_params_max_tokens = Histogram(P + "request_params_max_tokens", "The max_tokens of each request",
                                                    registry=r, buckets=_TOKEN_BUCKETS)
+        # vLLM's per-phase request times, from the engine's own stamps of each request
+        self.request_queue_time = Histogram(P + "request_queue_time_seconds",
+                                            "Arrival at the engine to first admitted into the batch", registry=r,
+                                            buckets=_LATENCY_BUCKETS)
+        self.request_prefill_time = Histogram(P + "request_prefill_time_seconds",
+                                              "First admitted to first token", registry=r, buckets=_LATENCY_BUCKETS)
+        self.request_decode_time = Histogram(P + "request_decode_time_seconds", "First token to finished",
+                                             registry=r, buckets=_LATENCY_BUCKETS)
+        self.request_inference_time = Histogram(P + "request_inference_time_seconds",
+                                                "First admitted to finished", registry=r, buckets=_LATENCY_BUCKETS)
         self.rejected = Counter(P + "requests_rejected", "Requests refused with 429 (admission queue full)",
                                 registry=r)
         self.snapshot = EngineStats()
@@ -174,3 +184,16 @@ class ServerMetrics:
         self.request_generation_tokens.observe(generated_tokens)
         if first is not None and max_branch_tokens > 1:
             self.tpot.observe((end - first) / (max_branch_tokens - 1))
+
+    def observe_phases(self, m) -> None:
+        """A finished request's phases (`RequestMetrics`, the engine's clock):
+        waiting, prefill (to its first token), decode and the two together."""
+        sched, first, done = m.first_scheduled_time, m.first_token_time, m.finished_time
+        if sched is not None:
+            self.request_queue_time.observe(max(sched - m.arrival_time, 0.0))
+            if done is not None:
+                self.request_inference_time.observe(max(done - sched, 0.0))
+            if first is not None:
+                self.request_prefill_time.observe(max(first - sched, 0.0))
+        if first is not None and done is not None:
+            self.request_decode_time.observe(max(done - first, 0.0))

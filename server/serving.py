@@ -104,6 +104,7 @@ class Stream:
                 if item.finished:
                     m.observe_request(self._start, first_tok, now, max(counts.values(), default=0),
                                       len(item.prompt_token_ids or ()), sum(counts.values()))
+                    m.observe_phases(item.metrics)
                     return
                 item = await self._agen.__anext__()
                 now = time.perf_counter()

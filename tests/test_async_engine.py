@@ -325,7 +325,8 @@ def test_wire_format_round_trips_every_field():
                      outputs=[build(CompletionOutput, **comp),
                               build(CompletionOutput, **(comp | {"index": 2, "stage": 1}))],
                      finished=finished, num_cached_tokens=1,
-                     metrics=build(RequestMetrics, arrival_time=1.0, first_token_time=2.0, finished_time=3.0),
+                     metrics=build(RequestMetrics, arrival_time=1.0, first_token_time=2.0, finished_time=3.0,
+                                   first_scheduled_time=1.5),
                      prompt_logprobs=[None, TokenLogprob(6, -1.0, [])])
 
     text_first = output("r-text", "hi", [5, 6], False)

@@ -550,6 +550,17 @@ def test_vllm_metric_families(srv, client):
     assert "stepserve:num_preemptions_total" in after
     assert d("stepserve:iteration_tokens_total_count") >= 5
     assert d("stepserve:request_params_n_sum") == 4 and d("stepserve:request_params_max_tokens_sum") == 10
+    # vLLM's per-phase request times: one of each per request; prefill and decode make up inference,
+    # which with the wait fits inside the latency the server measured
+    phases = ("queue", "prefill", "decode", "inference")
+    for ph in phases:
+        assert d(f"stepserve:request_{ph}_time_seconds_count") == 2, ph
+        assert d(f"stepserve:request_{ph}_time_seconds_sum") >= 0.0, ph
+    assert d("stepserve:request_decode_time_seconds_sum") > 0.0
+    assert d("stepserve:request_prefill_time_seconds_sum") + d("stepserve:request_decode_time_seconds_sum") \
+        == pytest.approx(d("stepserve:request_inference_time_seconds_sum"), abs=1e-6)
+    assert d("stepserve:request_queue_time_seconds_sum") + d("stepserve:request_inference_time_seconds_sum") \
+        <= d("stepserve:e2e_request_latency_seconds_sum") + 1e-3
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])

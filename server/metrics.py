@@ -105,6 +105,11 @@ class _EngineCollector:
                                 value=s.running)
         yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting for admission", value=s.waiting)
         yield from _policy_metrics(s.policy)
+        info = GaugeMetricFamily(P + "cache_config_info", "The KV cache's size, as vLLM's family: KV is kept per "
+                                 "token (a block is one token), num_gpu_blocks is the pool's slots",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric(["1", str(s.kv_capacity)], 1.0)
+        yield info
         yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV slots in use (cached and evictable "
                                 "slots count as free)", value=s.kv_used / s.kv_capacity)
 

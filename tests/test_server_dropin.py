@@ -548,6 +548,8 @@ def test_vllm_metric_families(srv, client):
     assert d("stepserve:prefix_cache_queries_total") == d("stepserve:prefix_cache_queried_tokens_total") > 0
     assert d("stepserve:prefix_cache_hits_total") == d("stepserve:prefix_cache_hit_tokens_total") > 0
     assert "stepserve:num_preemptions_total" in after
+    kv_slots = srv.kv_report().capacity  # the pool's slots: 16384 asked for
+    assert after[f'stepserve:cache_config_info{{block_size="1",num_gpu_blocks="{kv_slots}"}}'] == 1.0
     assert d("stepserve:iteration_tokens_total_count") >= 5
     assert d("stepserve:request_params_n_sum") == 4 and d("stepserve:request_params_max_tokens_sum") == 10
     # vLLM's per-phase request times: one of each per request; prefill and decode make up inference,

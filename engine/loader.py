@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from stepserve.engine import cpu_features
 from stepserve.engine.config import ModelConfig, parse_dtype
-from stepserve.engine.models.llama import LlamaForCausalLM, can_pack_linears, pack_linears
+from stepserve.engine.models.llama import (LlamaForCausalLM, can_pack_linears, pack_linears, small_batch_kernels,
+                                           use_small_batch_linears)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -68,4 +69,7 @@ def load_model(
     model.eval()
     if can_pack_linears(device, torch_dtype) and os.environ.get("STEPSERVE_PACK_LINEARS", "1") != "0":
         pack_linears(model)
+    kernels = small_batch_kernels(device, torch_dtype)
+    if kernels is not None:
+        use_small_batch_linears(model, kernels)
     return cfg, model

@@ -219,3 +219,43 @@ def test_packed_cpu_linears_change_nothing(ckpt_factory, monkeypatch):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
         assert [x.logprob for x in a.prompt_logprobs[1:]] == [x.logprob for x in b.prompt_logprobs[1:]]
+
+
+def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
+    """On CPU in float32, products of up to 8 rows run on the native panel
+    kernel: equal to torch's linear within float rounding for every row count,
+    odd input widths and a bias; a model that uses them (tied head included)
+    generates the tokens transformers does, and logprobs within rounding of
+    the torch-only path (STEPSERVE_SMALL_LINEAR=0)."""
+    import torch.nn.functional as F
+
+    from stepserve.engine.models.llama import SMALL_M, SmallBatchLinear, small_batch_kernels
+
+    kernels = small_batch_kernels(torch.device("cpu"), torch.float32)
+    if kernels is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    g = torch.Generator().manual_seed(0)
+    for k, n in [(37, 48), (100, 16), (256, 768)]:
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        lin = SmallBatchLinear(w, b, kernels)
+        for m in [1, 2, 3, 5, 7, 8, 9, 33]:  # 9 and 33: torch's path
+            x = torch.randn(m, k, generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        x = torch.randn(SMALL_M, 2 * k, generator=g)[:, ::2]  # not contiguous
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+    path = ckpt_factory("qwen2", tie=True)  # q/k/v bias, tied output head
+    prompts = prompts_of([5, 33, 2], seed=5)
+    params = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    fast = LLM(path, device="cpu")
+    n_small = sum(isinstance(m, SmallBatchLinear) for m in fast.engine.model.modules())
+    assert n_small > 0 and fast.engine.model.tied_head is not None
+    monkeypatch.setenv("STEPSERVE_SMALL_LINEAR", "0")
+    plain = LLM(path, device="cpu")
+    assert not any(isinstance(m, SmallBatchLinear) for m in plain.engine.model.modules())
+    got, want = fast.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == reference(path, prompts, 10)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == pytest.approx(
+            [x.logprob for x in b.outputs[0].logprobs], abs=1e-4)

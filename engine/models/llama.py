@@ -17,6 +17,7 @@ decode-shaped GEMMs, with bit-identical results), where the CPU supports it
 from __future__ import annotations
 
 import math
+import os
 from typing import Iterable
 
 import torch
@@ -58,6 +59,65 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child))
     return len(swaps)
+
+
+SMALL_M = 8  # rows up to which the panel kernel computes a float32 linear on CPU
+SMALL_M_BUDGET_BYTES = 1 << 30  # panel copies made at most (the weights are kept too)
+
+
+class SmallBatchLinear(nn.Module):
+    """A frozen float32 linear on CPU that also holds its weight in 16-column
+    panels (`pack_panels`) for the native small-batch kernel: a product of at
+    most `SMALL_M` rows (the decode and verify steps of small batches) streams
+    each panel once with the rows' accumulators in registers, where BLAS
+    sgemm is 1.5-4.8x slower at the embedded model's shapes on an AVX2 CPU.
+    More rows (prefill chunks, large batches) go to torch with the original
+    weight, which stays, so the panels cost one more copy of the weights."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.register_buffer("panels", kernels.pack_panels(self.weight.data), persistent=False)
+        self._kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= SMALL_M and x.shape[0] > 0:
+            y = self._kernels.small_linear(x.contiguous(), self.panels)
+            return y if self.bias is None else y.add_(self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def small_batch_kernels(device: torch.device, dtype: torch.dtype):
+    """The native module with `small_linear`, for float32 on CPU (None: not
+    this device or dtype, STEPSERVE_SMALL_LINEAR=0, or no native build)."""
+    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("STEPSERVE_SMALL_LINEAR", "1") == "0":
+        return None
+    from stepserve.engine.cpu_kernels import paged_decode_module
+
+    mod = paged_decode_module()
+    return mod if mod is not None and hasattr(mod, "small_linear") else None
+
+
+def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SMALL_M_BUDGET_BYTES) -> int:
+    """Swaps each float32 nn.Linear of a loaded model whose output width is a
+    multiple of 16 (and a tied output head) for a SmallBatchLinear, largest
+    first, while the panel copies fit in `budget` bytes; returns how many."""
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if type(child) is nn.Linear and child.out_features % 16 == 0]
+    if model.config.tie_word_embeddings and model.model.embed_tokens.weight.shape[0] % 16 == 0:
+        swaps.append((model, "tied_head", None))
+    done = 0
+    for parent, name, child in sorted(swaps, key=lambda s: -(s[2].weight.numel() if s[2] is not None
+                                                             else model.model.embed_tokens.weight.numel())):
+        w = child.weight if child is not None else model.model.embed_tokens.weight
+        if w.numel() * 4 > budget:
+            continue
+        budget -= w.numel() * 4
+        setattr(parent, name, SmallBatchLinear(w, child.bias if child is not None else None, kernels))
+        done += 1
+    return done
 
 
 class RMSNorm(nn.Module):
@@ -279,6 +339,7 @@ class LlamaForCausalLM(nn.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels: TorchKernels = TorchKernels(self.rotary)  # `use_kernels` swaps in fused ones
+        self.tied_head: SmallBatchLinear | None = None  # a tied output head's panels (`use_small_batch_linears`)
 
 
     @torch.inference_mode()
@@ -311,6 +372,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states -> float32 logits."""
         if self.config.tie_word_embeddings:
+            if self.tied_head is not None:
+                return self.tied_head(hidden).float()
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 

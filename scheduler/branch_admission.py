@@ -34,8 +34,20 @@ TAPER, each step:
   * slack = the least time left to the deadline of a request in the step;
     T0 = the predicted time of the baseline step;
     budget = T0 + rho * max(0, slack - T0).
+  * `late=drop` (default): deadlines no plan of this step can keep are left
+    out of the slack: a first token due before the baseline step ends, and
+    a request's next token due before then whose TPOT SLO the baseline step
+    alone exceeds (it falls further behind whatever runs; one behind whose
+    SLO the baseline step is shorter than stays, as short steps let it catch
+    up). `late=keep` is the paper's rule, which holds the step to T0 for them
+    and defers rows that save no one.
   * Extra rows are added greedily by utility gain per marginal predicted
-    latency while the predicted step stays within the budget. Utility of a
+    latency while the predicted step stays within the budget. Under the
+    average clock each extra row of a request moves that request's deadline
+    out by one TPOT SLO (the step brings it one more token), so the budget a
+    row is checked against is the one with its request's deadline moved; a
+    request whose row did not fit is tried again when the budget grows.
+    Utility of a
     request running k extra rows: `linear` k, or `concave` log(1 + k) (the
     default: a second branch of a request that has none running is worth more
     than a fifth of one that has four). Among equal ratios the staler row
@@ -46,7 +58,7 @@ TAPER, each step:
     fewer than `min_samples` steps seen) TAPER runs eager and counts those
     steps (`stats()['taper_uncalibrated_steps']`).
   * The paper's ablations: `budget=slo`, `replan=K`, `predictor=constant`
-    (`BranchAdmissionSpec`).
+    (`BranchAdmissionSpec`); `late=keep` for its slack.
 
 Only decode rows are ever deferred: a prefill chunk is the request's way to
 its first token, and the admission of new requests is the scheduler's.
@@ -70,7 +82,9 @@ UTILITIES = ("concave", "linear")
 CLOCKS = ("average", "token")
 BUDGETS = ("slack", "slo")
 PREDICTORS = ("model", "constant")
-TAPER_OPTIONS = {"rho": float, "utility": str, "clock": str, "budget": str, "replan": int, "predictor": str}
+LATES = ("drop", "keep")
+TAPER_OPTIONS = {"rho": float, "utility": str, "clock": str, "budget": str, "replan": int, "predictor": str,
+                 "late": str}
 
 
 @dataclass(frozen=True)
@@ -84,6 +98,7 @@ class BranchAdmissionSpec:
     budget: str = "slack"  # slack | slo: a fixed step budget of the tightest TPOT SLO, whatever the slack
     replan: int = 1  # plan every this many branching steps; between, each request keeps its last width
     predictor: str = "model"  # model | constant: every plan predicted at the recent mean step time
+    late: str = "drop"  # drop | keep (the paper): deadlines the baseline step misses and cannot win back
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -100,13 +115,15 @@ class BranchAdmissionSpec:
             raise ValueError(f"taper budget must be one of {', '.join(BUDGETS)}; got {self.budget!r}")
         if self.predictor not in PREDICTORS:
             raise ValueError(f"taper predictor must be one of {', '.join(PREDICTORS)}; got {self.predictor!r}")
+        if self.late not in LATES:
+            raise ValueError(f"taper late must be one of {', '.join(LATES)}; got {self.late!r}")
         if self.replan < 1:
             raise ValueError(f"taper replan must be at least 1, got {self.replan}")
 
     @classmethod
     def parse(cls, spec: str) -> "BranchAdmissionSpec":
         """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token,
-        budget=slack|slo,replan=K,predictor=model|constant]`."""
+        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep]`."""
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
@@ -119,7 +136,8 @@ class BranchAdmissionSpec:
                 k, eq, v = item.partition("=")
                 if not eq or k not in TAPER_OPTIONS:
                     raise ValueError("taper options are rho=R, utility=concave|linear, clock=average|token, "
-                                     f"budget=slack|slo, replan=K and predictor=model|constant; got {item!r}")
+                                     "budget=slack|slo, replan=K, predictor=model|constant and late=drop|keep; "
+                                     f"got {item!r}")
                 try:
                     kw[k] = TAPER_OPTIONS[k](v)
                 except ValueError:
@@ -134,7 +152,7 @@ class BranchAdmissionSpec:
             return f"cap:{self.cap}"
         if self.mode == "taper":
             extra = "".join(f",{k}={getattr(self, k)}" for k, d in (("budget", "slack"), ("replan", 1),
-                                                                     ("predictor", "model")) if getattr(self, k) != d)
+                                                                     ("predictor", "model"), ("late", "drop")) if getattr(self, k) != d)
             return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
 
@@ -268,11 +286,19 @@ class BranchAdmissionPolicy:
         SLO. Before its first token, its arrival plus its TTFT SLO. A
         request's SLOs are its own (`RequestClock.tpot_s`, `ttft_s`), else the
         policy's; a request with neither has no deadline."""
+        ttft, tpot = self._deadlines(plan)
+        return min(ttft + [d for d, _ in tpot.values()], default=math.inf) - now
+
+    def _deadlines(self, plan: StepPlan) -> tuple[list[float], dict]:
+        """The deadlines of `slack`: the TTFT ones, and the TPOT ones as
+        {request: (deadline, its TPOT SLO)}, the request keyed by its clock
+        (all its branches and stages share it) or, under the token clock
+        without one, by its group."""
         default_tpot, default_ttft = self.slo_tpot_s, self.slo_ttft_s
         average = self.spec.clock == "average"
-        d = math.inf
+        ttfts: list[float] = []
+        tpots: dict[int, tuple[float, float]] = {}
         last: dict[int, tuple[float, float]] = {}  # token clock: request -> (its last token, its TPOT SLO)
-        seen: set[int] = set()  # requests past their first token
         for r in plan.rows:
             seq = r.seq
             c = seq.clock
@@ -280,28 +306,22 @@ class BranchAdmissionPolicy:
             if seq.first_token_time is None and seq.stage_start is None:  # before the request's first token
                 ttft = c.ttft_s if c is not None and c.ttft_s is not None else default_ttft
                 if ttft and (c is None or c.start is None):
-                    t = seq.arrival + ttft
-                    if t < d:
-                        d = t
+                    ttfts.append(seq.arrival + ttft)
                 continue
             if tpot is None:
                 continue
             if average:
-                if c is None or c.start is None or id(c) in seen:
+                if c is None or c.start is None or id(c) in tpots:
                     continue
-                seen.add(id(c))
-                t = c.deadline(tpot)
-                if t < d:
-                    d = t
+                tpots[id(c)] = (c.deadline(tpot), tpot)
             else:
                 t = seq.last_token_time if seq.last_token_time is not None else seq.stage_start
-                k = id(seq.group)
+                k = id(c) if c is not None else id(seq.group)
                 if t > last.get(k, (-math.inf, 0.0))[0]:
                     last[k] = (t, tpot)
-        for t, tpot in last.values():
-            if t + tpot < d:
-                d = t + tpot
-        return d - now
+        for k, (t, tpot) in last.items():
+            tpots[k] = (t + tpot, tpot)
+        return ttfts, tpots
 
     def _tightest_tpot(self, plan: StepPlan) -> float:
         """The least TPOT SLO of the requests in the step (inf: none has one)."""
@@ -313,8 +333,6 @@ class BranchAdmissionPolicy:
         return d
 
     def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:
-        slack = self.slack(plan, now)
-        self.last_slack_s = slack
         # the baseline: every row but the extra branch rows (each request's stalest row runs)
         candidates = [g[1:] for g in branchy]
         extra_ids = {id(r) for g in candidates for r in g}
@@ -333,10 +351,56 @@ class BranchAdmissionPolicy:
             def predict(*_):
                 return mean
         t_base = predict(rows, ctx, new, pairs, ext)
+        rho = self.spec.rho
+        ttfts, tpots = self._deadlines(plan)
+        if self.spec.late == "drop":
+            # a deadline the baseline step already misses is lost whatever runs beside it: a first
+            # token's, and a token's of a request whose TPOT SLO the baseline step alone exceeds (it
+            # falls further behind even at the baseline; one that a short step lets catch up stays)
+            horizon = now + t_base
+            ttfts = [d for d in ttfts if d >= horizon]
+            tpots = {k: v for k, v in tpots.items() if v[0] >= horizon or t_base < v[1]}
+        slack = min(ttfts + [d for d, _ in tpots.values()], default=math.inf) - now
+        self.last_slack_s = slack
         if self.spec.budget == "slo":  # the paper's ablation: a fixed budget, blind to banked or owed time
             budget = max(t_base, self._tightest_tpot(plan))
+            widened = None
         else:
-            budget = t_base + self.spec.rho * max(0.0, slack - t_base)
+            budget = t_base + rho * max(0.0, slack - t_base)
+            # under the average clock a request's deadline moves out by one TPOT SLO for each of its
+            # rows that runs: a branching request's own deadline is met by width, not by a short step
+            widened: dict[int, list[float]] = {}  # request -> [time left to its deadline, its TPOT SLO]
+            lheap = []
+            if self.spec.clock == "average":
+                for gi in range(len(candidates)):
+                    k = id(branchy[gi][0].seq.clock)
+                    if k in tpots:
+                        d, tpot = tpots.pop(k)
+                        widened[gi] = [d - now, tpot]
+                        lheap.append((d - now, gi))
+            other = min(ttfts + [d for d, _ in tpots.values()], default=math.inf) - now
+            heapq.heapify(lheap)
+
+            def least(skip: int) -> float:
+                """The least limit of the requests but `skip` (the heap's top is kept current)."""
+                if not lheap:
+                    return math.inf
+                if lheap[0][1] != skip:
+                    return lheap[0][0]
+                top = heapq.heappop(lheap)
+                while lheap and lheap[0][0] != widened[lheap[0][1]][0]:  # drop stale limits
+                    heapq.heappop(lheap)
+                s = lheap[0][0] if lheap else math.inf
+                heapq.heappush(lheap, top)
+                return s
+
+            def budget_with(gi: int) -> float:
+                """The budget if request gi runs one more row (its own deadline moves out)."""
+                if gi not in widened:
+                    return budget
+                w = widened[gi]
+                s = min(other, w[0] + w[1], least(gi))
+                return t_base + rho * max(0.0, s - t_base)
         self.last_budget_s = budget
         # greedy by utility gain per marginal latency: one heap entry per request, its next row
         concave = self.spec.utility == "concave"
@@ -352,15 +416,31 @@ class BranchAdmissionPolicy:
         heapq.heapify(heap)
         t = t_base
         admitted = set()
+        closed = []  # requests whose next row did not fit: they take no more unless the budget grows
         while heap:
-            _, _, gi, k, cost = heapq.heappop(heap)
-            if t + cost > budget:
-                continue  # this request's later rows cost about the same: it is done
+            item = heapq.heappop(heap)
+            _, _, gi, k, cost = item
+            b = budget if not widened else budget_with(gi)
+            if t + cost > b:
+                closed.append(item)  # this request's later rows cost about the same: it is done
+                continue
             g = candidates[gi]
             admitted.add(id(g[k]))
             t += cost
             if k + 1 < len(g):
                 heapq.heappush(heap, entry(gi, k + 1))
+            if widened and gi in widened:
+                w = widened[gi]
+                w[0] += w[1]
+                heapq.heappush(lheap, (w[0], gi))
+                while lheap[0][0] != widened[lheap[0][1]][0]:  # drop stale limits
+                    heapq.heappop(lheap)
+                if b > budget:  # a request that did not fit may now
+                    budget = b
+                    for it in closed:
+                        heapq.heappush(heap, it)
+                    closed.clear()
+        self.last_budget_s = budget
         self.last_predicted_s = t
         return extra_ids - admitted
 

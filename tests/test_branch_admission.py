@@ -196,46 +196,66 @@ def _plan(groups, now=1.0):
     return plan
 
 
-def _slack(plan, slo, clock, now):
-    """The slack by the definitions, request by request."""
+def _deadlines(plan, slo, clock):
+    """Each request's TPOT deadline by the definitions, and its decode rows:
+    {request: (deadline, rows)}."""
     by: dict = {}
     for r in plan.rows:
         if r.seq.first_token_time is not None:
             by.setdefault(id(r.seq.group), []).append(r.seq)
     if clock == "token":
-        return min(max(s.last_token_time for s in seqs) for seqs in by.values()) + slo - now
-    return min(min(s.first_token_time for s in seqs) + sum(s.num_output for s in seqs) * slo
-               for seqs in by.values()) - now
+        return {k: (max(s.last_token_time for s in seqs) + slo, len(seqs)) for k, seqs in by.items()}
+    return {k: (min(s.first_token_time for s in seqs) + sum(s.num_output for s in seqs) * slo, len(seqs))
+            for k, seqs in by.items()}
+
+
+def _slack(plan, slo, clock, now):
+    """The slack by the definitions, request by request."""
+    return min(d for d, _ in _deadlines(plan, slo, clock).values()) - now
 
 
 def _brute_force(policy, plan, groups, now):
-    """The best admissible set by exhaustive search, where the greedy is exact:
-    linear utility and rows that all cost the same, so the count of extras is
-    what matters: the largest count that fits."""
+    """The most extra rows any admissible set holds, by exhaustive search,
+    where the greedy is exact: linear utility and rows that all cost the same.
+    A set is admissible when its predicted step fits its budget: T0 + rho *
+    max(0, slack - T0), where under `late=drop` a deadline before the end of
+    the baseline step is left out if the baseline step is longer than the
+    SLO, and under the average clock each
+    extra row of a request moves its deadline out by one SLO. Returns (that
+    count, the least budget of a largest admissible set)."""
     m = policy.predictor.current()
-    slack = _slack(plan, policy.slo_tpot_s, policy.spec.clock, now)
+    slo, rho, average = policy.slo_tpot_s, policy.spec.rho, policy.spec.clock == "average"
     base_rows = len(groups) + 1
     base_ctx = sum(min(rows, key=lambda x: x[1])[0] + 1 for rows in groups) + 16
     t0 = m.predict(base_rows, base_ctx, len(groups) + 16)
-    budget = t0 + policy.spec.rho * max(0.0, slack - t0)
-    extras = [r for rows in groups for r in sorted(rows, key=lambda x: x[1])[1:]]
-    best = 0
-    for k in range(len(extras) + 1):
+    deadlines = list(_deadlines(plan, slo, policy.spec.clock).values())  # in the order of `groups`
+    keep = [policy.spec.late == "keep" or d - now >= t0 or t0 < slo for d, _ in deadlines]
+    extras = [(gi, r) for gi, rows in enumerate(groups) for r in sorted(rows, key=lambda x: x[1])[1:]]
+    best = (0, t0 + rho * max(0.0, min([d for (d, _), k in zip(deadlines, keep) if k], default=math.inf)
+                              - now - t0))
+    for k in range(1, len(extras) + 1):
+        fits = []
         for combo in itertools.combinations(extras, k):
-            t = m.predict(base_rows + k, base_ctx + sum(s + 1 for s, _ in combo), len(groups) + 16 + k)
+            width = [sum(1 for gi, _ in combo if gi == g) for g in range(len(groups))]
+            slack = min([d + (width[g] * slo if average else 0.0) for g, ((d, _), kept)
+                         in enumerate(zip(deadlines, keep)) if kept], default=math.inf) - now
+            budget = t0 + rho * max(0.0, slack - t0)
+            t = m.predict(base_rows + k, base_ctx + sum(s + 1 for _, (s, _) in combo), len(groups) + 16 + k)
             if t <= budget + 1e-12:
-                best = max(best, k)
-                break
-    return best, budget
+                fits.append(budget)
+        if fits:
+            best = (k, min(fits))
+    return best
 
 
+@pytest.mark.parametrize("late", ["keep", "drop"])
 @pytest.mark.parametrize("clock", ["token", "average"])
 @pytest.mark.parametrize("slo,rho", [(0.010, 0.8), (0.020, 0.8), (0.020, 0.3), (0.050, 1.0), (0.003, 0.8),
-                                     (0.0025, 0.8)])
-def test_taper_budget_and_greedy_match_brute_force(slo, rho, clock):
+                                     (0.0025, 0.8), (0.0026, 0.8), (0.0033, 0.8), (0.0072, 0.8)])
+def test_taper_budget_and_greedy_match_brute_force(slo, rho, clock, late):
     model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])  # 1 ms per row, context free
-    pol = BranchAdmissionPolicy(f"taper:rho={rho},utility=linear,clock={clock}", latency_model=model,
-                                slo_tpot_s=slo)
+    pol = BranchAdmissionPolicy(f"taper:rho={rho},utility=linear,clock={clock},late={late}",
+                                latency_model=model, slo_tpot_s=slo)
     now = 1.0
     groups = [[(40, 0.995), (41, 0.990), (42, 0.993)], [(10, 0.999)], [(7, 0.996), (8, 0.994)],
               [(30, 0.998), (31, 0.998), (32, 0.997), (33, 0.992)]]
@@ -244,14 +264,29 @@ def test_taper_budget_and_greedy_match_brute_force(slo, rho, clock):
     assert pol.slack(plan, now) == pytest.approx(_slack(plan, slo, clock, now))
     out = pol.plan(plan, EngineView(now, 8, 0, 100, 100))
     kept_decode = [r for r in out.rows if r.num_new == 1]
-    assert pol.last_budget_s == pytest.approx(budget)
     assert len(kept_decode) == len(groups) + best
+    if best:
+        assert pol.last_budget_s >= budget - 1e-12
     # every request keeps its stalest row, and the prefill row stays
     for rows in groups:
         stalest = min(rows, key=lambda x: x[1])
         assert any(r.start == stalest[0] for r in kept_decode)
     assert any(r.num_new == 16 for r in out.rows)
-    assert pol.last_predicted_s <= budget + 1e-12
+    assert pol.last_predicted_s <= pol.last_budget_s + 1e-12
+
+
+def test_late_first_token_deadline_is_left_out():
+    """A prefill row whose TTFT deadline falls inside the baseline step is
+    late whatever runs beside it: `late=drop` leaves it out of the slack (no
+    other deadline here: every extra row runs); the paper's rule
+    (`late=keep`) holds the step to the baseline for it."""
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])
+    groups = [[(40, 0.995), (41, 0.990), (42, 0.993)], [(7, 0.996), (8, 0.994)]]
+    for late, ttft, extras in (("drop", 0.501, 3), ("keep", 0.501, 0), ("drop", 0.5055, 0), ("drop", 0.6, 3)):
+        pol = BranchAdmissionPolicy(f"taper:late={late}", latency_model=model, slo_ttft_s=ttft)
+        out = pol.plan(_plan(groups), EngineView(1.0, 5, 0, 100, 100))  # the prefill row arrived at 0.5
+        assert sum(1 for r in out.rows if r.num_new == 1) == 2 + extras, (late, ttft)
+        assert pol.last_slack_s == (math.inf if extras == 3 and ttft < 0.55 else pytest.approx(ttft - 0.5))
 
 
 def test_average_clock_banks_time_and_owes_it():
@@ -397,10 +432,13 @@ def test_cli_refuses_bad_branch_admission(capsys):
     assert "slo_tpot_s must be positive" in str(e.value.code)
 
 
-def _reference_taper(groups, prefill, model, slack, rho, utility):
-    """TAPER's rule restated plainly, for small batches: (admitted extra rows,
-    budget). `groups`: per request its rows as (start, staleness), the
-    stalest first; `prefill`: (start, num_new) of the prefill rows. Each
+def _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late):
+    """TAPER's rule restated plainly, for small batches, under the token
+    clock: (admitted extra rows, budget, deadlines left out). `groups`: per request its rows as
+    (start, staleness), the stalest first; `prefill`: (start, num_new) of the
+    prefill rows; `deadlines`: the requests' as (deadline, TPOT SLO)
+    (`late=drop`: one the baseline step misses, when that step is longer
+    than its SLO, does not count toward the slack). Each
     round scans every request for its next row and takes the best ratio of
     utility gain to marginal predicted latency (ties: the staler row, then
     the earlier request), while the predicted step fits the budget; a request
@@ -414,6 +452,8 @@ def _reference_taper(groups, prefill, model, slack, rho, utility):
 
     base = [g[0] for g in groups]
     t0 = model.predict(*feats(base))
+    counted = [d for d, slo in deadlines if late == "keep" or d >= now + t0 or t0 < slo]
+    slack = min(counted, default=math.inf) - now
     budget = t0 + rho * max(0.0, slack - t0)
     taken = [1] * len(groups)
     closed = set()
@@ -432,7 +472,7 @@ def _reference_taper(groups, prefill, model, slack, rho, utility):
             if best is None or key > best[0]:
                 best = (key, gi, r, cost)
         if best is None:
-            return admitted, budget
+            return admitted, budget, len(deadlines) - len(counted)
         _, gi, r, cost = best
         if t + cost > budget:
             closed.add(gi)
@@ -442,13 +482,15 @@ def _reference_taper(groups, prefill, model, slack, rho, utility):
         taken[gi] += 1
 
 
-def test_taper_matches_the_reference_rule_on_random_batches():
+@pytest.mark.parametrize("late", ["keep", "drop"])
+def test_taper_matches_the_reference_rule_on_random_batches(late):
     """Many small random batches and models: TAPER admits exactly the rows the
     plain restatement of its rule picks, keeps each request's most urgent
     row, and never predicts its step past the budget unless the baseline
     alone is past it."""
     rng = np.random.default_rng(7)
     partial = 0  # cases where the rule admitted some extra rows and deferred others
+    dropped = 0  # cases where extra rows ran after a deadline the baseline misses was left out
     for case in range(300):
         model = LinearLatencyModel("linear+attn", [float(rng.uniform(1e-4, 5e-3)), float(rng.uniform(0, 1e-3)),
                                                    float(rng.uniform(0, 2e-6)), float(rng.uniform(0, 1e-4)),
@@ -484,10 +526,11 @@ def test_taper_matches_the_reference_rule_on_random_batches():
             t0 = full - f_base * model.coef[1]  # roughly: the extras' row costs off
             want_slack = t0 + float(rng.uniform(-0.2, 1.2)) * (full - t0) / max(rho, 0.1)
             slo = max(want_slack + now - latest, 1e-4)
-        pol = BranchAdmissionPolicy(f"taper:rho={rho},utility={utility},clock=token", latency_model=model,
-                                    slo_tpot_s=slo)
-        slack = latest + slo - now
-        want, budget = _reference_taper(groups, prefill, model, slack, rho, utility)
+        pol = BranchAdmissionPolicy(f"taper:rho={rho},utility={utility},clock=token,late={late}",
+                                    latency_model=model, slo_tpot_s=slo)
+        deadlines = [(max(t for _, t in g) + slo, slo) for g in groups]
+        want, budget, left_out = _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late)
+        dropped += left_out > 0 and len(want) > 0
         out = pol.plan(plan, EngineView(now, 20, 0, 1000, 1000))
         decode = [r for r in out.rows if r.num_new == 1]
         kept = sorted((r.start, r.seq.last_token_time) for r in decode)
@@ -504,6 +547,7 @@ def test_taper_matches_the_reference_rule_on_random_batches():
         assert t_kept <= budget + 1e-12 or base_only, case
         partial += 0 < len(want) < sum(len(g) - 1 for g in groups)
     assert partial > 30, partial  # the cases exercise the greedy, not just "all" or "none"
+    assert (dropped > 5) == (late == "drop"), dropped
 
 
 class _SeesSLOs:
@@ -553,10 +597,11 @@ def test_per_request_slos_over_http(llama_ckpt):
 # -- the paper's ablations ------------------------------------------------------------------
 
 def test_ablation_options_parse_and_print():
-    s = BranchAdmissionSpec.parse("taper:budget=slo,replan=8,predictor=constant")
-    assert (s.budget, s.replan, s.predictor) == ("slo", 8, "constant")
+    s = BranchAdmissionSpec.parse("taper:budget=slo,replan=8,predictor=constant,late=keep")
+    assert (s.budget, s.replan, s.predictor, s.late) == ("slo", 8, "constant", "keep")
     assert BranchAdmissionSpec.parse(str(s)) == s
-    for bad in ("taper:budget=none", "taper:replan=0", "taper:replan=x", "taper:predictor=oracle"):
+    for bad in ("taper:budget=none", "taper:replan=0", "taper:replan=x", "taper:predictor=oracle",
+                "taper:late=never"):
         with pytest.raises(ValueError):
             BranchAdmissionSpec.parse(bad)
 

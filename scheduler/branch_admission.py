@@ -458,6 +458,8 @@ class BranchAdmissionPolicy:
                      taper_refits=p.num_refits, taper_plan_s=self.plan_s,
                      taper_plan_ms_per_step=(1e3 * self.plan_s / max(self.steps - self.uncalibrated_steps, 1)),
                      taper_planned_steps=self.planned_steps, taper_predicted_s=self.predicted_s,
-                     taper_measured_s=self.measured_s, taper_last_slack_s=self.last_slack_s,
-                     taper_last_budget_s=self.last_budget_s)
+                     taper_measured_s=self.measured_s,
+                     # None when no deadline counted (no SLO, or every one already lost): unbounded
+                     taper_last_slack_s=self.last_slack_s if math.isfinite(self.last_slack_s) else None,
+                     taper_last_budget_s=self.last_budget_s if math.isfinite(self.last_budget_s) else None)
         return d

@@ -5,6 +5,7 @@ brute-force reference on hand-made plans."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 
 import numpy as np
@@ -144,7 +145,6 @@ def test_taper_in_the_engine(llama_ckpt):
 def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     """A profile whose decode rows cost 10 ms each against a 15 ms TPOT SLO:
     only the baseline (one row per request) fits the budget."""
-    import json
 
     from stepserve.scheduler.latency_model import PROFILE_KIND
 
@@ -287,6 +287,9 @@ def test_late_first_token_deadline_is_left_out():
         out = pol.plan(_plan(groups), EngineView(1.0, 5, 0, 100, 100))  # the prefill row arrived at 0.5
         assert sum(1 for r in out.rows if r.num_new == 1) == 2 + extras, (late, ttft)
         assert pol.last_slack_s == (math.inf if extras == 3 and ttft < 0.55 else pytest.approx(ttft - 0.5))
+        st = pol.stats()  # reports are strict JSON: no deadline counted is reported as none, not inf
+        json.dumps(st, allow_nan=False)
+        assert (st["taper_last_slack_s"] is None) == (pol.last_slack_s == math.inf)
 
 
 def test_average_clock_banks_time_and_owes_it():

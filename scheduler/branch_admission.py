@@ -416,14 +416,15 @@ class BranchAdmissionPolicy:
         heapq.heapify(heap)
         t = t_base
         admitted = set()
-        closed = []  # requests whose next row did not fit: they take no more unless the budget grows
+        closed = []  # (cost, entry) of requests whose next row did not fit: retried when the budget grows
         while heap:
             item = heapq.heappop(heap)
             _, _, gi, k, cost = item
             b = budget if not widened else budget_with(gi)
             if t + cost > b:
-                closed.append(item)  # this request's later rows cost about the same: it is done
-                continue
+                if widened:  # this request's later rows cost about the same: it waits for a larger budget
+                    heapq.heappush(closed, (cost, item))
+                continue  # (a fixed budget never grows: it is done)
             g = candidates[gi]
             admitted.add(id(g[k]))
             t += cost
@@ -435,11 +436,10 @@ class BranchAdmissionPolicy:
                 heapq.heappush(lheap, (w[0], gi))
                 while lheap[0][0] != widened[lheap[0][1]][0]:  # drop stale limits
                     heapq.heappop(lheap)
-                if b > budget:  # a request that did not fit may now
+                if b > budget:  # the requests whose next row fits now are back in
                     budget = b
-                    for it in closed:
-                        heapq.heappush(heap, it)
-                    closed.clear()
+                    while closed and t + closed[0][0] <= budget:
+                        heapq.heappush(heap, heapq.heappop(closed)[1])
         self.last_budget_s = budget
         self.last_predicted_s = t
         return extra_ids - admitted

@@ -154,8 +154,11 @@ def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     path.write_text(json.dumps(prof))
     eager, _, _ = _run(llama_ckpt, "eager")
     # the token clock: on this machine the real steps run far below the SLO, and the average
-    # clock would bank that time and let the steps widen
-    out, widths, eng = _run(llama_ckpt, "taper:clock=token", slo_tpot_s=0.015, latency_profile=str(path))
+    # clock would bank that time and let the steps widen; the paper's slack (late=keep): every
+    # baseline step is predicted past the SLO, so under late=drop every deadline would be lost
+    # and every row would run
+    out, widths, eng = _run(llama_ckpt, "taper:clock=token,late=keep", slo_tpot_s=0.015,
+                            latency_profile=str(path))
     st = eng.stats().policy
     assert out == eager
     assert st["taper_calibrated"] is True and st["taper_uncalibrated_steps"] == 0
@@ -166,6 +169,11 @@ def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     # two: the measured side is this machine's timing, which a loaded machine can stretch past any bound)
     assert st["taper_planned_steps"] > 0 and st["taper_predicted_s"] > 0 and st["taper_measured_s"] > 0
     assert st["taper_last_budget_s"] > 0
+    # late=drop (the default): no plan keeps any deadline, so none narrows the step
+    out, widths, eng = _run(llama_ckpt, "taper:clock=token", slo_tpot_s=0.015, latency_profile=str(path))
+    st = eng.stats().policy
+    assert out == eager and st["taper_planned_steps"] > 0 and st["branch_rows_deferred"] == 0
+    assert max(w for w, _ in widths) == 4
 
 
 # -- TAPER's planning against brute force -----------------------------------------------

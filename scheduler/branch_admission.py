@@ -151,8 +151,8 @@ class BranchAdmissionSpec:
         if self.mode == "cap":
             return f"cap:{self.cap}"
         if self.mode == "taper":
-            extra = "".join(f",{k}={getattr(self, k)}" for k, d in (("budget", "slack"), ("replan", 1),
-                                                                     ("predictor", "model"), ("late", "drop")) if getattr(self, k) != d)
+            defaults = (("budget", "slack"), ("replan", 1), ("predictor", "model"), ("late", "drop"))
+            extra = "".join(f",{k}={getattr(self, k)}" for k, d in defaults if getattr(self, k) != d)
             return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
 
@@ -352,6 +352,10 @@ class BranchAdmissionPolicy:
                 return mean
         t_base = predict(rows, ctx, new, pairs, ext)
         rho = self.spec.rho
+
+        def budget_at(slack: float) -> float:  # the paper's step budget for a slack
+            return t_base + rho * max(0.0, slack - t_base)
+
         ttfts, tpots = self._deadlines(plan)
         if self.spec.late == "drop":
             # a deadline the baseline step already misses is lost whatever runs beside it: a first
@@ -366,7 +370,7 @@ class BranchAdmissionPolicy:
             budget = max(t_base, self._tightest_tpot(plan))
             widened = None
         else:
-            budget = t_base + rho * max(0.0, slack - t_base)
+            budget = budget_at(slack)
             # under the average clock a request's deadline moves out by one TPOT SLO for each of its
             # rows that runs: a branching request's own deadline is met by width, not by a short step
             widened: dict[int, list[float]] = {}  # request -> [time left to its deadline, its TPOT SLO]
@@ -381,6 +385,11 @@ class BranchAdmissionPolicy:
             other = min(ttfts + [d for d, _ in tpots.values()], default=math.inf) - now
             heapq.heapify(lheap)
 
+            def prune() -> None:
+                """Drops the stale limits off the heap's top (a widened request's older entries)."""
+                while lheap and lheap[0][0] != widened[lheap[0][1]][0]:
+                    heapq.heappop(lheap)
+
             def least(skip: int) -> float:
                 """The least limit of the requests but `skip` (the heap's top is kept current)."""
                 if not lheap:
@@ -388,8 +397,7 @@ class BranchAdmissionPolicy:
                 if lheap[0][1] != skip:
                     return lheap[0][0]
                 top = heapq.heappop(lheap)
-                while lheap and lheap[0][0] != widened[lheap[0][1]][0]:  # drop stale limits
-                    heapq.heappop(lheap)
+                prune()
                 s = lheap[0][0] if lheap else math.inf
                 heapq.heappush(lheap, top)
                 return s
@@ -399,9 +407,7 @@ class BranchAdmissionPolicy:
                 if gi not in widened:
                     return budget
                 w = widened[gi]
-                s = min(other, w[0] + w[1], least(gi))
-                return t_base + rho * max(0.0, s - t_base)
-        self.last_budget_s = budget
+                return budget_at(min(other, w[0] + w[1], least(gi)))
         # greedy by utility gain per marginal latency: one heap entry per request, its next row
         concave = self.spec.utility == "concave"
 
@@ -434,8 +440,7 @@ class BranchAdmissionPolicy:
                 w = widened[gi]
                 w[0] += w[1]
                 heapq.heappush(lheap, (w[0], gi))
-                while lheap[0][0] != widened[lheap[0][1]][0]:  # drop stale limits
-                    heapq.heappop(lheap)
+                prune()
                 if b > budget:  # the requests whose next row fits now are back in
                     budget = b
                     while closed and t + closed[0][0] <= budget:

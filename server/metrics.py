@@ -42,7 +42,8 @@ _POLICY_METRICS = {
     "taper_planned_steps": ("counter", "Steps TAPER planned with its step-latency model"),
     "taper_predicted_seconds": ("counter", "Of those steps, the step time TAPER predicted for the plans it chose"),
     "taper_measured_seconds": ("counter", "Of those steps, the step time measured"),
-    "taper_last_slack_seconds": ("gauge", "The batch's SLO slack at TAPER's last plan (negative: a request is late; absent: no deadline counted)"),
+    "taper_last_slack_seconds": ("gauge", "The batch's SLO slack at TAPER's last plan (negative: a request is "
+                                          "late; absent: no deadline counted)"),
     "taper_last_budget_seconds": ("gauge", "The step-time budget of TAPER's last plan"),
     "spec_verify_steps": ("counter", "Steps in which some row decoded speculatively"),
     "spec_draft_tokens": ("counter", "Draft tokens proposed and verified"),

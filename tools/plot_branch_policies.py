@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--repeats", default=None, help="comma list of the repeat names in the file names ({rep})")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.repeats and not args.x:
+        ap.error("--repeats needs --x: a point per load value, the median over its repeats")
     reps = args.repeats.split(",") if args.repeats else None
 
     def load(**kw) -> dict:

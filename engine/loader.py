@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from stepserve.engine import cpu_features
 from stepserve.engine.config import ModelConfig, parse_dtype
-from stepserve.engine.models.llama import (LlamaForCausalLM, can_pack_linears, pack_linears, small_batch_kernels,
-                                           use_small_batch_linears)
+from stepserve.engine.models.llama import (LlamaForCausalLM, can_pack_linears, cpu_kernels, pack_linears,
+                                           small_batch_kernels, use_small_batch_linears)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -72,4 +72,7 @@ def load_model(
     kernels = small_batch_kernels(device, torch_dtype)
     if kernels is not None:
         use_small_batch_linears(model, kernels)
+    fused = cpu_kernels(device, torch_dtype)
+    if fused is not None:
+        model.use_cpu_kernels(fused)
     return cfg, model

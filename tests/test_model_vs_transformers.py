@@ -236,13 +236,20 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
         pytest.skip("native CPU kernels did not build on this machine")
     g = torch.Generator().manual_seed(0)
     for k, n in [(37, 48), (100, 16), (256, 768)]:
-        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        lin = SmallBatchLinear(w, b, kernels)
-        for m in [1, 2, 3, 5, 7, 8, 9, 33]:  # 9 and 33: torch's path
-            x = torch.randn(m, k, generator=g)
+        for bf16_values in (False, True):
+            w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+            if bf16_values:  # a bf16 checkpoint run in float32: exact bfloat16 panels, half the bytes
+                w = w.bfloat16().float()
+            lin = SmallBatchLinear(w, b, kernels)
+            assert lin.panels.dtype == (torch.bfloat16 if bf16_values else torch.float32)
+            for m in [1, 2, 3, 5, 7, 8, 9, 33]:  # 9 and 33: torch's path
+                x = torch.randn(m, k, generator=g)
+                torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+            x = torch.randn(SMALL_M, 2 * k, generator=g)[:, ::2]  # not contiguous
             torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-        x = torch.randn(SMALL_M, 2 * k, generator=g)[:, ::2]  # not contiguous
-        torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+            if bf16_values:  # the same weight in float32 panels: the same products, bit for bit
+                x = torch.randn(3, k, generator=g)
+                assert torch.equal(lin(x), kernels.small_linear(x, kernels.pack_panels(w, False)).add_(b))
 
     path = ckpt_factory("qwen2", tie=True)  # q/k/v bias, tied output head
     prompts = prompts_of([5, 33, 2], seed=5)
@@ -253,6 +260,63 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
     monkeypatch.setenv("STEPSERVE_SMALL_LINEAR", "0")
     plain = LLM(path, device="cpu")
     assert not any(isinstance(m, SmallBatchLinear) for m in plain.engine.model.modules())
+    got, want = fast.generate(prompts, params), plain.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == reference(path, prompts, 10)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == pytest.approx(
+            [x.logprob for x in b.outputs[0].logprobs], abs=1e-4)
+
+
+def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
+    """On CPU in float32 the small per-layer ops are single native calls
+    (`CpuKernels`): RMSNorm, the residual add fused into it (in place), rotary
+    on strided q/k views (in place) and SiLU-and-mul equal `TorchKernels`
+    within float rounding, and a model that uses them (q/k norm and q/k/v
+    bias included) generates transformers' tokens, with logprobs within
+    rounding of the torch ops (STEPSERVE_CPU_FUSED=0)."""
+    from stepserve.engine.config import ModelConfig
+    from stepserve.engine.models.llama import CpuKernels, RotaryEmbedding, TorchKernels, cpu_kernels
+
+    native = cpu_kernels(torch.device("cpu"), torch.float32)
+    if native is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    path = ckpt_factory("qwen3")  # q/k norm
+    cfg = ModelConfig.from_pretrained(path)
+    rotary = RotaryEmbedding(cfg, 64)
+    ref, fused = TorchKernels(rotary), CpuKernels(rotary, native)
+    g = torch.Generator().manual_seed(1)
+    close = dict(rtol=1e-5, atol=1e-5)
+    d = cfg.head_dim
+    for t in [1, 3, 8, 37]:
+        h = 96
+        x, r, w = torch.randn(t, h, generator=g), torch.randn(t, h, generator=g), torch.randn(h, generator=g)
+        torch.testing.assert_close(fused.rmsnorm(x, w, 1e-6), ref.rmsnorm(x, w, 1e-6), **close)
+        want_h, want_r = ref.add_rmsnorm(x, r, w, 1e-6)
+        got_h, got_r = fused.add_rmsnorm(x.clone(), r.clone(), w, 1e-6)
+        torch.testing.assert_close(got_r, want_r, **close)
+        torch.testing.assert_close(got_h, want_h, **close)
+        hq, hk = 4, 2
+        qkv = torch.randn(t, (hq + 2 * hk) * d, generator=g)
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)  # strided views, as in the model
+        pos = torch.randint(0, 64, (t,), generator=g)
+        wq, wk = ref.rope(ref.rope_prepare(pos, torch.float32), q.clone(), k.clone(), d)
+        gq, gk = fused.rope(fused.rope_prepare(pos, torch.float32), q, k, d)
+        torch.testing.assert_close(gq, wq, **close)
+        torch.testing.assert_close(gk, wk, **close)
+        assert torch.equal(qkv[:, : hq * d].view(t, hq, d), gq)  # rotated in place
+        gu = torch.randn(t, 2 * 48, generator=g) * 4
+        torch.testing.assert_close(fused.silu_and_mul(gu), ref.silu_and_mul(gu), **close)
+    with pytest.raises(RuntimeError, match="position out of the table"):
+        fused.rope(torch.tensor([64]), torch.randn(1, d), torch.randn(1, d), d)
+
+    prompts = prompts_of([5, 33, 2], seed=7)
+    params = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
+    fast = LLM(path, device="cpu")
+    assert isinstance(fast.engine.model.kernels, CpuKernels)
+    monkeypatch.setenv("STEPSERVE_CPU_FUSED", "0")
+    plain = LLM(path, device="cpu")
+    assert type(plain.engine.model.kernels) is TorchKernels
     got, want = fast.generate(prompts, params), plain.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == reference(path, prompts, 10)
     for a, b in zip(got, want):

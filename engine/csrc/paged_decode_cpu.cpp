@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -140,30 +141,65 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 // reaches a fraction of the machine (measured on an AVX2 EPYC, 2 threads:
 // 1.5-4.8x slower at the embedded model's shapes, M = 1-5).
 
-// [N, K] -> [N / 16, K, 16]
-torch::Tensor pack_panels(torch::Tensor w) {
+// [N, K] -> [N / 16, K, 16], in float32, or in bfloat16 when `bf16` (for a
+// weight whose every value is a bfloat16 -- a bf16 checkpoint run in float32 --
+// the panels are then exact and half the bytes: at batch 1 a product streams
+// its weight once, so its time is the weight's bytes over the memory's speed).
+torch::Tensor pack_panels(torch::Tensor w, bool bf16) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32, "a float32 [N, K] weight");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % 16 == 0, "out_features must be a multiple of 16");
-  return w.contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
+  auto p = w.contiguous().view({N / 16, 16, K}).transpose(1, 2).contiguous();
+  return bf16 ? p.to(torch::kBFloat16) : p;
 }
 
 namespace {
 
-template <int M>
-void panel_rows(const float* x, const float* panels, float* y, int64_t N, int64_t K, int64_t nb) {
+inline float widen(float v) { return v; }
+inline float widen(at::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(v)) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+template <int M, typename W>
+void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K, int64_t nb) {
   float acc[M][16] = {};
-  const float* w = panels + nb * K * 16;
+  const W* w = panels + nb * K * 16;
+  // the panel is one stream of K * 16 values; fetched well ahead, since on some machines (a
+  // virtualised EPYC) a cold product otherwise waits on memory line by line
+  constexpr int64_t kAhead = 1024 / sizeof(W);  // 1 KiB ahead
   for (int64_t k = 0; k < K; ++k) {
-    const float* wk = w + k * 16;
+    const W* wk = w + k * 16;
+    if ((k * 16 * sizeof(W)) % 64 == 0) __builtin_prefetch(wk + kAhead);
+    float wf[16];
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) wf[j] = widen(wk[j]);
     for (int m = 0; m < M; ++m) {
       const float xv = x[m * K + k];
 #pragma omp simd
-      for (int j = 0; j < 16; ++j) acc[m][j] += xv * wk[j];
+      for (int j = 0; j < 16; ++j) acc[m][j] += xv * wf[j];
     }
   }
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 16; ++j) y[m * N + nb * 16 + j] = acc[m][j];
+}
+
+template <typename W>
+void panel_range(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  for (int64_t nb = b0; nb < b1; ++nb) {
+    switch (M) {
+      case 1: panel_rows<1>(xp, wp, yp, N, K, nb); break;
+      case 2: panel_rows<2>(xp, wp, yp, N, K, nb); break;
+      case 3: panel_rows<3>(xp, wp, yp, N, K, nb); break;
+      case 4: panel_rows<4>(xp, wp, yp, N, K, nb); break;
+      case 5: panel_rows<5>(xp, wp, yp, N, K, nb); break;
+      case 6: panel_rows<6>(xp, wp, yp, N, K, nb); break;
+      case 7: panel_rows<7>(xp, wp, yp, N, K, nb); break;
+      default: panel_rows<8>(xp, wp, yp, N, K, nb); break;
+    }
+  }
 }
 
 }  // namespace
@@ -171,35 +207,168 @@ void panel_rows(const float* x, const float* panels, float* y, int64_t N, int64_
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor panels) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "a contiguous float32 [M, K] input");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous(), "packed panels [N/16, K, 16]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous() &&
+                  (panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16),
+              "packed float32 or bfloat16 panels [N/16, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), NB = panels.size(0), N = NB * 16;
   TORCH_CHECK(panels.size(1) == K, "input features do not match the weight's");
   TORCH_CHECK(M >= 1 && M <= 8, "1 to 8 rows");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const bool bf16 = panels.scalar_type() == torch::kBFloat16;
+  const float* wf = bf16 ? nullptr : panels.data_ptr<float>();
+  const at::BFloat16* wb = bf16 ? panels.data_ptr<at::BFloat16>() : nullptr;
   // about 16K multiply-adds per task at least, so a small product is not split across threads for nothing
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(16 * K * M, 1));
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      switch (M) {
-        case 1: panel_rows<1>(xp, wp, yp, N, K, nb); break;
-        case 2: panel_rows<2>(xp, wp, yp, N, K, nb); break;
-        case 3: panel_rows<3>(xp, wp, yp, N, K, nb); break;
-        case 4: panel_rows<4>(xp, wp, yp, N, K, nb); break;
-        case 5: panel_rows<5>(xp, wp, yp, N, K, nb); break;
-        case 6: panel_rows<6>(xp, wp, yp, N, K, nb); break;
-        case 7: panel_rows<7>(xp, wp, yp, N, K, nb); break;
-        default: panel_rows<8>(xp, wp, yp, N, K, nb); break;
-      }
-    }
+    if (bf16)
+      panel_range(xp, wb, yp, M, N, K, b0, b1);
+    else
+      panel_range(xp, wf, yp, M, N, K, b0, b1);
   });
   return y;
 }
 
+// ---------------------------------------------------------------------------
+// The small per-layer ops of a float32 model on CPU, each one call instead of
+// the 3-12 torch ops (and their dispatch) of `TorchKernels`: at the decode
+// steps of small batches those ops, not the products, made most of a layer's
+// time. Same math as the torch path, in float32 (sums may round in another
+// order).
+
+namespace {
+
+inline float row_rsqrt_mean_sq(const float* x, int64_t H, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < H; ++i) ss += x[i] * x[i];
+  return 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+}
+
+void check_rows(const torch::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, what,
+              ": a float32 [T, H] tensor with unit column stride");
+}
+
+// rows per task: at least ~32K elements of work, so a small batch is not split across threads for nothing
+inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(width, 1)); }
+
+}  // namespace
+
+// out = w * x * rsqrt(mean(x^2) + eps), per row
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "rmsnorm");
+  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
+  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "rmsnorm: a float32 [H] weight");
+  auto out = torch::empty({T, H}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* xr = xp + t * xs;
+      const float r = row_rsqrt_mean_sq(xr, H, static_cast<float>(eps));
+      float* o = op + t * H;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (xr[i] * r);
+    }
+  });
+  return out;
+}
+
+// residual += x; x = rmsnorm(residual) * w, in place (both [T, H], contiguous rows)
+void add_rmsnorm_(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_rows(x, "add_rmsnorm_");
+  check_rows(residual, "add_rmsnorm_");
+  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  TORCH_CHECK(residual.size(0) == T && residual.size(1) == H, "add_rmsnorm_: x and residual differ in shape");
+  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32,
+              "add_rmsnorm_: a float32 [H] weight");
+  float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* xr = xp + t * xs;
+      float* rr = rp + t * rs;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
+      const float r = row_rsqrt_mean_sq(rr, H, static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) xr[i] = wp[i] * (rr[i] * r);
+    }
+  });
+}
+
+// Neox-style (rotate-half) rotary embedding of q [T, Hq * D] and k [T, Hkv * D]
+// in place, from float32 cos/sin tables [P, D] at `positions` [T].
+void rope_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                int64_t head_dim) {
+  check_rows(q, "rope_neox_ q");
+  check_rows(k, "rope_neox_ k");
+  const int64_t T = q.size(0), D = head_dim, half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0 && k.size(0) == T,
+              "rope_neox_: q and k rows must hold whole heads");
+  TORCH_CHECK(positions.numel() == T && positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "rope_neox_: int64 positions [T]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  sin.sizes() == cos.sizes(),
+              "rope_neox_: float32 cos/sin tables [P, D]");
+  const int64_t Hq = q.size(1) / D, Hk = k.size(1) / D, P = cos.size(0);
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "rope_neox_: position out of the table");
+  auto rotate = [&](float* x, const float* c, const float* s) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      x[i] = x1 * c[i] + (-x2) * s[i];
+      x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+    }
+  };
+  at::parallel_for(0, T, row_grain((Hq + Hk) * D), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* c = cp + pos[t] * D;
+      const float* s = sp + pos[t] * D;
+      for (int64_t h = 0; h < Hq; ++h) rotate(qp + t * qs + h * D, c, s);
+      for (int64_t h = 0; h < Hk; ++h) rotate(kp + t * ks + h * D, c, s);
+    }
+  });
+}
+
+// x [T, 2I] (gate, up) -> silu(gate) * up [T, I]
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_rows(x, "silu_and_mul");
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: an even width");
+  auto out = torch::empty({T, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + I;
+      float* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
-  m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear");
+  m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
+        py::arg("w"), py::arg("bf16") = false);
   m.def("small_linear", &small_linear, "x [M <= 8, K] . W^T from W's panels (float32, CPU)");
+  m.def("rmsnorm", &rmsnorm, "w * x * rsqrt(mean(x^2) + eps) per row (float32, CPU)");
+  m.def("add_rmsnorm_", &add_rmsnorm_, "residual += x; x = rmsnorm(residual) * w, in place (float32, CPU)");
+  m.def("rope_neox_", &rope_neox_, "rotate-half rotary embedding of q and k in place (float32, CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
 }

@@ -72,14 +72,21 @@ class SmallBatchLinear(nn.Module):
     each panel once with the rows' accumulators in registers, where BLAS
     sgemm is 1.5-4.8x slower at the embedded model's shapes on an AVX2 CPU.
     More rows (prefill chunks, large batches) go to torch with the original
-    weight, which stays, so the panels cost one more copy of the weights."""
+    weight, which stays, so the panels cost one more copy of the weights.
+
+    A weight whose every value is a bfloat16 (a bf16 checkpoint run in
+    float32) gets bfloat16 panels: exact, half the bytes, and a product of a
+    few rows streams its weight from memory, so it takes about half the
+    time once the weights no longer fit in the cache (the math stays float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        self.register_buffer("panels", kernels.pack_panels(self.weight.data), persistent=False)
+        w = self.weight.data
+        exact = os.environ.get("STEPSERVE_BF16_PANELS", "1") != "0" and torch.equal(w, w.bfloat16().float())
+        self.register_buffer("panels", kernels.pack_panels(w, exact), persistent=False)
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,8 +121,9 @@ def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SM
         w = child.weight if child is not None else model.model.embed_tokens.weight
         if w.numel() * 4 > budget:
             continue
-        budget -= w.numel() * 4
-        setattr(parent, name, SmallBatchLinear(w, child.bias if child is not None else None, kernels))
+        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels)
+        budget -= lin.panels.numel() * lin.panels.element_size()
+        setattr(parent, name, lin)
         done += 1
     return done
 
@@ -219,6 +227,52 @@ class TorchKernels:
     def silu_and_mul(x):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class CpuKernels(TorchKernels):
+    """The same ops as single native calls for a float32 model on CPU
+    (`cpu_kernels`: `rmsnorm`, `add_rmsnorm_` in place, `rope_neox_` in place
+    from the float32 cos/sin tables, `silu_and_mul`), one call each instead of
+    3-12 torch ops. The decode steps of small batches are dominated by such
+    per-op costs: the products of a 2-layer draft model take about a tenth of
+    its forward pass."""
+
+    name = "cpu"
+
+    def __init__(self, rotary: RotaryEmbedding, native):
+        super().__init__(rotary)
+        self.native = native
+
+    def rmsnorm(self, x, weight, eps):
+        if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+            return TorchKernels.rmsnorm(x, weight, eps)
+        return self.native.rmsnorm(x, weight, eps)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        self.native.add_rmsnorm_(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        return x, residual
+
+    def rope_prepare(self, positions, dtype):
+        return positions
+
+    def rope(self, positions, q, k, head_dim):
+        self.native.rope_neox_(q, k, positions, self.rotary.cos, self.rotary.sin, head_dim)
+        t = q.shape[0]
+        return q.view(t, -1, head_dim), k.view(t, -1, head_dim)
+
+    def silu_and_mul(self, x):
+        return self.native.silu_and_mul(x)
+
+
+def cpu_kernels(device: torch.device, dtype: torch.dtype):
+    """The native module with the fused small ops, for float32 on CPU (None:
+    not this device or dtype, STEPSERVE_CPU_FUSED=0, or no native build)."""
+    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("STEPSERVE_CPU_FUSED", "1") == "0":
+        return None
+    from stepserve.engine.cpu_kernels import paged_decode_module
+
+    mod = paged_decode_module()
+    return mod if mod is not None and hasattr(mod, "rope_neox_") else None
 
 
 class FlashInferKernels(TorchKernels):
@@ -368,6 +422,10 @@ class LlamaForCausalLM(nn.Module):
     def use_kernels(self, flashinfer) -> None:
         """Runs the small per-layer ops as flashinfer's fused kernels (CUDA)."""
         self.kernels = FlashInferKernels(self.rotary, flashinfer)
+
+    def use_cpu_kernels(self, native) -> None:
+        """Runs the small per-layer ops as native CPU calls (float32)."""
+        self.kernels = CpuKernels(self.rotary, native)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states -> float32 logits."""

@@ -115,11 +115,17 @@ class TorchAttention:
 
     def forward(self, layer, q, k, v, fb):
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
-        self.pool.write(layer, fb.out_slots, k, v)
+        nd = fb.num_decode
+        if self.kernel is not None and k.dtype == k_buf.dtype and v.dtype == v_buf.dtype:
+            self.kernel.store_kv(k_buf, v_buf, fb.out_slots, k, v)  # one native call for both
+            if nd == q.shape[0]:  # decode-shaped queries only (no chunk, no padding): the kernel's output is it
+                return self.kernel.paged_decode(q.contiguous(), k_buf, v_buf, fb.req_to_token, fb.decode_rows,
+                                                fb.decode_kv_lens, self.scale)
+        else:
+            self.pool.write(layer, fb.out_slots, k, v)
         out = torch.empty_like(q)
         if fb.num_padding:
             out[-fb.num_padding :].zero_()  # belongs to no row; keep it finite
-        nd = fb.num_decode
         if nd and self.kernel is not None:
             out[:nd] = self.kernel.paged_decode(
                 q[:nd].contiguous(), k_buf, v_buf, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens, self.scale

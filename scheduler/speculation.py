@@ -46,13 +46,15 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              over the time with none, measured in the batch-size range b of
              the drafting rows (1, 2-3, 4-7, ...; `DraftCostTable`) from
              pairs of back-to-back decode steps, one at 0 and one at k (after
-             a step at k that lets a draft model catch up). A pair sees the
+             a step at k that lets a draft model catch up); a cell stands for
+             the median of its last 8 pairs, so a pair that a hiccup of the
+             machine lengthened does not decide. A pair sees the
              same contexts and the same machine, so it needs no step model,
              and neither a growing context nor a drifting machine moves it; a
              line through the measured k prices the others. A range starts
              with pairs at k = 1 and 4; after, one step in 32 starts a pair
              next to the range's choice (one in 256 for a length priced under
-             0.9x the choice's rate), so the costs keep following the machine
+             0.9x the choice's rate once it has 3 pairs), so the costs keep following the machine
              even where k = 0 wins. The step model of mixed steps is fitted
              online on the steps that drafted nothing (until it has enough of
              them, a mixed step is priced as if its chunks were free).
@@ -78,6 +80,7 @@ from stepserve.scheduler.policy import EngineView
 
 MODES = ("none", "fixed", "adaptive")
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
+TRUSTED = 3  # ... once its cost cell holds this many pairs
 
 
 @dataclass(frozen=True)
@@ -176,47 +179,54 @@ class DraftCostTable:
     context nor a drifting machine speed moves the ratio, and no step model is
     needed.
 
-    Each (range, k) cell keeps a decayed mean of its pairs (`decay` per new
-    pair). Between and beyond the measured k, a line through them stands in:
-    ratio(k) = 1 + a + b * k (a, b >= 0; the draft model's fixed cost per step
-    and its cost per draft, with the verify tokens'), so two measured lengths
-    price them all; a cell's own mean is pulled toward the line by
-    `line_weight` pairs' worth, so one noisy pair does not decide alone. A
-    range with nothing measured borrows the nearest measured range's line."""
+    Each (range, k) cell keeps its last `window` pairs and stands for their
+    median: a pair that a hiccup of the machine lengthened (seen: one pair at
+    5x the others on a shared 2-core VM) moves it little, where a mean would
+    hold a wrong choice until many pairs more. Between and beyond the
+    measured k, a line through the cells stands in: ratio(k) = 1 + a + b * k
+    (a, b >= 0; the draft model's fixed cost per step and its cost per draft,
+    with the verify tokens'), so two measured lengths price them all; a
+    cell's own median is pulled toward the line by `line_weight` pairs'
+    worth, so one noisy pair does not decide alone. A range with nothing
+    measured borrows the nearest measured range's line."""
 
-    def __init__(self, kmax: int, decay: float = 0.9, line_weight: float = 3.0):
+    def __init__(self, kmax: int, window: int = 8, line_weight: float = 3.0):
         self.kmax = kmax
-        self.decay = decay
+        self.window = window
         self.line_weight = line_weight
-        self.weight: dict[int, np.ndarray] = {}
-        self.total: dict[int, np.ndarray] = {}
+        self.cells: dict[int, list[list[float]]] = {}  # bucket -> per k, its last pairs' ratios
         self._lines: dict[int, tuple[float, float]] = {}
 
     def add(self, bucket: int, k: int, ratio: float) -> None:
-        if bucket not in self.weight:
-            self.weight[bucket], self.total[bucket] = np.zeros(self.kmax + 1), np.zeros(self.kmax + 1)
-        w, t = self.weight[bucket], self.total[bucket]
-        w[k] = w[k] * self.decay + 1.0
-        t[k] = t[k] * self.decay + ratio
+        cells = self.cells.setdefault(bucket, [[] for _ in range(self.kmax + 1)])
+        cell = cells[k]
+        cell.append(float(ratio))
+        del cell[: -self.window]
         self._lines.pop(bucket, None)
+
+    def count(self, bucket: int, k: int) -> int:
+        """The pairs kept for (range, k)."""
+        cells = self.cells.get(bucket)
+        return 0 if cells is None else len(cells[k])
 
     def measured(self, bucket: int) -> list[int]:
         """The draft lengths with pairs in this range."""
-        w = self.weight.get(bucket)
-        return [] if w is None else [k for k in range(1, self.kmax + 1) if w[k] > 0]
+        return [k for k in range(1, self.kmax + 1) if self.count(bucket, k)]
+
+    def _median(self, bucket: int, k: int) -> float:
+        return float(np.median(self.cells[bucket][k]))
 
     def line(self, bucket: int) -> tuple[float, float] | None:
         """(a, b) of this range's line (or the nearest measured range's); None: nothing measured anywhere."""
-        if bucket not in self.weight:
-            if not self.weight:
+        if bucket not in self.cells:
+            if not self.cells:
                 return None
-            bucket = min(self.weight, key=lambda b: (abs(b - bucket), b))
+            bucket = min(self.cells, key=lambda b: (abs(b - bucket), b))
         got = self._lines.get(bucket)
         if got is None:
-            w, t = self.weight[bucket], self.total[bucket]
-            ks = [k for k in range(1, self.kmax + 1) if w[k] > 0]
-            y = np.array([t[k] / w[k] - 1.0 for k in ks])
-            sw = np.sqrt(np.array([w[k] for k in ks]))
+            ks = self.measured(bucket)
+            y = np.array([self._median(bucket, k) - 1.0 for k in ks])
+            sw = np.sqrt(np.array([self.count(bucket, k) for k in ks], dtype=np.float64))
             if len(ks) == 1:  # through the origin
                 got = (0.0, max(float(y[0]) / ks[0], 0.0))
             else:
@@ -234,14 +244,14 @@ class DraftCostTable:
         if ln is None:
             return None
         est = 1.0 + ln[0] + ln[1] * k
-        w = self.weight.get(bucket)
-        if w is None or w[k] <= 0:
+        n = self.count(bucket, k)
+        if not n:
             return est
-        return float((self.total[bucket][k] + self.line_weight * est) / (w[k] + self.line_weight))
+        return float((n * self._median(bucket, k) + self.line_weight * est) / (n + self.line_weight))
 
     def to_dict(self) -> dict:
         return {f"rows {1 << b}-{(2 << b) - 1}": [round(self.ratio(b, k), 4) for k in range(self.kmax + 1)]
-                for b in sorted(self.weight)}
+                for b in sorted(self.cells)}
 
 
 @dataclass
@@ -364,8 +374,10 @@ class SpecLengthPolicy:
                 self._explore_k[bucket] = turn
                 k = near[turn % len(near)]
                 # a length priced well below the choice is measured 8x less often: its pairs cost
-                # most there, and only a large change in the machine or the acceptance would flip it
-                if (self._rate(base, len(rows), expected, bucket, k)
+                # most there, and only a large change in the machine or the acceptance would flip it;
+                # not before its cell has TRUSTED pairs, so that one slow pair cannot shelve a length
+                if (self.costs.count(bucket, k) >= TRUSTED
+                        and self._rate(base, len(rows), expected, bucket, k)
                         < FAR * self._rate(base, len(rows), expected, bucket, best)
                         and self.steps % (8 * self.explore_every)):
                     k = None

@@ -17,7 +17,8 @@ from stepserve.engine.speculative import NgramProposer, verify_rows
 from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
-from stepserve.scheduler.speculation import AcceptanceEstimate, SpecLengthPolicy, SpecLengthSpec, row_bucket
+from stepserve.scheduler.speculation import (AcceptanceEstimate, DraftCostTable, SpecLengthPolicy, SpecLengthSpec,
+                                             row_bucket)
 
 PROMPTS = [
     "In the beginning God created the heaven and the earth.",
@@ -392,6 +393,23 @@ def test_adaptive_length_follows_measured_draft_costs(name, cost):
         assert settled.count(0) >= 0.95 * len(settled)
     ratio = pol.costs.ratio(row_bucket(32), 3)
     assert ratio == pytest.approx(cost(32, 3, 300) / cost(32, 0, 300), rel=0.1)
+
+
+def test_draft_costs_stand_for_the_median_of_recent_pairs():
+    """A cost cell is the median of its last pairs: one pair that a hiccup of
+    the machine made 5x slower moves it little (a mean would read 2.9 here),
+    and old pairs leave the window, so a cell follows a machine that changed."""
+    t = DraftCostTable(kmax=4, window=8)
+    for r in (1.3, 1.32, 6.5, 1.28):
+        t.add(0, 2, r)
+    assert t.count(0, 2) == 4
+    t.add(0, 4, 1.6)
+    t.add(0, 4, 1.62)
+    assert t._median(0, 2) == pytest.approx(1.31)
+    assert t.ratio(0, 2) < 1.45
+    for _ in range(8):
+        t.add(0, 2, 2.0)  # the machine changed: the old pairs leave the window
+    assert t.count(0, 2) == 8 and t._median(0, 2) == 2.0
 
 
 def test_adaptive_length_learns_each_batch_range_apart():

@@ -362,6 +362,35 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// k_buf[slots[t]] = k[t], v_buf[slots[t]] = v[t]: this step's K/V into the pool
+// ([S, Hkv, D] buffers; k and v [T, Hkv, D] in the buffers' dtype, rows of any
+// stride, each row's heads contiguous), one call instead of two index_copy_.
+void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.sizes() == v_buf.sizes() && k_buf.dim() == 3,
+              "store_kv: contiguous [S, Hkv, D] buffers");
+  TORCH_CHECK(k.scalar_type() == k_buf.scalar_type() && v.scalar_type() == k_buf.scalar_type(),
+              "store_kv: k and v in the buffers' dtype");
+  const int64_t T = k.size(0), row = k_buf.size(1) * k_buf.size(2), S = k_buf.size(0);
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.size(1) * k.size(2) == row && v.size(1) * v.size(2) == row &&
+                  v.size(0) == T && k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == k.size(2) &&
+                  v.stride(1) == v.size(2),
+              "store_kv: k and v [T, Hkv, D] with contiguous heads");
+  TORCH_CHECK(slots.numel() == T && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
+              "store_kv: int64 slots [T]");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv: slot out of the pool");
+  const int64_t bytes = row * k_buf.element_size();
+  char* kb = static_cast<char*>(k_buf.data_ptr());
+  char* vb = static_cast<char*>(v_buf.data_ptr());
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kb + sl[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vb + sl[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
@@ -371,4 +400,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm_", &add_rmsnorm_, "residual += x; x = rmsnorm(residual) * w, in place (float32, CPU)");
   m.def("rope_neox_", &rope_neox_, "rotate-half rotary embedding of q and k in place (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
+  m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
 }

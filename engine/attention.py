@@ -86,6 +86,9 @@ class TorchAttention:
             from stepserve.engine.cpu_kernels import paged_decode_module
 
             self.kernel = paged_decode_module()
+        # a float32 model may run a batch of few decode-shaped tokens as one native call over this pool
+        # (`LlamaForCausalLM._forward_native`)
+        self.native_decode_ok = self.kernel is not None and pool.dtype == torch.float32
         self._decode_idx: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._extend_masks: list[torch.Tensor | None] = []

@@ -257,6 +257,7 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
     fast = LLM(path, device="cpu")
     n_small = sum(isinstance(m, SmallBatchLinear) for m in fast.engine.model.modules())
     assert n_small > 0 and fast.engine.model.tied_head is not None
+    assert fast.engine.model._native_decode is not None  # q/k/v bias and a tied head, in the one-call forward
     monkeypatch.setenv("STEPSERVE_SMALL_LINEAR", "0")
     plain = LLM(path, device="cpu")
     assert not any(isinstance(m, SmallBatchLinear) for m in plain.engine.model.modules())
@@ -314,6 +315,14 @@ def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
     params = SamplingParams(max_tokens=10, logprobs=2, **GREEDY)
     fast = LLM(path, device="cpu")
     assert isinstance(fast.engine.model.kernels, CpuKernels)
+    assert fast.engine.model._native_decode is not None  # decode steps of <= 8 tokens: one native call
+    monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
+    layerwise = LLM(path, device="cpu")
+    assert layerwise.engine.model._native_decode is None
+    # the one-call forward runs the same ops in the same order: the same logprobs, bit for bit
+    for a, b in zip(fast.generate(prompts, params), layerwise.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
     monkeypatch.setenv("STEPSERVE_CPU_FUSED", "0")
     plain = LLM(path, device="cpu")
     assert type(plain.engine.model.kernels) is TorchKernels

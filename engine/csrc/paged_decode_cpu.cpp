@@ -391,6 +391,73 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots, tor
   }
 }
 
+// ---------------------------------------------------------------------------
+// A whole forward pass of a float32 Llama-family model over T <= 8
+// decode-shaped tokens (the decode and verify steps of small batches, and a
+// draft model's steps) in one call: the ops above in the order of
+// `LlamaForCausalLM.forward_planned` with `CpuKernels`, so the result is the
+// same bit for bit, without the Python and dispatch between them, which at
+// these sizes cost more than the arithmetic.
+//
+// layers: per layer, 12 tensors in this order (an empty tensor for an absent
+// one): input norm, qkv panels, qkv bias, q norm, k norm, o panels, o bias,
+// post-attention norm, gate_up panels, gate_up bias, down panels, down bias.
+
+namespace {
+
+torch::Tensor linear_panels(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias) {
+  auto y = small_linear(x, panels);
+  if (bias.numel()) y.add_(bias);
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor decode_forward(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor out_slots,
+                             torch::Tensor table, torch::Tensor rows, torch::Tensor lens,
+                             torch::Tensor logits_indices, torch::Tensor embed, std::vector<torch::Tensor> layers,
+                             std::vector<torch::Tensor> k_bufs, std::vector<torch::Tensor> v_bufs, torch::Tensor cos,
+                             torch::Tensor sin, torch::Tensor final_norm, torch::Tensor head_panels,
+                             torch::Tensor head_bias, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                             double eps, double scale) {
+  constexpr size_t kPer = 12;
+  const size_t L = k_bufs.size();
+  TORCH_CHECK(layers.size() == kPer * L && v_bufs.size() == L, "decode_forward: 12 tensors and a K/V pair per layer");
+  const int64_t T = input_ids.numel(), D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D;
+  TORCH_CHECK(T >= 1 && T <= 8, "decode_forward: 1 to 8 tokens");
+  auto x = embed.index_select(0, input_ids);
+  torch::Tensor residual;
+  for (size_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = layers.data() + kPer * l;
+    torch::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = rmsnorm(x, w[0], eps);
+    } else {
+      add_rmsnorm_(x, residual, w[0], eps);
+      h = x;
+    }
+    auto qkv = linear_panels(h, w[1], w[2]);
+    auto q = qkv.narrow(1, 0, q_size);
+    auto k = qkv.narrow(1, q_size, kv_size);
+    auto v = qkv.narrow(1, q_size + kv_size, kv_size);
+    if (w[3].numel()) {  // q/k norm per head, before rotary
+      q = rmsnorm(q.reshape({-1, D}), w[3], eps).view({T, q_size});
+      k = rmsnorm(k.reshape({-1, D}), w[4], eps).view({T, kv_size});
+    }
+    rope_neox_(q, k, positions, cos, sin, D);
+    store_kv(k_bufs[l], v_bufs[l], out_slots, k.view({T, num_kv_heads, D}), v.view({T, num_kv_heads, D}));
+    auto o = paged_decode(q.contiguous().view({T, num_heads, D}), k_bufs[l], v_bufs[l], table, rows, lens, scale);
+    x = linear_panels(o.view({T, q_size}), w[5], w[6]);
+    add_rmsnorm_(x, residual, w[7], eps);
+    x = linear_panels(silu_and_mul(linear_panels(x, w[8], w[9])), w[10], w[11]);
+  }
+  auto xs = x.index_select(0, logits_indices);
+  auto rs = residual.index_select(0, logits_indices);
+  add_rmsnorm_(xs, rs, final_norm, eps);
+  return linear_panels(xs, head_panels, head_bias);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
@@ -401,4 +468,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_neox_", &rope_neox_, "rotate-half rotary embedding of q and k in place (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
   m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
+  m.def("decode_forward", &decode_forward, "a float32 Llama forward over <= 8 decode-shaped tokens (CPU)");
 }

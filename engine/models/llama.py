@@ -394,14 +394,34 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.kernels: TorchKernels = TorchKernels(self.rotary)  # `use_kernels` swaps in fused ones
         self.tied_head: SmallBatchLinear | None = None  # a tied output head's panels (`use_small_batch_linears`)
+        self._native_decode: tuple | None = None  # (native module, its weight lists): `use_cpu_kernels`
 
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the batch; returns logits (float32) for `fb.logits_indices` only,
         and the final (normed) hidden states at `fb.hidden_indices` (None if none)."""
+        if (self._native_decode is not None and fb.num_decode == fb.input_ids.shape[0] <= SMALL_M
+                and fb.hidden_indices is None and getattr(backend, "native_decode_ok", False)):
+            return self._forward_native(fb, backend), None
         backend.prepare(fb)
         return self.forward_planned(fb, backend)
+
+    def _forward_native(self, fb: ForwardBatch, backend) -> torch.Tensor:
+        """`forward_planned` for a batch of at most `SMALL_M` decode-shaped
+        tokens as one native call (`decode_forward`): the same ops
+        (`CpuKernels`, the small-batch panels, the paged decode kernel) in the
+        same order, so the same logits, without Python between them."""
+        native, layers, head_bias = self._native_decode
+        cfg, pool = self.config, backend.pool
+        return native.decode_forward(
+            fb.input_ids, fb.positions, fb.out_slots, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens,
+            fb.logits_indices, self.model.embed_tokens.weight, layers, pool.k_buffers, pool.v_buffers,
+            self.rotary.cos, self.rotary.sin, self.model.norm.weight, self._head().panels, head_bias,
+            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, backend.scale)
+
+    def _head(self):
+        return self.tied_head if self.config.tie_word_embeddings else self.lm_head
 
     def forward_planned(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`forward` after `backend` was planned for `fb`: the part a CUDA graph captures."""
@@ -424,8 +444,32 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = FlashInferKernels(self.rotary, flashinfer)
 
     def use_cpu_kernels(self, native) -> None:
-        """Runs the small per-layer ops as native CPU calls (float32)."""
+        """Runs the small per-layer ops as native CPU calls (float32), and a
+        forward over at most `SMALL_M` decode-shaped tokens as one native call
+        where every product has small-batch panels (STEPSERVE_NATIVE_DECODE=0:
+        layer by layer)."""
         self.kernels = CpuKernels(self.rotary, native)
+        self._native_decode = None
+        none = torch.empty(0)
+        linears = [m for layer in self.model.layers
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        head = self._head()
+        if (os.environ.get("STEPSERVE_NATIVE_DECODE", "1") == "0" or not hasattr(native, "decode_forward")
+                or not all(isinstance(m, SmallBatchLinear) for m in linears + [head])):
+            return
+
+        def b(lin):
+            return lin.bias if lin.bias is not None else none
+
+        layers = []
+        for layer in self.model.layers:
+            at, mlp = layer.self_attn, layer.mlp
+            qn = at.q_norm.weight if at.qk_norm else none
+            kn = at.k_norm.weight if at.qk_norm else none
+            layers += [layer.input_layernorm.weight, at.qkv_proj.panels, b(at.qkv_proj), qn, kn, at.o_proj.panels,
+                       b(at.o_proj), layer.post_attention_layernorm.weight, mlp.gate_up_proj.panels, b(mlp.gate_up_proj),
+                       mlp.down_proj.panels, b(mlp.down_proj)]
+        self._native_decode = (native, layers, b(head))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states -> float32 logits."""

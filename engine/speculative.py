@@ -167,7 +167,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> None:
         if plan.slots is not None:
-            self.valid[plan.slots] = False  # handed out this step: whatever the draft wrote there is stale
+            self.valid.index_fill_(0, plan.slots, False)  # handed out this step: whatever the draft wrote is stale
         rows = plan.verify_rows
         for r in rows:
             r.draft, r.draft_probs = [], None
@@ -215,43 +215,44 @@ class DraftModelProposer:
         pos: list[int] = []
         tok_rows: list[int] = []
         last = [0] * len(entries)
-        for k in dec:
+        for k in dec + ext:
             row, p, toks = entries[k]
             ids.extend(toks)
             pos.extend(range(p, p + len(toks)))
             tok_rows.extend([row] * len(toks))
             last[k] = len(ids) - 1
-        nd = len(ids)  # decode-shaped queries
+        nd = sum(len(entries[k][2]) for k in dec)  # decode-shaped queries, first
+        n = len(ids)
+        pad = token_bucket(n) - n if self.pad_tokens else 0
+        # every index this forward needs in one host tensor (one copy to the device): ids, positions and
+        # rows of the tokens (padding: id 0 at position 0 of row 0, written to the padding slot below),
+        # then the logits rows
+        host = torch.tensor(ids + [0] * pad + pos + [0] * pad + tok_rows + [0] * pad + last, dtype=torch.long)
+        flat = host if dev.type == "cpu" else host.to(dev, non_blocking=True)
+        t = n + pad
+        input_ids, positions, rows = flat[:t], flat[t : 2 * t], flat[2 * t : 3 * t]
         table = self.req_pool.table
+        out_slots = table[rows.to(table.device), positions.to(table.device)].to(dev)
+        if pad:
+            out_slots[n:] = 0
+        self.valid.index_fill_(0, out_slots[:n], True)
         extend_meta = []
         for k in ext:
             row, p, toks = entries[k]
-            first = len(ids)
-            ids.extend(toks)
-            pos.extend(range(p, p + len(toks)))
-            tok_rows.extend([row] * len(toks))
-            last[k] = len(ids) - 1
-            extend_meta.append((first, len(toks), table[row, : p + len(toks)]))
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
-        out_slots = table[torch.tensor(tok_rows, dtype=torch.long, device=table.device), positions.to(table.device)]
-        self.valid[out_slots] = True
-        pad = token_bucket(len(ids)) - len(ids) if self.pad_tokens else 0
-        input_ids = torch.tensor(ids + [0] * pad, dtype=torch.long, device=dev)
-        if pad:
-            positions = torch.cat([positions, positions.new_zeros(pad)])
-            out_slots = torch.cat([out_slots, out_slots.new_zeros(pad)])
+            extend_meta.append((last[k] - len(toks) + 1, len(toks), table[row, : p + len(toks)]))
+        kv_lens_host = host[t : t + nd] + 1 if nd else None
         fb = ForwardBatch(
             input_ids=input_ids,
             positions=positions,
-            out_slots=out_slots.to(dev),
+            out_slots=out_slots,
             num_decode=nd,
             req_to_token=table,
-            decode_rows=torch.tensor(tok_rows[:nd], dtype=torch.long, device=dev) if nd else None,
+            decode_rows=rows[:nd] if nd else None,
             decode_kv_lens=(positions[:nd] + 1) if nd else None,
             extend_rows=extend_meta,
-            logits_indices=torch.tensor(last, dtype=torch.long, device=dev),
+            logits_indices=flat[3 * t :],
             num_padding=pad,
-            decode_kv_lens_host=torch.tensor(pos[:nd], dtype=torch.long) + 1 if nd else None,
+            decode_kv_lens_host=kv_lens_host,
         )
         logits, _ = self.model(fb, self.backend)
         self.forwards += 1

@@ -132,6 +132,8 @@ class AcceptanceEstimate:
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
+        self.version = 0  # counts updates: what was derived from the counts is kept until the next one
+        self._expected: list[float] | None = None
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
         """One verification step: per verify row, the draft length asked for
@@ -145,24 +147,36 @@ class AcceptanceEstimate:
         a = (np.minimum(acc, d)[:, None] > pos).sum(axis=0)
         self.tried = self.tried * self.decay + t
         self.accepted = self.accepted * self.decay + a
+        self.version += 1
+        self._expected = None
 
     @property
     def alpha(self) -> np.ndarray:
-        out = np.empty_like(self.tried)
+        return np.array(self._alpha())
+
+    def _alpha(self) -> list[float]:
+        out = []
         prev, w = self.prior, self.prior_weight
-        for j in range(len(out)):
-            prev = out[j] = (self.accepted[j] + w * prev) / (self.tried[j] + w)
+        for acc, tried in zip(self.accepted.tolist(), self.tried.tolist()):
+            prev = (acc + w * prev) / (tried + w)
+            out.append(prev)
         return out
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
         return float(self.expected(k)[k]) if k > 0 else 1.0
 
-    def expected(self, kmax: int) -> np.ndarray:
-        """`expected_tokens(k)` for every k in [0, kmax], in one pass."""
-        out = np.ones(kmax + 1)
-        out[1:] += np.cumsum(np.cumprod(self.alpha[:kmax]))
-        return out
+    def expected(self, kmax: int) -> list[float]:
+        """`expected_tokens(k)` for every k in [0, kmax], in one pass (read
+        every step: kept until the next update, in plain floats)."""
+        if self._expected is None:
+            out, run, total = [1.0], 1.0, 1.0
+            for a in self._alpha():
+                run *= a
+                total += run
+                out.append(total)
+            self._expected = out
+        return self._expected[: kmax + 1]
 
 
 def row_bucket(rows: int) -> int:
@@ -195,14 +209,20 @@ class DraftCostTable:
         self.window = window
         self.line_weight = line_weight
         self.cells: dict[int, list[list[float]]] = {}  # bucket -> per k, its last pairs' ratios
+        self._medians: dict[int, list[float]] = {}  # bucket -> per k, the median of its cell (read every step)
         self._lines: dict[int, tuple[float, float]] = {}
+        self._ratios: dict[tuple[int, int], float | None] = {}  # (bucket, k) -> ratio, until the next pair
+        self.version = 0  # counts pairs added
 
     def add(self, bucket: int, k: int, ratio: float) -> None:
         cells = self.cells.setdefault(bucket, [[] for _ in range(self.kmax + 1)])
         cell = cells[k]
         cell.append(float(ratio))
         del cell[: -self.window]
+        self._medians.setdefault(bucket, [0.0] * (self.kmax + 1))[k] = float(np.median(cell))
         self._lines.pop(bucket, None)
+        self._ratios.clear()  # a range without pairs borrows another's line: every cached price may move
+        self.version += 1
 
     def count(self, bucket: int, k: int) -> int:
         """The pairs kept for (range, k)."""
@@ -214,7 +234,7 @@ class DraftCostTable:
         return [k for k in range(1, self.kmax + 1) if self.count(bucket, k)]
 
     def _median(self, bucket: int, k: int) -> float:
-        return float(np.median(self.cells[bucket][k]))
+        return self._medians[bucket][k]
 
     def line(self, bucket: int) -> tuple[float, float] | None:
         """(a, b) of this range's line (or the nearest measured range's); None: nothing measured anywhere."""
@@ -240,14 +260,18 @@ class DraftCostTable:
         None while nothing is measured)."""
         if k == 0:
             return 1.0
+        key = (bucket, k)
+        if key in self._ratios:
+            return self._ratios[key]
         ln = self.line(bucket)
         if ln is None:
-            return None
-        est = 1.0 + ln[0] + ln[1] * k
-        n = self.count(bucket, k)
-        if not n:
-            return est
-        return float((n * self._median(bucket, k) + self.line_weight * est) / (n + self.line_weight))
+            got = None
+        else:
+            est = 1.0 + ln[0] + ln[1] * k
+            n = self.count(bucket, k)
+            got = est if not n else float((n * self._median(bucket, k) + self.line_weight * est) / (n + self.line_weight))
+        self._ratios[key] = got
+        return got
 
     def to_dict(self) -> dict:
         return {f"rows {1 << b}-{(2 << b) - 1}": [round(self.ratio(b, k), 4) for k in range(self.kmax + 1)]
@@ -303,6 +327,7 @@ class SpecLengthPolicy:
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
+        self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -388,6 +413,9 @@ class SpecLengthPolicy:
                 return 0 if primed else k
         if self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
+        memo = (bucket, len(rows), base, self.acceptance.version, self.costs.version)
+        if pure and self._memo is not None and self._memo[0] == memo:
+            return self._memo[1]  # nothing it depends on changed since the last such step
         if pure or not self.target.calibrated:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
             score = lambda k: self._rate(base, len(rows), expected, bucket, k)  # noqa: E731
@@ -403,9 +431,10 @@ class SpecLengthPolicy:
                 best_k, best = k, v
         if pure:
             self._best[bucket] = best_k
+            self._memo = (memo, best_k)
         return best_k
 
-    def _rate(self, base_tokens: int, n: int, expected: np.ndarray, bucket: int, k: int) -> float:
+    def _rate(self, base_tokens: int, n: int, expected: list[float], bucket: int, k: int) -> float:
         """Expected tokens per step time (in units of the step without drafts)
         at k drafts for each of n rows, for a step whose rows all decode
         (`base_tokens` sampled without drafts; `expected`, E[k] per k): every
@@ -413,7 +442,7 @@ class SpecLengthPolicy:
         steps win when they commit more tokens per second."""
         return (base_tokens + n * (expected[k] - 1.0)) / self.costs.ratio(bucket, k)
 
-    def _mixed_score(self, plan: StepPlan, rows, bucket: int, busy: bool, expected: np.ndarray):
+    def _mixed_score(self, plan: StepPlan, rows, bucket: int, busy: bool, expected: list[float]):
         """k -> the score of k drafts per row in a step with prefill chunks.
 
         While more prompt is left after this step (`busy`), this step and

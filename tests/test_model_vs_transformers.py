@@ -242,7 +242,7 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
                 w = w.bfloat16().float()
             lin = SmallBatchLinear(w, b, kernels)
             assert lin.panels.dtype == (torch.bfloat16 if bf16_values else torch.float32)
-            for m in [1, 2, 3, 5, 7, 8, 9, 33]:  # 9 and 33: torch's path
+            for m in [1, 2, 3, 5, 7, 8, 9, 13, SMALL_M, SMALL_M + 1, 33]:  # rows in blocks of 8; past SMALL_M: torch
                 x = torch.randn(m, k, generator=g)
                 torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
             x = torch.randn(SMALL_M, 2 * k, generator=g)[:, ::2]  # not contiguous

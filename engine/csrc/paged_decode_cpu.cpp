@@ -133,8 +133,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
 }
 
 // ---------------------------------------------------------------------------
-// Small-batch float32 linear: y[M, N] = x[M, K] . W^T for M <= 8 rows (decode
-// and verify steps of small batches). W is kept in 16-column panels,
+// Small-batch float32 linear: y[M, N] = x[M, K] . W^T for few rows (decode
+// and verify steps of small batches; the caller picks where torch takes over). W is kept in 16-column panels,
 // panels[N / 16][K][16], so each panel streams from memory once while the M
 // rows' 16 accumulators each stay in registers, vectorised across the
 // columns. BLAS sgemm at these row counts reads W as if for a large M and
@@ -186,18 +186,25 @@ void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K,
     for (int j = 0; j < 16; ++j) y[m * N + nb * 16 + j] = acc[m][j];
 }
 
+// Rows in blocks of 8 (8 x 16 accumulators fill the 16 AVX2 registers); a panel
+// stays in L1 while every block of rows passes over it, so the weight is still
+// read from memory once.
 template <typename W>
 void panel_range(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
   for (int64_t nb = b0; nb < b1; ++nb) {
-    switch (M) {
-      case 1: panel_rows<1>(xp, wp, yp, N, K, nb); break;
-      case 2: panel_rows<2>(xp, wp, yp, N, K, nb); break;
-      case 3: panel_rows<3>(xp, wp, yp, N, K, nb); break;
-      case 4: panel_rows<4>(xp, wp, yp, N, K, nb); break;
-      case 5: panel_rows<5>(xp, wp, yp, N, K, nb); break;
-      case 6: panel_rows<6>(xp, wp, yp, N, K, nb); break;
-      case 7: panel_rows<7>(xp, wp, yp, N, K, nb); break;
-      default: panel_rows<8>(xp, wp, yp, N, K, nb); break;
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+      const float* x = xp + m0 * K;
+      float* y = yp + m0 * N;
+      switch (std::min<int64_t>(M - m0, 8)) {
+        case 1: panel_rows<1>(x, wp, y, N, K, nb); break;
+        case 2: panel_rows<2>(x, wp, y, N, K, nb); break;
+        case 3: panel_rows<3>(x, wp, y, N, K, nb); break;
+        case 4: panel_rows<4>(x, wp, y, N, K, nb); break;
+        case 5: panel_rows<5>(x, wp, y, N, K, nb); break;
+        case 6: panel_rows<6>(x, wp, y, N, K, nb); break;
+        case 7: panel_rows<7>(x, wp, y, N, K, nb); break;
+        default: panel_rows<8>(x, wp, y, N, K, nb); break;
+      }
     }
   }
 }
@@ -212,7 +219,7 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor panels) {
               "packed float32 or bfloat16 panels [N/16, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), NB = panels.size(0), N = NB * 16;
   TORCH_CHECK(panels.size(1) == K, "input features do not match the weight's");
-  TORCH_CHECK(M >= 1 && M <= 8, "1 to 8 rows");
+  TORCH_CHECK(M >= 1, "at least one row");
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -392,7 +399,7 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots, tor
 }
 
 // ---------------------------------------------------------------------------
-// A whole forward pass of a float32 Llama-family model over T <= 8
+// A whole forward pass of a float32 Llama-family model over a few (SMALL_M)
 // decode-shaped tokens (the decode and verify steps of small batches, and a
 // draft model's steps) in one call: the ops above in the order of
 // `LlamaForCausalLM.forward_planned` with `CpuKernels`, so the result is the
@@ -424,7 +431,7 @@ torch::Tensor decode_forward(torch::Tensor input_ids, torch::Tensor positions, t
   const size_t L = k_bufs.size();
   TORCH_CHECK(layers.size() == kPer * L && v_bufs.size() == L, "decode_forward: 12 tensors and a K/V pair per layer");
   const int64_t T = input_ids.numel(), D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D;
-  TORCH_CHECK(T >= 1 && T <= 8, "decode_forward: 1 to 8 tokens");
+  TORCH_CHECK(T >= 1, "decode_forward: at least one token");
   auto x = embed.index_select(0, input_ids);
   torch::Tensor residual;
   for (size_t l = 0; l < L; ++l) {
@@ -462,11 +469,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
         py::arg("w"), py::arg("bf16") = false);
-  m.def("small_linear", &small_linear, "x [M <= 8, K] . W^T from W's panels (float32, CPU)");
+  m.def("small_linear", &small_linear, "x [M, K] . W^T from W's panels (float32, CPU; rows in blocks of 8)");
   m.def("rmsnorm", &rmsnorm, "w * x * rsqrt(mean(x^2) + eps) per row (float32, CPU)");
   m.def("add_rmsnorm_", &add_rmsnorm_, "residual += x; x = rmsnorm(residual) * w, in place (float32, CPU)");
   m.def("rope_neox_", &rope_neox_, "rotate-half rotary embedding of q and k in place (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
   m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
-  m.def("decode_forward", &decode_forward, "a float32 Llama forward over <= 8 decode-shaped tokens (CPU)");
+  m.def("decode_forward", &decode_forward, "a float32 Llama forward over a few decode-shaped tokens (CPU)");
 }

@@ -62,9 +62,11 @@ def pack_linears(model: nn.Module) -> int:
 
 
 # rows up to which the panel kernel computes a float32 linear on CPU (and a decode step runs as one native
-# call): measured against torch's sgemm on an AVX2 EPYC, it is as fast or faster up to 16 rows at the
-# embedded model's shapes (2.2x on the output head), and slower from 32-64 on most
-SMALL_M = 16
+# call). On an AVX2 EPYC at the embedded model's shapes the kernel alone is as fast as torch's sgemm or
+# faster up to 16 rows (2.2x on the output head) and 0.6-1.5x at 32; with the one-call decode step, the
+# embedded model decodes batches of 24 and 32 1.45-1.6x faster with 32 here than with 16, and 64 was not
+# consistently better than 32
+SMALL_M = 32
 SMALL_M_BUDGET_BYTES = 1 << 30  # panel copies made at most (the weights are kept too)
 
 

@@ -101,15 +101,22 @@ class SmallBatchLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
-def small_batch_kernels(device: torch.device, dtype: torch.dtype):
-    """The native module with `small_linear`, for float32 on CPU (None: not
-    this device or dtype, STEPSERVE_SMALL_LINEAR=0, or no native build)."""
-    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("STEPSERVE_SMALL_LINEAR", "1") == "0":
+def _float32_cpu_native(device: torch.device, dtype: torch.dtype, switch: str, needs: str):
+    """The native CPU module if it has `needs`, for float32 on CPU (None: not
+    this device or dtype, the environment variable `switch` set to 0, or no
+    native build)."""
+    if device.type != "cpu" or dtype != torch.float32 or os.environ.get(switch, "1") == "0":
         return None
     from stepserve.engine.cpu_kernels import paged_decode_module
 
     mod = paged_decode_module()
-    return mod if mod is not None and hasattr(mod, "small_linear") else None
+    return mod if mod is not None and hasattr(mod, needs) else None
+
+
+def small_batch_kernels(device: torch.device, dtype: torch.dtype):
+    """The native module with `small_linear`, for float32 on CPU (None: not
+    this device or dtype, STEPSERVE_SMALL_LINEAR=0, or no native build)."""
+    return _float32_cpu_native(device, dtype, "STEPSERVE_SMALL_LINEAR", "small_linear")
 
 
 def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SMALL_M_BUDGET_BYTES) -> int:
@@ -272,12 +279,7 @@ class CpuKernels(TorchKernels):
 def cpu_kernels(device: torch.device, dtype: torch.dtype):
     """The native module with the fused small ops, for float32 on CPU (None:
     not this device or dtype, STEPSERVE_CPU_FUSED=0, or no native build)."""
-    if device.type != "cpu" or dtype != torch.float32 or os.environ.get("STEPSERVE_CPU_FUSED", "1") == "0":
-        return None
-    from stepserve.engine.cpu_kernels import paged_decode_module
-
-    mod = paged_decode_module()
-    return mod if mod is not None and hasattr(mod, "rope_neox_") else None
+    return _float32_cpu_native(device, dtype, "STEPSERVE_CPU_FUSED", "rope_neox_")
 
 
 class FlashInferKernels(TorchKernels):

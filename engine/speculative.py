@@ -179,6 +179,8 @@ class DraftModelProposer:
         ok = self.valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
         first = (~ok).to(torch.int8).argmax(dim=1).tolist()  # the pending token's slot is new: always found
         entries = [(r.seq.row, p, r.seq.token_ids[p : r.start + 1]) for r, p in zip(rows, first)]
+        if self._native_greedy(rows, entries):
+            return
         active = list(range(len(rows)))
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         step = 0
@@ -199,6 +201,36 @@ class DraftModelProposer:
         for r, pr in zip(rows, probs):
             if pr:
                 r.draft_probs = torch.stack(pr)
+
+    def _native_greedy(self, rows: list[ScheduledRow], entries: list[tuple[int, int, list[int]]]) -> bool:
+        """All of `propose`'s draft steps as one native call
+        (`greedy_draft_steps`), where every row is plain greedy and every
+        entry decode-shaped, on the one-call CPU decode path; False (nothing
+        done) otherwise. Same forwards and argmax as the step loop, so the
+        same drafts."""
+        if self.device.type != "cpu" or not all(r.seq.plain_greedy for r in rows):
+            return False
+        n = sum(len(e[2]) for e in entries)
+        if any(len(e[2]) > DECODE_SHAPED_MAX for e in entries) or not self.model.native_greedy_steps_ok(n, self.backend):
+            return False
+        ids: list[int] = []
+        pos: list[int] = []
+        tok_rows: list[int] = []
+        last: list[int] = []
+        for row, p, toks in entries:
+            ids.extend(toks)
+            pos.extend(range(p, p + len(toks)))
+            tok_rows.extend([row] * len(toks))
+            last.append(len(ids) - 1)
+        steps = [r.draft_len for r in rows]
+        host = torch.tensor(ids + pos + tok_rows + last + steps, dtype=torch.long)
+        R = len(rows)
+        out = self.model.greedy_draft_steps(host[:n], host[n : 2 * n], host[2 * n : 3 * n], host[3 * n : 3 * n + R],
+                                            host[3 * n + R :], self.req_pool.table, self.valid, self.backend)
+        for r, toks in zip(rows, out.tolist()):
+            r.draft = toks[: r.draft_len]
+        self.forwards += max(steps)
+        return True
 
     def _forward(self, entries: list[tuple[int, int, list[int]]]) -> torch.Tensor:
         """One draft forward over (req->token row, first position, tokens)

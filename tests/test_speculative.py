@@ -72,6 +72,46 @@ def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shap
         assert llm.engine.stats().policy["spec_accepted_tokens"] > 0
 
 
+def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch):
+    """Greedy rows draft all their steps in one native call where the one-call
+    decode path runs (float32 on CPU): every step's drafts, and the draft's
+    KV-written map, are those of the step-by-step loop, with per-row lengths
+    (rows near their max_tokens draft fewer) and catch-up entries of several
+    tokens."""
+    calls = {"native": 0}
+    real_native = speculative.DraftModelProposer._native_greedy
+    real_propose = speculative.DraftModelProposer.propose
+
+    def counting(self, rows, entries):
+        done = real_native(self, rows, entries)
+        calls["native"] += done
+        return done
+
+    def run(native: bool):
+        drafts = []
+
+        def propose(self, plan):
+            real_propose(self, plan)
+            drafts.append([(r.seq.row, r.start, list(r.draft)) for r in plan.verify_rows])
+
+        monkeypatch.setattr(speculative.DraftModelProposer, "_native_greedy",
+                            counting if native else (lambda self, rows, entries: False))
+        monkeypatch.setattr(speculative.DraftModelProposer, "propose", propose)
+        llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:5")
+        out = _tokens(llm.generate(PROMPTS, _mixed_params()))
+        return out, drafts, llm.engine.runner.proposer.valid.clone(), llm
+
+    out_loop, drafts_loop, valid_loop, _ = run(False)
+    out_nat, drafts_nat, valid_nat, llm = run(True)
+    if llm.engine.runner.proposer.model._native_decode is None:
+        pytest.skip("no one-call native decode path on this machine")
+    assert calls["native"] > 0
+    assert out_nat == out_loop
+    assert drafts_nat == drafts_loop
+    assert any(len({len(d) for _, _, d in step}) > 1 for step in drafts_nat)  # per-row lengths were exercised
+    assert torch.equal(valid_nat, valid_loop)
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_greedy_random_checkpoints(ckpt_factory, arch):
     """Random checkpoints of each architecture, with a different random draft

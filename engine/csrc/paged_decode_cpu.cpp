@@ -465,6 +465,130 @@ torch::Tensor decode_forward(torch::Tensor input_ids, torch::Tensor positions, t
   return linear_panels(xs, head_panels, head_bias);
 }
 
+// ---------------------------------------------------------------------------
+// A draft model's greedy steps in one call. The first forward runs the given
+// decode-shaped tokens (each row's catch-up entry: the tokens from its first
+// position without draft KV up to its pending token) exactly as
+// `decode_forward`; each row's next token is the argmax of its logits (the
+// first maximum, a NaN counting as the maximum: numpy's rule, which
+// `argmax_rows` uses), fed back as the one token of the next forward, at the
+// next position, into the slot the req->token table holds for it, until the
+// row has drafted `steps[r]` tokens. Every slot written is marked in `valid`
+// (the draft's KV-written bitmap). Returns the drafted tokens [R, max(steps)]
+// (-1 past a row's steps). Same forwards and argmax as the Python loop, so the
+// same tokens, without the Python between the steps.
+
+namespace {
+
+int64_t first_argmax(const float* x, int64_t V) {
+  int64_t best = 0;
+  float bv = x[0];
+  if (std::isnan(bv)) return 0;
+  for (int64_t i = 1; i < V; ++i) {
+    const float v = x[i];
+    if (std::isnan(v)) return i;
+    if (v > bv) {
+      bv = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor tok_rows,
+                                 torch::Tensor last, torch::Tensor steps, torch::Tensor table, torch::Tensor valid,
+                                 torch::Tensor embed, std::vector<torch::Tensor> layers,
+                                 std::vector<torch::Tensor> k_bufs, std::vector<torch::Tensor> v_bufs,
+                                 torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm,
+                                 torch::Tensor head_panels, torch::Tensor head_bias, int64_t num_heads,
+                                 int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  const int64_t T = input_ids.numel(), R = last.numel();
+  TORCH_CHECK(T >= 1 && R >= 1 && positions.numel() == T && tok_rows.numel() == T && steps.numel() == R,
+              "greedy_draft_steps: tokens, their positions and rows; one last index and step count per row");
+  for (auto* t : {&input_ids, &positions, &tok_rows, &last, &steps})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "greedy_draft_steps: contiguous int64 indices");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.stride(1) == 1,
+              "greedy_draft_steps: an int64 req->token table");
+  TORCH_CHECK(valid.scalar_type() == torch::kBool && valid.is_contiguous(), "greedy_draft_steps: a bool valid map");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* trow = tok_rows.data_ptr<int64_t>();
+  const int64_t* lst = last.data_ptr<int64_t>();
+  const int64_t* st = steps.data_ptr<int64_t>();
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t ts = table.stride(0), tcols = table.size(1), trows = table.size(0), S = valid.numel();
+  bool* vmap = valid.data_ptr<bool>();
+  int64_t max_steps = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(st[r] >= 1 && lst[r] >= 0 && lst[r] < T, "greedy_draft_steps: a row's steps and last index");
+    max_steps = std::max(max_steps, st[r]);
+  }
+  auto slot_of = [&](int64_t row, int64_t p) {
+    TORCH_CHECK(row >= 0 && row < trows && p >= 0 && p < tcols, "greedy_draft_steps: position out of the table");
+    const int64_t s = tab[row * ts + p];
+    TORCH_CHECK(s >= 0 && s < S, "greedy_draft_steps: slot out of the pool");
+    return s;
+  };
+  auto out = torch::full({R, max_steps}, -1, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  // first forward: the entries as given
+  auto opts = torch::TensorOptions().dtype(torch::kInt64);
+  auto slots = torch::empty({T}, opts);
+  auto lens = torch::empty({T}, opts);
+  for (int64_t t = 0; t < T; ++t) {
+    slots.data_ptr<int64_t>()[t] = slot_of(trow[t], pos[t]);
+    lens.data_ptr<int64_t>()[t] = pos[t] + 1;
+  }
+  std::vector<int64_t> row_of(R), next_pos(R), active(R);
+  for (int64_t r = 0; r < R; ++r) {
+    row_of[r] = trow[lst[r]];
+    next_pos[r] = pos[lst[r]] + 1;
+    active[r] = r;
+  }
+  torch::Tensor ids = input_ids, p_t = positions, rows_t = tok_rows, li = last;
+  for (int64_t step = 0; step < max_steps; ++step) {
+    const int64_t n = ids.numel();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < n; ++t) vmap[sl[t]] = true;
+    auto logits = decode_forward(ids, p_t, slots, table, rows_t, lens, li, embed, layers, k_bufs, v_bufs, cos, sin,
+                                 final_norm, head_panels, head_bias, num_heads, num_kv_heads, head_dim, eps, scale);
+    TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == torch::kFloat32, "greedy_draft_steps: logits");
+    const int64_t V = logits.size(1);
+    const float* lg = logits.data_ptr<float>();
+    std::vector<int64_t> still;
+    std::vector<int64_t> tok(active.size());
+    for (size_t j = 0; j < active.size(); ++j) {
+      const int64_t r = active[j];
+      tok[j] = first_argmax(lg + j * V, V);
+      o[r * max_steps + step] = tok[j];
+    }
+    for (size_t j = 0; j < active.size(); ++j)
+      if (st[active[j]] > step + 1) still.push_back(j);
+    if (still.empty()) break;
+    const int64_t m = static_cast<int64_t>(still.size());
+    ids = torch::empty({m}, opts);
+    p_t = torch::empty({m}, opts);
+    rows_t = torch::empty({m}, opts);
+    slots = torch::empty({m}, opts);
+    lens = torch::empty({m}, opts);
+    li = torch::arange(m, opts);
+    std::vector<int64_t> next_active(m);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t j = still[i], r = active[j];
+      const int64_t p = next_pos[r] + step;
+      ids.data_ptr<int64_t>()[i] = tok[j];
+      p_t.data_ptr<int64_t>()[i] = p;
+      rows_t.data_ptr<int64_t>()[i] = row_of[r];
+      slots.data_ptr<int64_t>()[i] = slot_of(row_of[r], p);
+      lens.data_ptr<int64_t>()[i] = p + 1;
+      next_active[i] = r;
+    }
+    active.swap(next_active);
+  }
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
@@ -476,4 +600,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
   m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
   m.def("decode_forward", &decode_forward, "a float32 Llama forward over a few decode-shaped tokens (CPU)");
+  m.def("greedy_draft_steps", &greedy_draft_steps, "a draft model's greedy steps, each row's argmax fed back (CPU)");
 }

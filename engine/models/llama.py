@@ -427,6 +427,27 @@ class LlamaForCausalLM(nn.Module):
             self.rotary.cos, self.rotary.sin, self.model.norm.weight, self._head().panels, head_bias,
             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, backend.scale)
 
+    def native_greedy_steps_ok(self, num_tokens: int, backend) -> bool:
+        """Whether `greedy_draft_steps` can run a first forward of `num_tokens`
+        decode-shaped tokens (the one-call decode path is available)."""
+        return (self._native_decode is not None and num_tokens <= SMALL_M
+                and hasattr(self._native_decode[0], "greedy_draft_steps") and getattr(backend, "native_decode_ok", False))
+
+    def greedy_draft_steps(self, input_ids, positions, tok_rows, last, steps, table, valid, backend) -> torch.Tensor:
+        """A draft model's greedy steps as one native call: a forward over the
+        decode-shaped tokens (ids, positions, req->token rows), then each row's
+        argmax at its `last` token fed back one token at a time until it has
+        `steps[r]` tokens; the slots written are marked in `valid`. Returns the
+        tokens [R, max(steps)] (-1 past a row's steps): the same forwards
+        (`_forward_native`) and argmax (`argmax_rows`) as step by step."""
+        native, layers, head_bias = self._native_decode
+        cfg, pool = self.config, backend.pool
+        return native.greedy_draft_steps(
+            input_ids, positions, tok_rows, last, steps, table, valid, self.model.embed_tokens.weight, layers,
+            pool.k_buffers, pool.v_buffers, self.rotary.cos, self.rotary.sin, self.model.norm.weight,
+            self._head().panels, head_bias, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+            backend.scale)
+
     def _head(self):
         return self.tied_head if self.config.tie_word_embeddings else self.lm_head
 

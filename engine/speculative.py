@@ -46,6 +46,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from stepserve.engine.cpu_kernels import paged_decode_module
 from stepserve.engine.forward_batch import ForwardBatch, token_bucket
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
@@ -163,6 +164,8 @@ class DraftModelProposer:
         self.valid = torch.zeros(pool.num_slots, dtype=torch.bool, device=device)
         self.pad_tokens = pad_tokens
         self.forwards = 0  # draft forward passes run
+        native = paged_decode_module() if device.type == "cpu" else None
+        self._native = native if hasattr(native, "first_unmarked") else None
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> None:
@@ -171,13 +174,7 @@ class DraftModelProposer:
         rows = plan.verify_rows
         for r in rows:
             r.draft, r.draft_probs = [], None
-        table = self.req_pool.table
-        seq_rows = torch.tensor([r.seq.row for r in rows], dtype=torch.long, device=table.device)
-        lens = torch.tensor([r.start + 1 for r in rows], dtype=torch.long, device=table.device)
-        lmax = int(lens.max())
-        idx = table[seq_rows, :lmax]
-        ok = self.valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
-        first = (~ok).to(torch.int8).argmax(dim=1).tolist()  # the pending token's slot is new: always found
+        first = self._first_unwritten(rows)
         entries = [(r.seq.row, p, r.seq.token_ids[p : r.start + 1]) for r, p in zip(rows, first)]
         if self._native_greedy(rows, entries):
             return
@@ -201,6 +198,19 @@ class DraftModelProposer:
         for r, pr in zip(rows, probs):
             if pr:
                 r.draft_probs = torch.stack(pr)
+
+    def _first_unwritten(self, rows: list[ScheduledRow]) -> list[int]:
+        """Each row's first position without draft KV (its pending token's
+        slot is new this step, so one is always found)."""
+        table = self.req_pool.table
+        host = torch.tensor([r.seq.row for r in rows] + [r.start + 1 for r in rows], dtype=torch.long)
+        if self._native is not None:  # one scan in C++, not six torch ops (~0.4 ms a step at batch 1)
+            return self._native.first_unmarked(self.valid, table, host[: len(rows)], host[len(rows) :]).tolist()
+        seq_rows, lens = host.to(table.device).view(2, -1)
+        lmax = int(lens.max())
+        idx = table[seq_rows, :lmax]
+        ok = self.valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
+        return (~ok).to(torch.int8).argmax(dim=1).tolist()
 
     def _native_greedy(self, rows: list[ScheduledRow], entries: list[tuple[int, int, list[int]]]) -> bool:
         """All of `propose`'s draft steps as one native call

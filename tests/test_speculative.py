@@ -74,13 +74,15 @@ def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shap
 
 def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch):
     """Greedy rows draft all their steps in one native call where the one-call
-    decode path runs (float32 on CPU): every step's drafts, and the draft's
-    KV-written map, are those of the step-by-step loop, with per-row lengths
+    decode path runs (float32 on CPU), after a native scan for each row's
+    first position without draft KV: every step's drafts, and the draft's
+    KV-written map, are those of the step-by-step loop after the torch scan, with per-row lengths
     (rows near their max_tokens draft fewer) and catch-up entries of several
     tokens."""
     calls = {"native": 0}
     real_native = speculative.DraftModelProposer._native_greedy
     real_propose = speculative.DraftModelProposer.propose
+    real_module = speculative.paged_decode_module
 
     def counting(self, rows, entries):
         done = real_native(self, rows, entries)
@@ -96,6 +98,8 @@ def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch):
 
         monkeypatch.setattr(speculative.DraftModelProposer, "_native_greedy",
                             counting if native else (lambda self, rows, entries: False))
+        # the catch-up scan too: native, or the torch ops
+        monkeypatch.setattr(speculative, "paged_decode_module", real_module if native else (lambda: None))
         monkeypatch.setattr(speculative.DraftModelProposer, "propose", propose)
         llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:5")
         out = _tokens(llm.generate(PROMPTS, _mixed_params()))

@@ -497,6 +497,37 @@ int64_t first_argmax(const float* x, int64_t V) {
 
 }  // namespace
 
+// For each row r, the first position p < ends[r] whose slot (table[rows[r], p])
+// is not marked in `valid` (a draft model's KV-written map): where the row's
+// draft catch-up starts. ends[r] - 1 when every position is marked.
+torch::Tensor first_unmarked(torch::Tensor valid, torch::Tensor table, torch::Tensor rows, torch::Tensor ends) {
+  TORCH_CHECK(valid.scalar_type() == torch::kBool && valid.is_contiguous(), "first_unmarked: a bool map");
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.stride(1) == 1,
+              "first_unmarked: an int64 req->token table");
+  TORCH_CHECK(rows.scalar_type() == torch::kInt64 && ends.scalar_type() == torch::kInt64 && rows.is_contiguous() &&
+                  ends.is_contiguous() && rows.numel() == ends.numel(),
+              "first_unmarked: int64 rows and ends, one each per row");
+  const int64_t R = rows.numel(), S = valid.numel(), ts = table.stride(0);
+  const bool* v = valid.data_ptr<bool>();
+  const int64_t* tab = table.data_ptr<int64_t>();
+  const int64_t* rw = rows.data_ptr<int64_t>();
+  const int64_t* en = ends.data_ptr<int64_t>();
+  auto out = torch::empty({R}, torch::kInt64);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(rw[r] >= 0 && rw[r] < table.size(0) && en[r] >= 1 && en[r] <= table.size(1),
+                "first_unmarked: a row's positions out of the table");
+    const int64_t* slots = tab + rw[r] * ts;
+    int64_t p = 0;
+    for (; p < en[r]; ++p) {
+      TORCH_CHECK(slots[p] >= 0 && slots[p] < S, "first_unmarked: slot out of the map");
+      if (!v[slots[p]]) break;
+    }
+    o[r] = std::min(p, en[r] - 1);
+  }
+  return out;
+}
+
 torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor positions, torch::Tensor tok_rows,
                                  torch::Tensor last, torch::Tensor steps, torch::Tensor table, torch::Tensor valid,
                                  torch::Tensor embed, std::vector<torch::Tensor> layers,
@@ -600,5 +631,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
   m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
   m.def("decode_forward", &decode_forward, "a float32 Llama forward over a few decode-shaped tokens (CPU)");
+  m.def("first_unmarked", &first_unmarked, "per row, the first position whose slot is not marked in a bool map (CPU)");
   m.def("greedy_draft_steps", &greedy_draft_steps, "a draft model's greedy steps, each row's argmax fed back (CPU)");
 }

@@ -5,6 +5,9 @@
 // prefetching a few slots ahead since a row's slots are scattered over the pool.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -163,12 +166,67 @@ inline float widen(at::BFloat16 v) {
   return f;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// 16 weights of a panel row as two 8-float vectors (bf16 -> f32 is a 16-bit shift)
+inline void load16(const at::BFloat16* p, __m256& lo, __m256& hi) {
+  lo = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  hi = _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8))), 16));
+}
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+
+// Up to 6 rows against one panel, each row's 16 sums in two named registers
+// (12 accumulators, the panel's two vectors and a broadcast: 15 of the 16
+// AVX2 registers). Written out rather than as an array, which GCC kept on the
+// stack (a store and reload per step, and 128-bit vectors on Zen tuning):
+// 1.3-1.4x faster from 3 rows up, measured on an AVX2 EPYC. Every row's sums
+// run over k in order with one fused multiply-add each, so a row's result does
+// not depend on how many rows share its call (batch invariance), as before.
+#define STEPSERVE_PANEL_ROW(m)                                     \
+  if constexpr (M > m) {                                           \
+    const __m256 xv = _mm256_broadcast_ss(x + m * K + k);          \
+    a##m##l = _mm256_fmadd_ps(xv, lo, a##m##l);                    \
+    a##m##h = _mm256_fmadd_ps(xv, hi, a##m##h);                    \
+  }
+#define STEPSERVE_PANEL_STORE(m)                                   \
+  if constexpr (M > m) {                                           \
+    _mm256_storeu_ps(y + m * N + nb * 16, a##m##l);                \
+    _mm256_storeu_ps(y + m * N + nb * 16 + 8, a##m##h);            \
+  }
+constexpr int kRowBlock = 6;
+template <int M, typename W>
+void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K, int64_t nb) {
+  __m256 a0l = _mm256_setzero_ps(), a0h = a0l, a1l = a0l, a1h = a0l, a2l = a0l, a2h = a0l, a3l = a0l, a3h = a0l,
+         a4l = a0l, a4h = a0l, a5l = a0l, a5h = a0l;
+  const W* w = panels + nb * K * 16;
+  // the panel is one stream of K * 16 values; fetched well ahead, since on some machines (a
+  // virtualised EPYC) a cold product otherwise waits on memory line by line
+  constexpr int64_t kAhead = 1024 / sizeof(W);  // 1 KiB ahead
+  for (int64_t k = 0; k < K; ++k) {
+    const W* wk = w + k * 16;
+    if ((k * 16 * sizeof(W)) % 64 == 0) __builtin_prefetch(wk + kAhead);
+    __m256 lo, hi;
+    load16(wk, lo, hi);
+    STEPSERVE_PANEL_ROW(0) STEPSERVE_PANEL_ROW(1) STEPSERVE_PANEL_ROW(2)
+    STEPSERVE_PANEL_ROW(3) STEPSERVE_PANEL_ROW(4) STEPSERVE_PANEL_ROW(5)
+  }
+  STEPSERVE_PANEL_STORE(0) STEPSERVE_PANEL_STORE(1) STEPSERVE_PANEL_STORE(2)
+  STEPSERVE_PANEL_STORE(3) STEPSERVE_PANEL_STORE(4) STEPSERVE_PANEL_STORE(5)
+}
+#undef STEPSERVE_PANEL_ROW
+#undef STEPSERVE_PANEL_STORE
+#else
+// Portable form (no AVX2/FMA at build time): the compiler vectorises the
+// columns; rows in blocks of 8.
+constexpr int kRowBlock = 8;
 template <int M, typename W>
 void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K, int64_t nb) {
   float acc[M][16] = {};
   const W* w = panels + nb * K * 16;
-  // the panel is one stream of K * 16 values; fetched well ahead, since on some machines (a
-  // virtualised EPYC) a cold product otherwise waits on memory line by line
   constexpr int64_t kAhead = 1024 / sizeof(W);  // 1 KiB ahead
   for (int64_t k = 0; k < K; ++k) {
     const W* wk = w + k * 16;
@@ -185,25 +243,29 @@ void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K,
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 16; ++j) y[m * N + nb * 16 + j] = acc[m][j];
 }
+#endif
 
-// Rows in blocks of 8 (8 x 16 accumulators fill the 16 AVX2 registers); a panel
-// stays in L1 while every block of rows passes over it, so the weight is still
-// read from memory once.
+// Rows in blocks of kRowBlock; a panel stays in L1 while every block of rows
+// passes over it, so the weight is still read from memory once.
 template <typename W>
 void panel_range(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
   for (int64_t nb = b0; nb < b1; ++nb) {
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const float* x = xp + m0 * K;
       float* y = yp + m0 * N;
-      switch (std::min<int64_t>(M - m0, 8)) {
+      switch (std::min<int64_t>(M - m0, kRowBlock)) {
         case 1: panel_rows<1>(x, wp, y, N, K, nb); break;
         case 2: panel_rows<2>(x, wp, y, N, K, nb); break;
         case 3: panel_rows<3>(x, wp, y, N, K, nb); break;
         case 4: panel_rows<4>(x, wp, y, N, K, nb); break;
         case 5: panel_rows<5>(x, wp, y, N, K, nb); break;
+#if !(defined(__AVX2__) && defined(__FMA__))
         case 6: panel_rows<6>(x, wp, y, N, K, nb); break;
         case 7: panel_rows<7>(x, wp, y, N, K, nb); break;
         default: panel_rows<8>(x, wp, y, N, K, nb); break;
+#else
+        default: panel_rows<6>(x, wp, y, N, K, nb); break;
+#endif
       }
     }
   }

@@ -4,6 +4,7 @@ logprobs, prompt logprobs, stop strings, text."""
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -156,7 +157,9 @@ class EngineStats:
     kv_used: int = 0
     kv_capacity: int = 1
     step_times: list = field(default_factory=list)  # wall_s of steps after since_step
-    step_tokens: list = field(default_factory=list)  # and the tokens each computed (prefill + decode)
+    # tokens per step as vLLM's iteration_tokens_total counts them: generated, plus the whole prompt of each
+    # sequence that got its first token (not the tokens computed: a prefix-cache hit counts)
+    step_tokens: list = field(default_factory=list)
     last_step: int = -1
     policy: dict = field(default_factory=dict)  # the step policies' own counters (`policies.policy_stats`)
 
@@ -301,6 +304,9 @@ class Engine:
         self._next_req_id = 0
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0, "finished": {}}
         self._changed: dict[str, Request] = {}  # requests a step's tokens changed (its return value)
+        # (step, tokens) of recent steps as vLLM counts an iteration's tokens: those generated, plus the
+        # whole prompt of each sequence that got its first token (what its iteration_tokens_total reads)
+        self._iteration_tokens: collections.deque = collections.deque(maxlen=4096)
 
     def _attention(self, pool: TokenKVPool, mc, model):
         """The attention backend `config.attention_backend` names for `model`
@@ -506,8 +512,12 @@ class Engine:
             top_lps = out.sampler.top_logprobs.tolist() if out.sampler.top_logprobs is not None else None
         index = {id(s): i for i, s in enumerate(out.sampler_seqs or out.seqs)} if want_lp else None
         verify = {id(r.seq): r for r in plan.verify_rows} if plan.num_verify else None
+        gen0 = self.totals["generation_tokens"]
         self.totals["generation_tokens"] += len(got)
+        prompts = 0
         for seq in got:
+            if seq.num_output == 1:
+                prompts += seq.prompt_len
             req: Request = seq.group
             branch = req.branches[seq.branch]
             if verify is not None and id(seq) in verify:
@@ -535,6 +545,7 @@ class Engine:
         for req in ended:
             if req.finished:
                 self._mark_finished(req)
+        self._iteration_tokens.append((self.core.step_id, prompts + self.totals["generation_tokens"] - gen0))
 
     def _took_run(self, req: Request, branch: Branch, seq, row, out) -> bool:
         """A verify row's tokens (accepted drafts and the token after them):
@@ -587,12 +598,13 @@ class Engine:
         sched = self.scheduler
         running = {id(s.group) for s in sched.running}
         waiting = {id(s.group) for s in sched.waiting} - running
-        new = []
+        times = []
         for rec in reversed(self.records):
             if rec.step <= since_step:
                 break
-            new.append((rec.wall_s, rec.new_tokens))
-        new.reverse()
+            times.append(rec.wall_s)
+        times.reverse()
+        tokens = [n for step, n in self._iteration_tokens if step > since_step]
         return EngineStats(
             prompt_tokens=self.totals["prompt_tokens"],
             generation_tokens=self.totals["generation_tokens"],
@@ -604,8 +616,8 @@ class Engine:
             waiting=len(waiting),
             kv_used=sched.kv.used(),
             kv_capacity=max(sched.kv.capacity, 1),
-            step_times=[w for w, _ in new],
-            step_tokens=[t for _, t in new],
+            step_times=times,
+            step_tokens=tokens,
             last_step=self.step_id - 1,
             policy=policy_stats(self.policies),
         )

@@ -130,7 +130,9 @@ class ServerMetrics:
                              registry=r, buckets=_LATENCY_BUCKETS)
         self.step_time = Histogram(P + "step_time_seconds", "Engine step wall time", registry=r,
                                    buckets=_STEP_BUCKETS)
-        self.iteration_tokens = Histogram(P + "iteration_tokens_total", "Tokens computed per engine step",
+        self.iteration_tokens = Histogram(P + "iteration_tokens_total",
+                                          "Tokens per engine step, as vLLM counts them: generated, plus the whole "
+                                          "prompt of each sequence that got its first token",
                                           registry=r, buckets=_TOKEN_BUCKETS)
         self.request_prompt_tokens = Histogram(P + "request_prompt_tokens", "Prompt tokens per request",
                                                registry=r, buckets=_TOKEN_BUCKETS)

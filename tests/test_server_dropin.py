@@ -534,7 +534,7 @@ def test_vllm_metric_families(srv, client):
     for _ in range(50):  # step records reach the metrics on the next scrape
         after = srv.metrics()
         if after.get("stepserve:iteration_tokens_total_sum", 0) - before.get(
-                "stepserve:iteration_tokens_total_sum", 0) >= 2 * n_prompt:
+                "stepserve:iteration_tokens_total_sum", 0) >= 4 * n_prompt + 20:
             time_ok = True
             break
     assert time_ok
@@ -551,6 +551,8 @@ def test_vllm_metric_families(srv, client):
     kv_slots = srv.kv_report().capacity  # the pool's slots: 16384 asked for
     assert after[f'stepserve:cache_config_info{{block_size="1",num_gpu_blocks="{kv_slots}"}}'] == 1.0
     assert d("stepserve:iteration_tokens_total_count") >= 5
+    # vLLM's count: every generated token, and each choice's whole prompt at its first token (cached or not)
+    assert d("stepserve:iteration_tokens_total_sum") == 4 * n_prompt + 20
     assert d("stepserve:request_params_n_sum") == 4 and d("stepserve:request_params_max_tokens_sum") == 10
     # vLLM's per-phase request times: one of each per request; prefill and decode make up inference,
     # which with the wait fits inside the latency the server measured

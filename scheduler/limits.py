@@ -33,7 +33,7 @@ class Limits:
         if vocab is not None:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise RequestError(f"Token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+                raise RequestError(f"Token ids out of vocabulary (the range [0, {vocab})): {bad[:5]}", "prompt")
 
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
         """The generation cap for a prompt of this length: `requested`, or else

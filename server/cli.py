@@ -41,6 +41,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on every route but /health (env STEPSERVE_API_KEY)")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients use (default: the model directory's name)")
+    g.add_argument("--enable-prompt-tokens-details", "--enable-cache-report", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens (prompt tokens served by the radix "
+                        "cache) on the OpenAI routes; off by default, as in vLLM and SGLang, whose flags these are")
     g.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests accepted beyond --max-running before answering 429")
     g.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
@@ -92,6 +95,7 @@ def run_serve(args) -> int:
         api_key=args.api_key or None,
         max_queued_requests=args.max_queued_requests,
         max_request_bytes=args.max_request_bytes,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     died: list[BaseException] = []
 

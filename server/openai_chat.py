@@ -47,8 +47,13 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
     chars = sum(len(m["content"]) for m in messages) + sum(
         len(c.function.arguments) for m in req.messages for c in (m.tool_calls or ()))
     client.check_text_length(chars, "messages")  # the template adds text; it does not drop a turn's content
+    add_generation_prompt = req.add_generation_prompt
     if req.continue_final_message:
-        if req.add_generation_prompt:
+        # continuing the last message implies no generation prompt after it (SGLang's reading; vLLM refuses
+        # only a request that sets both itself): only an explicit add_generation_prompt=true conflicts
+        if "add_generation_prompt" not in req.model_fields_set:
+            add_generation_prompt = False
+        elif add_generation_prompt:
             raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
                               "continue_final_message")
         if messages[-1]["role"] != "assistant":
@@ -60,7 +65,7 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
     if taken:
         raise bad_request(f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs")
     render = functools.partial(tok.apply_chat_template, messages, tokenize=False,
-                               add_generation_prompt=req.add_generation_prompt,
+                               add_generation_prompt=add_generation_prompt,
                                continue_final_message=req.continue_final_message, **extra)
     try:
         if tools:

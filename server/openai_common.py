@@ -56,12 +56,15 @@ def sampling_kwargs(req: _SamplingFields, route: str) -> dict:
     return kw
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict:
+    """OpenAI's usage object; `prompt_tokens_details` (the prompt tokens the
+    radix cache served) only when `cached_tokens` is given, else null, as vLLM
+    and SGLang answer unless told to report it (`--enable-prompt-tokens-details`)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
     }
 
 
@@ -79,9 +82,10 @@ class Accumulator:
     """Deltas of every prompt's request -> per-choice totals and usage.
     Choice index = prompt index * n + branch index (OpenAI's order)."""
 
-    def __init__(self, n: int, prompt_tokens: list[int]):
+    def __init__(self, n: int, prompt_tokens: list[int], prompt_details: bool = True):
         self.n = n
         self.prompt_tokens = prompt_tokens
+        self.prompt_details = prompt_details  # usage reports the cached prompt tokens
         self.cached = [0] * len(prompt_tokens)
         self.choices: dict[int, ChoiceState] = {}
         self.prompt_logprobs: dict[int, list] = {}  # prompt index -> its prompt logprobs, once they came
@@ -113,7 +117,10 @@ class Accumulator:
 
     def usage(self) -> dict:
         completion = sum(len(c.token_ids) for c in self.choices.values())
-        return usage(sum(self.prompt_tokens), completion, sum(self.cached))
+        return usage(sum(self.prompt_tokens), completion, sum(self.cached) if self.prompt_details else None)
+
+    def cached_tokens(self) -> int:
+        return sum(self.cached)
 
 
 def include_usage(req: _SamplingFields) -> bool:

@@ -252,10 +252,11 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
 
     def usage() -> dict:
         u = gen.acc.usage()
-        return {"input_tokens": u["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": u["prompt_tokens_details"]["cached_tokens"]},
+        # OpenAI's names, and beside them the chat names SGLang's Responses usage carries (its clients read those)
+        return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": gen.acc.cached_tokens()},
                 "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": u["total_tokens"]}
+                "total_tokens": u["total_tokens"], "prompt_tokens": u["prompt_tokens"],
+                "completion_tokens": u["completion_tokens"]}
 
     def message_item(text: str, status: str = "completed") -> dict:
         return {"type": "message", "id": msg_id, "status": status, "role": "assistant",

@@ -49,6 +49,9 @@ class ServerSettings:
     retry_after_s: int = 1
     max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413 before they are read
     metrics_poll_s: float = 1.0
+    # usage.prompt_tokens_details (cached prompt tokens) on the OpenAI chat and completions routes: off by
+    # default, as in vLLM (--enable-prompt-tokens-details) and SGLang (--enable-cache-report)
+    enable_prompt_tokens_details: bool = False
 
 
 class ClientDisconnected(Exception):
@@ -431,7 +434,8 @@ class EngineClient:
         for p in params:  # one engine request per prompt, as vLLM counts them
             self.metrics.request_params_n.observe(p.n)
             self.metrics.request_params_max_tokens.observe(p.max_tokens)
-        return Generation(request, streams, ticket, Accumulator(n, [len(p) for p in prompts]))
+        return Generation(request, streams, ticket, Accumulator(n, [len(p) for p in prompts],
+                                                                self.settings.enable_prompt_tokens_details))
 
     def acquire(self, k: int) -> Ticket:
         try:

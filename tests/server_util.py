@@ -35,12 +35,14 @@ class ServerThread:
 
     def __init__(self, model: str, served_model_name: str = "test-model", api_key: str | None = None,
                  max_queued_requests: int = 1024, engine_process: bool = True,
-                 max_request_bytes: int | None = 8 << 20, **engine_kwargs):
+                 max_request_bytes: int | None = 8 << 20, enable_prompt_tokens_details: bool = False,
+                 **engine_kwargs):
         engine_kwargs.setdefault("check_invariants", True)
         self.engine = AsyncEngine(EngineConfig(model=model, **engine_kwargs), process=engine_process)
         self.settings = ServerSettings(served_model_name=served_model_name, api_key=api_key,
                                        max_queued_requests=max_queued_requests, metrics_poll_s=0.2,
-                                       max_request_bytes=max_request_bytes)
+                                       max_request_bytes=max_request_bytes,
+                                       enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.app = create_app(self.engine, self.settings)
         self.port = free_port()
         self.url = f"http://{HOST}:{self.port}"

@@ -158,7 +158,7 @@ def test_validation_errors_leave_engine_serving(llm):
         llm.generate([[5] * 600])
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate(["hi"], SamplingParams(max_tokens=512))
-    with pytest.raises(ValueError, match="out of range"):
+    with pytest.raises(ValueError, match="out of vocabulary"):
         llm.generate([[5, 100000]])
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
@@ -180,7 +180,7 @@ def test_out_of_vocab_token_ids_refused_at_entry(llm):
         ("hi", SamplingParams(logit_bias={V: 1.0}), "logit_bias"),
         ("hi", SamplingParams(logit_bias={str(V): 1.0}), "logit_bias"),  # JSON-style key
     ]:
-        with pytest.raises(ValueError, match="out of range" if name == "prompt" else f"^{name}") as e:
+        with pytest.raises(ValueError, match="out of vocabulary" if name == "prompt" else f"^{name}") as e:
             llm.generate([prompt], params)
         assert e.value.param == name
         assert not eng.requests and not eng.scheduler.waiting

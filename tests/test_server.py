@@ -16,7 +16,7 @@ MODEL = "test-model"
 KEY = "sk-test-key"
 
 
-srv, client = server_fixtures(MODEL, KEY, kv_slots=16384, max_running=64)
+srv, client = server_fixtures(MODEL, KEY, kv_slots=16384, max_running=64, enable_prompt_tokens_details=True)
 
 
 @pytest.fixture(scope="module")

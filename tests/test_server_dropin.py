@@ -391,8 +391,11 @@ def test_continue_final_message_and_echo(srv, client):
     streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
         **kw, extra_body={**body, "echo": True}, stream=True) if ch.choices)
     assert streamed == echoed
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(**kw, extra_body={"continue_final_message": True})  # with a generation prompt
+    # continue_final_message alone (as SGLang's clients send it) implies no generation prompt
+    alone = client.chat.completions.create(**kw, extra_body={"ignore_eos": True, "continue_final_message": True})
+    assert alone.choices[0].message.content == want
+    with pytest.raises(openai.BadRequestError) as e:  # both asked for explicitly: they conflict
+        client.chat.completions.create(**kw, extra_body={"continue_final_message": True, "add_generation_prompt": True})
     assert e.value.body["param"] == "continue_final_message"
 
 
@@ -405,6 +408,9 @@ def test_responses_create_and_stream(tclient):
     assert r.object == "response" and r.id.startswith("resp_") and r.output_text
     assert r.status == "completed" and r.output[0].type == "message"  # the model ended its turn
     assert r.usage.input_tokens > 10 and r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    # beside OpenAI's names, the chat names SGLang's clients read
+    assert (r.usage.model_extra["prompt_tokens"], r.usage.model_extra["completion_tokens"]) == (
+        r.usage.input_tokens, r.usage.output_tokens)
     cut = client.responses.create(**{**kw, "max_output_tokens": 3})
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3
@@ -631,6 +637,12 @@ def test_vllm_and_sglang_request_shapes(srv, client):
         assert r.choices[0].message.content in ("yea!", "nay!")
     card = client.models.retrieve(MODEL)
     assert card.model_extra["root"] == srv.engine.info.model
+    # usage as vLLM and SGLang send it by default: no prompt_tokens_details (--enable-prompt-tokens-details)
+    r = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage == openai.types.CompletionUsage(completion_tokens=3, prompt_tokens=3, total_tokens=6)
+    # an id past the vocabulary: a 400 that says so in vLLM's words
+    with pytest.raises(openai.BadRequestError, match="out of vocabulary"):
+        client.completions.create(model=MODEL, prompt=[0, 0, 10**6], max_tokens=1)
 
 
 

@@ -3,11 +3,17 @@ to text, streamed as SSE or whole."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from starlette.requests import Request
 
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
-from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs
+from stepserve.server.beam_search import beam_search, check_beam_request
+from stepserve.server.errors import SafeJSONResponse
+from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs, usage
+from stepserve.server.sse import DONE, SSEResponse, event
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
 
@@ -46,6 +52,8 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of must equal n (ranking completions is not supported)", "best_of")
+    if req.use_beam_search:
+        return await _beam_completion(req, request, client)
     kw = sampling_kwargs(req, "completions")
     prompt_k = req.logprobs if req.echo else None  # echo + logprobs scores the prompt too
     if req.prompt_logprobs is not None:
@@ -130,3 +138,45 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
 
     last = (lambda: head([], usage=acc.usage())) if include_usage(req) else None
     return await gen.respond(req.stream, chunk, final, first(), last)
+
+
+async def _beam_completion(req: CompletionRequest, request: Request, client: EngineClient):
+    """vLLM's beam search (`use_beam_search`, width `n`): each prompt's `n`
+    best beams are its choices, best first. Streamed, the whole answer comes
+    as one chunk per choice once the search is over."""
+    check_beam_request(req)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
+    caps = [client.max_tokens(len(ids), req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens") for ids, _ in prompts]
+    rid = new_id("cmpl")
+    created = int(time.time())
+    results = await asyncio.gather(*(
+        beam_search(client, request, ids, req.n, cap, req.ignore_eos, req.length_penalty, f"{rid}-{i}", _NAMES)
+        for i, ((ids, _), cap) in enumerate(zip(prompts, caps))))
+    choices = [{"index": i * req.n + b, "text": client.tokenizer.decode(beam.tokens, skip_special_tokens=True),
+                "logprobs": None, "finish_reason": beam.finish_reason, "stop_reason": beam.stop_reason}
+               for i, (beams, _) in enumerate(results) for b, beam in enumerate(beams)]
+    details = client.settings.enable_prompt_tokens_details
+    use = usage(sum(len(ids) for ids, _ in prompts), sum(len(b.tokens) for beams, _ in results for b in beams),
+                sum(c for _, c in results) if details else None)
+
+    def head(chs, **extra):
+        return {"id": rid, "object": "text_completion", "created": created, "model": client.settings.served_model_name,
+                "choices": chs, **extra}
+
+    if not req.stream:
+        return SafeJSONResponse(head(choices, usage=use))
+    extra = {"usage": None} if include_usage(req) else {}
+
+    async def body():
+        for c in choices:
+            yield event(head([c], **extra))
+        if include_usage(req):
+            yield event(head([], usage=use))
+        yield DONE
+
+    async def nothing():
+        return None
+
+    return SSEResponse(body(), nothing, rid)

@@ -75,8 +75,6 @@ class ResponseFormat(_Model):
 # the field's absence means, and passes. Other unknown fields change nothing and
 # are ignored, as vLLM does.
 _UNSUPPORTED_BOTH = {
-    "use_beam_search": "beam search",
-    "length_penalty": "beam search",
     "bad_words": "bad_words",
     "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
     "skip_special_tokens": "skip_special_tokens on this route",
@@ -86,6 +84,8 @@ UNSUPPORTED_FIELDS = {
     "completions": _UNSUPPORTED_BOTH,
     "chat": {
         **_UNSUPPORTED_BOTH,
+        "use_beam_search": "beam search on chat (it runs on /v1/completions)",
+        "length_penalty": "beam search on chat (it runs on /v1/completions)",
         "functions": "the legacy functions field (use tools)",
         "function_call": "the legacy function_call field (use tool_choice)",
         "audio": "audio output",
@@ -229,6 +229,9 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     suffix: Optional[Text] = None
+    # vLLM's beam search (server/beam_search.py): n beams, ranked by logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
 
 
 class TextPart(_Model):

@@ -311,6 +311,7 @@ class EngineClient:
         self.max_model_len = info.max_model_len
         self.model_path = info.model  # the model directory, as vLLM reports it in root
         self.vocab_size = info.vocab_size
+        self.eos_token_ids = tuple(info.eos_token_ids)
         self.limits = Limits(info.max_model_len, info.kv_capacity, info.vocab_size)  # the engine's own rules
         self.admission = Admission(info.max_running, settings.max_queued_requests, settings.retry_after_s)
         self.texts = TokenTexts(self.tokenizer)

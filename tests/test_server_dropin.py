@@ -125,7 +125,7 @@ UNSUPPORTED = [
     ("chat", "function_call", "auto"),
     ("chat", "bad_words", ["x"]),
     ("completions", "return_tokens_as_token_ids", True),
-    ("completions", "use_beam_search", True),
+    ("chat", "use_beam_search", True),
     ("completions", "bad_words", ["x"]),
 ]
 
@@ -683,3 +683,82 @@ def test_a_refused_echo_admits_nothing(tsrv, tclient):
                                                     "continue_final_message": True})
     assert e.value.body["param"] == "echo"
     assert tsrv.app.state.client.admission.in_flight == 0
+
+
+# -- beam search (vLLM's use_beam_search on /v1/completions) -------------------------------------------------
+def _reference_beams(hf, prompt: list[int], width: int, steps: int, eos: set[int], length_penalty: float):
+    """Beam search written out over transformers' log-probabilities: 2 x width
+    candidates per beam, an end token completes its beam, rank = logprob /
+    (prompt + output tokens) ** length_penalty."""
+    import torch
+
+    live, done = [([], 0.0, None)], []
+
+    def rank(b):
+        return b[1] / (len(prompt) + len(b[0])) ** length_penalty
+
+    for _ in range(steps):
+        grown = []
+        for toks, lp, _ in live:
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([prompt + toks])).logits[0, -1].float(), dim=-1)
+            top = torch.topk(logp, 2 * width)
+            for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                if t in eos:
+                    done.append((toks, lp + v, t))
+                else:
+                    grown.append((toks + [t], lp + v, None))
+        live = sorted(grown, key=rank, reverse=True)[:width]
+    return [(toks, end) for toks, _, end in sorted(done + live, key=rank, reverse=True)[:width]]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, -2.0])
+def test_beam_search_against_a_reference(tsrv, tclient, length_penalty):
+    """The beams, best first, are those of a beam search over transformers'
+    log-probabilities; copies of a prompt get the same beams (vLLM's test),
+    streamed chunks carry the same choices, and usage counts every beam."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stepserve.engine.defaults import DEFAULT_MODEL
+
+    tok = tsrv.engine.tokenizer
+    text = "Jesus wept"  # an end token is among the first candidates: some beams complete early
+    ids = tok.encode(text, add_special_tokens=False)
+    kw = dict(model=MODEL, prompt=[text, text], n=3, max_tokens=6, temperature=0.0,
+              extra_body={"use_beam_search": True, "length_penalty": length_penalty})
+    r = tclient.completions.create(**kw)
+    texts = [c.text for c in r.choices]
+    got = [(c.text, c.finish_reason, c.stop_reason) for c in r.choices]
+    assert [c.index for c in r.choices] == list(range(6)) and got[:3] == got[3:]
+    assert len(set(got[:3])) == 3, "beams differ"
+    hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL, dtype=torch.float32)
+    want = _reference_beams(hf, ids, 3, 6, set(tsrv.engine.info.eos_token_ids), length_penalty)
+    assert got[:3] == [(tok.decode(t, skip_special_tokens=True), "length" if end is None else "stop", end)
+                       for t, end in want]
+    if length_penalty < 0:  # short beams rank first: those an end token completed
+        assert got[0][1] == "stop"
+    assert r.usage.prompt_tokens == 2 * len(ids)
+    assert r.usage.completion_tokens == 2 * sum(len(t) for t, _ in want)
+    chunks = list(tclient.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert [(c.choices[0].index, c.choices[0].text) for c in chunks[:-1]] == list(enumerate(texts))
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert tsrv.app.state.client.admission.in_flight == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    (dict(logprobs=1), "logprobs"),
+    (dict(stop=["x"]), "stop"),
+    (dict(n=11), "n"),
+    (dict(echo=True), "echo"),
+    (dict(extra_body={"bad_words": ["x"]}), "bad_words"),
+])
+def test_beam_search_refuses_what_it_would_not_honour(tclient, body, param):
+    extra = {"use_beam_search": True, **body.pop("extra_body", {})}
+    with pytest.raises(openai.BadRequestError) as e:
+        tclient.completions.create(model=MODEL, prompt="x", max_tokens=2, **body, extra_body=extra)
+    assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError) as e:  # chat has no beam search
+        tclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                        extra_body={"use_beam_search": True})
+    assert e.value.body["param"] == "use_beam_search"

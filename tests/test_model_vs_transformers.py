@@ -229,7 +229,7 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
     the torch-only path (STEPSERVE_SMALL_LINEAR=0)."""
     import torch.nn.functional as F
 
-    from stepserve.engine.models.llama import SMALL_M, SmallBatchLinear, small_batch_kernels
+    from stepserve.engine.models.llama import SMALL_M, SmallBatchLinear, small_batch_kernels, use_small_batch_linears
 
     kernels = small_batch_kernels(torch.device("cpu"), torch.float32)
     if kernels is None:
@@ -262,6 +262,17 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
     plain = LLM(path, device="cpu")
     assert not any(isinstance(m, SmallBatchLinear) for m in plain.engine.model.modules())
     _fast_matches_torch_path(path, prompts, params, fast, plain)
+
+    # the panel budget is charged what the panels take: bf16-valued weights fit in half the bytes
+    model = LLM(path, device="cpu").engine.model
+    lins = [m for m in model.modules() if type(m) is torch.nn.Linear and m.out_features % 16 == 0]
+    weights = [m.weight for m in lins] + [model.model.embed_tokens.weight]  # the tied head's too
+    with torch.no_grad():
+        for w in weights:
+            w.copy_(w.bfloat16().float())
+    need = sum(w.numel() * 2 for w in weights)
+    assert use_small_batch_linears(model, kernels, budget=need) == len(weights)
+    assert all(m.panels.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, SmallBatchLinear))
 
 
 def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):

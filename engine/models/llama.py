@@ -84,14 +84,14 @@ class SmallBatchLinear(nn.Module):
     few rows streams its weight from memory, so it takes about half the
     time once the weights no longer fit in the cache (the math stays float32)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels, bf16: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         w = self.weight.data
-        exact = os.environ.get("STEPSERVE_BF16_PANELS", "1") != "0" and torch.equal(w, w.bfloat16().float())
-        self.register_buffer("panels", kernels.pack_panels(w, exact), persistent=False)
+        bf16 = bf16_panels(w) if bf16 is None else bf16
+        self.register_buffer("panels", kernels.pack_panels(w, bf16), persistent=False)
         self._kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,6 +99,12 @@ class SmallBatchLinear(nn.Module):
             y = self._kernels.small_linear(x.contiguous(), self.panels)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def bf16_panels(w: torch.Tensor) -> bool:
+    """Whether `w` gets bfloat16 panels: every value is a bfloat16 (and
+    STEPSERVE_BF16_PANELS is not 0)."""
+    return os.environ.get("STEPSERVE_BF16_PANELS", "1") != "0" and torch.equal(w, w.bfloat16().float())
 
 
 def _float32_cpu_native(device: torch.device, dtype: torch.dtype, switch: str, needs: str):
@@ -131,10 +137,12 @@ def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SM
     for parent, name, child in sorted(swaps, key=lambda s: -(s[2].weight.numel() if s[2] is not None
                                                              else model.model.embed_tokens.weight.numel())):
         w = child.weight if child is not None else model.model.embed_tokens.weight
-        if w.numel() * 4 > budget:
+        bf16 = bf16_panels(w.data)
+        size = w.numel() * (2 if bf16 else 4)  # the panels' bytes
+        if size > budget:
             continue
-        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels)
-        budget -= lin.panels.numel() * lin.panels.element_size()
+        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16)
+        budget -= size
         setattr(parent, name, lin)
         done += 1
     return done

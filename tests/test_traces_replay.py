@@ -31,7 +31,8 @@ def served(llama_ckpt, tmp_path_factory):
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stepserve.cli", "serve", "--model", llama_ckpt, "--port", str(port),
-             "--host", "127.0.0.1", "--log-level", "warning", "--step-log", str(step_log)],
+             "--host", "127.0.0.1", "--log-level", "warning", "--step-log", str(step_log),
+             "--enable-prompt-tokens-details"],  # the replay's report counts prefix-cache hits from usage
             stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
     url = f"http://127.0.0.1:{port}"

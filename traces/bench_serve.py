@@ -196,7 +196,8 @@ def run(args) -> int:
             port = _free_port()
             url = f"http://127.0.0.1:{port}"
             cmd = [sys.executable, "-m", "stepserve.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--max-running", str(args.max_concurrency), "--no-access-log", *_engine_argv(args)]
+                   "--max-running", str(args.max_concurrency), "--no-access-log", "--enable-prompt-tokens-details",
+                   *_engine_argv(args)]
             server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             wait_ready(url, timeout=600)
             cfg = engine_config(args)

@@ -223,15 +223,7 @@ class DraftModelProposer:
         n = sum(len(e[2]) for e in entries)
         if any(len(e[2]) > DECODE_SHAPED_MAX for e in entries) or not self.model.native_greedy_steps_ok(n, self.backend):
             return False
-        ids: list[int] = []
-        pos: list[int] = []
-        tok_rows: list[int] = []
-        last: list[int] = []
-        for row, p, toks in entries:
-            ids.extend(toks)
-            pos.extend(range(p, p + len(toks)))
-            tok_rows.extend([row] * len(toks))
-            last.append(len(ids) - 1)
+        ids, pos, tok_rows, last = _flatten(entries, range(len(entries)))
         steps = [r.draft_len for r in rows]
         host = torch.tensor(ids + pos + tok_rows + last + steps, dtype=torch.long)
         R = len(rows)
@@ -253,16 +245,7 @@ class DraftModelProposer:
         dev = self.device
         dec = [k for k, e in enumerate(entries) if len(e[2]) <= DECODE_SHAPED_MAX]
         ext = [k for k, e in enumerate(entries) if len(e[2]) > DECODE_SHAPED_MAX]
-        ids: list[int] = []
-        pos: list[int] = []
-        tok_rows: list[int] = []
-        last = [0] * len(entries)
-        for k in dec + ext:
-            row, p, toks = entries[k]
-            ids.extend(toks)
-            pos.extend(range(p, p + len(toks)))
-            tok_rows.extend([row] * len(toks))
-            last[k] = len(ids) - 1
+        ids, pos, tok_rows, last = _flatten(entries, dec + ext)
         nd = sum(len(entries[k][2]) for k in dec)  # decode-shaped queries, first
         n = len(ids)
         pad = token_bucket(n) - n if self.pad_tokens else 0
@@ -321,6 +304,23 @@ class DraftModelProposer:
             for j, i in enumerate(rr.tolist()):
                 q[i] = p[j]
         return tokens.tolist(), q
+
+
+def _flatten(entries: list[tuple[int, int, list[int]]], order) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The tokens of (req->token row, first position, tokens) entries, taken
+    in `order`, as flat ids, positions and rows, and per entry (in entry
+    order) the flat index of its last token."""
+    ids: list[int] = []
+    pos: list[int] = []
+    tok_rows: list[int] = []
+    last = [0] * len(entries)
+    for k in order:
+        row, p, toks = entries[k]
+        ids.extend(toks)
+        pos.extend(range(p, p + len(toks)))
+        tok_rows.extend([row] * len(toks))
+        last[k] = len(ids) - 1
+    return ids, pos, tok_rows, last
 
 
 def _transformed(x: torch.Tensor, batch: SamplingBatch, rr: torch.Tensor) -> torch.Tensor:

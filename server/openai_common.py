@@ -22,6 +22,11 @@ def refuse_unsupported(req: _SamplingFields, route: str) -> None:
             raise bad_request(f"'{name}' is not supported by this server ({table[name]} is not implemented)", name)
 
 
+def check_stream_options(req: _SamplingFields) -> None:
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+
+
 def sampling_kwargs(req: _SamplingFields, route: str) -> dict:
     """The OpenAI (and vLLM-extension) sampling fields, in SamplingParams'
     names, after refusing the fields this route does not implement."""
@@ -31,8 +36,7 @@ def sampling_kwargs(req: _SamplingFields, route: str) -> dict:
     kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative, min_tokens=req.min_tokens)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    check_stream_options(req)
 
     if req.temperature is not None:
         kw["temperature"] = req.temperature
@@ -117,7 +121,7 @@ class Accumulator:
 
     def usage(self) -> dict:
         completion = sum(len(c.token_ids) for c in self.choices.values())
-        return usage(sum(self.prompt_tokens), completion, sum(self.cached) if self.prompt_details else None)
+        return usage(sum(self.prompt_tokens), completion, self.cached_tokens() if self.prompt_details else None)
 
     def cached_tokens(self) -> int:
         return sum(self.cached)

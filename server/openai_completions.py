@@ -12,7 +12,8 @@ from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from stepserve.server.beam_search import beam_search, check_beam_request
 from stepserve.server.errors import SafeJSONResponse
-from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs, usage
+from stepserve.server.openai_common import (check_stream_options, chunk_usage, include_usage, output_grammar,
+                                            sampling_kwargs, usage)
 from stepserve.server.sse import DONE, SSEResponse, event
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
@@ -145,8 +146,7 @@ async def _beam_completion(req: CompletionRequest, request: Request, client: Eng
     best beams are its choices, best first. Streamed, the whole answer comes
     as one chunk per choice once the search is over."""
     check_beam_request(req)
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true", "stream_options")
+    check_stream_options(req)
     prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
     caps = [client.max_tokens(len(ids), req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens") for ids, _ in prompts]
     rid = new_id("cmpl")

@@ -686,7 +686,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
         py::arg("w"), py::arg("bf16") = false);
-  m.def("small_linear", &small_linear, "x [M, K] . W^T from W's panels (float32, CPU; rows in blocks of 8)");
+  m.def("small_linear", &small_linear, "x [M, K] . W^T from W's panels (float32, CPU; rows in blocks of kRowBlock)");
   m.def("rmsnorm", &rmsnorm, "w * x * rsqrt(mean(x^2) + eps) per row (float32, CPU)");
   m.def("add_rmsnorm_", &add_rmsnorm_, "residual += x; x = rmsnorm(residual) * w, in place (float32, CPU)");
   m.def("rope_neox_", &rope_neox_, "rotate-half rotary embedding of q and k in place (float32, CPU)");

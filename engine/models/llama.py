@@ -427,13 +427,20 @@ class LlamaForCausalLM(nn.Module):
         tokens as one native call (`decode_forward`): the same ops
         (`CpuKernels`, the small-batch panels, the paged decode kernel) in the
         same order, so the same logits, without Python between them."""
-        native, layers, head_bias = self._native_decode
-        cfg, pool = self.config, backend.pool
-        return native.decode_forward(
+        return self._native_decode[0].decode_forward(
             fb.input_ids, fb.positions, fb.out_slots, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens,
-            fb.logits_indices, self.model.embed_tokens.weight, layers, pool.k_buffers, pool.v_buffers,
-            self.rotary.cos, self.rotary.sin, self.model.norm.weight, self._head().panels, head_bias,
-            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, backend.scale)
+            fb.logits_indices, *self._native_model_args(backend))
+
+    def _native_model_args(self, backend) -> tuple:
+        """The model's arguments to the native forward (`decode_forward`, and
+        `greedy_draft_steps` through it), after the batch's: the embedding,
+        the per-layer weight list, the KV pool, rotary tables, final norm,
+        output head, shapes, eps and the attention scale."""
+        _, layers, head_bias = self._native_decode
+        cfg, pool = self.config, backend.pool
+        return (self.model.embed_tokens.weight, layers, pool.k_buffers, pool.v_buffers, self.rotary.cos,
+                self.rotary.sin, self.model.norm.weight, self._head().panels, head_bias, cfg.num_heads,
+                cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, backend.scale)
 
     def native_greedy_steps_ok(self, num_tokens: int, backend) -> bool:
         """Whether `greedy_draft_steps` can run a first forward of `num_tokens`
@@ -448,13 +455,8 @@ class LlamaForCausalLM(nn.Module):
         `steps[r]` tokens; the slots written are marked in `valid`. Returns the
         tokens [R, max(steps)] (-1 past a row's steps): the same forwards
         (`_forward_native`) and argmax (`argmax_rows`) as step by step."""
-        native, layers, head_bias = self._native_decode
-        cfg, pool = self.config, backend.pool
-        return native.greedy_draft_steps(
-            input_ids, positions, tok_rows, last, steps, table, valid, self.model.embed_tokens.weight, layers,
-            pool.k_buffers, pool.v_buffers, self.rotary.cos, self.rotary.sin, self.model.norm.weight,
-            self._head().panels, head_bias, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
-            backend.scale)
+        return self._native_decode[0].greedy_draft_steps(input_ids, positions, tok_rows, last, steps, table, valid,
+                                                         *self._native_model_args(backend))
 
     def _head(self):
         return self.tied_head if self.config.tie_word_embeddings else self.lm_head

@@ -180,9 +180,11 @@ def _positive_int(v, what: str) -> int:
     return v
 
 
-def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
+def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
     """The step policies `config` names (branch admission, speculation
-    length), in their fixed order."""
+    length), in their fixed order. `proposer`: the engine's, whose proposals
+    the speculation length replays on the history when it is deterministic
+    (the n-gram lookup)."""
     model = None
     if config.latency_profile:
         from stepserve.scheduler.latency_model import load_profile
@@ -194,7 +196,8 @@ def builtin_policies(config: EngineConfig) -> list[StepPolicy]:
     if branch is not None:
         out.append(branch)
     if config.speculative != "none":
-        spec = speculation_policy(config.spec_length or "adaptive", latency_model=model)
+        replay = proposer.matches if isinstance(proposer, NgramProposer) else None
+        spec = speculation_policy(config.spec_length or "adaptive", latency_model=model, replay=replay)
         if spec is not None:
             out.append(spec)
     return out
@@ -268,7 +271,8 @@ class Engine:
         log.info("KV cache: %d tokens (%.2f GiB) on %s", kv_slots, kv_slots * per_tok / (1 << 30), self.device)
         self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1, self.device)
         kv = KVManager(SlotAllocator(kv_slots + 1, self.device), self.req_pool, config.prefix_caching)
-        self.policies = builtin_policies(config) + list(config.policies)
+        proposer = NgramProposer() if config.speculative == "ngram" else None
+        self.policies = builtin_policies(config, proposer) + list(config.policies)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.max_running,
@@ -282,10 +286,7 @@ class Engine:
         )
         backend = self._attention(self.kv_pool, mc, self.model)
         self.attention_backend = type(backend).__name__
-        proposer = None
-        if config.speculative == "ngram":
-            proposer = NgramProposer()
-        elif draft is not None:
+        if draft is not None:
             dcfg, dmodel = draft
             dpool = TokenKVPool(kv_slots + 1, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, self.dtype,
                                 self.device)

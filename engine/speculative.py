@@ -103,10 +103,53 @@ class NgramProposer:
             r.draft_probs = None
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
-        n_ids = len(ids)
+        return self._lookup(np.asarray(ids, dtype=np.int64), len(ids), k)
+
+    def matches(self, ids: list[int], start: int, stop: int, k: int) -> list[int]:
+        """For each position p in [start, stop): how many of the k tokens
+        `lookup` proposes after ids[:p] agree with ids[p:] (what the
+        speculation length replays on a sequence's history). All positions
+        at once, over the (position, earlier occurrence of its last token)
+        pairs."""
+        arr = np.asarray(ids, dtype=np.int64)
+        pos = np.arange(start, stop)
+        out = np.zeros(pos.size, dtype=np.int64)
+        width = int(pos.max()) - 1 if pos.size else 0  # candidates lie before each position's last token
+        if width <= 0 or k <= 0:
+            return out.tolist()
+        last = pos - 1
+        eq = arr[:width][None, :] == arr[np.maximum(last, 0)][:, None]
+        eq &= np.arange(width)[None, :] < last[:, None]
+        eq &= (pos >= self.min_n + 1)[:, None]
+        row, cand = np.nonzero(eq)  # row-major: each position's pairs together, candidates ascending
+        if row.size == 0:
+            return out.tolist()
+        length = np.ones(row.size, dtype=np.int64)
+        alive = np.ones(row.size, dtype=bool)
+        for t in range(1, self.max_n):  # matched length backwards, up to max_n
+            back, mine = cand - t, last[row] - t
+            alive &= (back >= 0) & (mine >= 0)
+            alive &= arr[np.maximum(back, 0)] == arr[np.maximum(mine, 0)]
+            if not alive.any():
+                break
+            length += alive
+        # per position: the longest match, the most recent of those
+        rows, first = np.unique(row, return_index=True)
+        key = np.maximum.reduceat(length * (width + 1) + cand, first)
+        best, i = key // (width + 1), key % (width + 1)
+        p = pos[rows]
+        j = np.arange(k)
+        src = (i + 1)[:, None] + j[None, :]  # the proposal: what followed the match, within ids[:p]
+        dst = p[:, None] + j[None, :]  # the tokens that came
+        ok = (src < p[:, None]) & (dst < arr.size) & (best >= self.min_n)[:, None]
+        ok &= arr[np.minimum(src, arr.size - 1)] == arr[np.minimum(dst, arr.size - 1)]
+        out[rows] = np.cumprod(ok, axis=1).sum(axis=1)
+        return out.tolist()
+
+    def _lookup(self, arr: np.ndarray, n_ids: int, k: int) -> list[int]:
+        """The proposal after arr[:n_ids]."""
         if n_ids < self.min_n + 1 or k <= 0:
             return []
-        arr = np.asarray(ids, dtype=np.int64)
         last = n_ids - 1
         cand = np.flatnonzero(arr[:last] == arr[last])  # earlier positions holding the last token
         if cand.size == 0:
@@ -128,7 +171,7 @@ class NgramProposer:
         if best < self.min_n:
             return []
         i = int(cand[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
-        return arr[i + 1 : i + 1 + k].tolist()
+        return arr[i + 1 : min(i + 1 + k, n_ids)].tolist()
 
 
 # ---------------------------------------------------------------------------

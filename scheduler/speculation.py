@@ -60,6 +60,26 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              them, a mixed step is priced as if its chunks were free).
              Options: `adaptive:kmax=8`.
 
+             A proposer whose proposal is a function of the tokens alone (the
+             n-gram lookup) gets E[k] from the sequences' history instead
+             (`ReplayedLength`): one step in `replay_every`, one decode row's
+             last output tokens are replayed as speculation at every k would
+             have run over them (a step at k proposes after the tokens so
+             far, emits the agreeing prefix of its proposal and one token
+             more, and the next step starts there), and E[k] is tokens per
+             replayed step. The tokens that came are what verification would
+             have accepted: a greedy row's are the target's argmax whatever
+             k ran, and a sampled row's next token equals a one-hot draft d
+             with probability p(d), the probability the rejection rule
+             accepts d with (and otherwise is drawn from p without d, as the
+             residual is). So every k is priced, k = 0's neighbours or not,
+             with the correlation between positions that prompt lookup has (a
+             lookup that is right once tends to stay right) and with where
+             steps start under k (a run of right guesses is crossed in a few
+             steps, a stretch of wrong ones one token a step), which
+             per-position rates from verifications at one k cannot give for
+             another.
+
 A row is eligible when it decodes (not a prefill chunk, not forking), its
 request allows speculation (`Seq.speculative`), and at least two tokens are
 left to generate. Its k is capped so that every emitted token fits its
@@ -79,6 +99,7 @@ from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
 MODES = ("none", "fixed", "adaptive")
+MIN_REPLAY = 8  # a row is replayed over at least this many positions (and at most `ReplayedLength.window`)
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 TRUSTED = 3  # ... once its cost cell holds this many pairs
 
@@ -124,31 +145,47 @@ class AcceptanceEstimate:
     *accepted* when it was too. Each position's rate leans on the one before
     it with the weight of `prior_weight` tries (the first on `prior`), so a
     position seldom tried (drafts rarely run that long) reads like the
-    positions before it rather than like a fixed prior."""
+    positions before it rather than like a fixed prior.
 
-    def __init__(self, kmax: int, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.995):
-        self.tried = np.zeros(kmax, dtype=np.float64)
-        self.accepted = np.zeros(kmax, dtype=np.float64)
+    `version` counts the changes worth a new decision: an update that moves
+    some expected token count by more than `tolerance` (relative) since the
+    last change. A verification every step nudges the estimate a little each
+    time; the policy re-scores its choice only when it moved."""
+
+    def __init__(self, kmax: int, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.995,
+                 tolerance: float = 0.005):
+        self.kmax = kmax
+        self.tried = [0.0] * kmax
+        self.accepted = [0.0] * kmax
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
-        self.version = 0  # counts updates: what was derived from the counts is kept until the next one
+        self.tolerance = tolerance
+        self.version = 0
         self._expected: list[float] | None = None
+        self._published = self.expected(kmax)  # the expected counts at the last version
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
         """One verification step: per verify row, the draft length asked for
         and how many drafts were accepted."""
-        kmax = len(self.tried)
-        d = np.minimum(np.asarray(drafted, dtype=np.int64), kmax)
-        acc = np.asarray(accepted, dtype=np.int64)
-        pos = np.arange(kmax)
-        # positions tried: each accepted one, and the first rejected; accepted: the accepted ones
-        t = (np.minimum(acc + 1, d)[:, None] > pos).sum(axis=0)
-        a = (np.minimum(acc, d)[:, None] > pos).sum(axis=0)
-        self.tried = self.tried * self.decay + t
-        self.accepted = self.accepted * self.decay + a
-        self.version += 1
+        kmax, dec = self.kmax, self.decay
+        tried = [x * dec for x in self.tried]
+        acc = [x * dec for x in self.accepted]
+        for d, a in zip(drafted, accepted):
+            d = min(d, kmax)
+            a = min(a, d)
+            # positions tried: each accepted one, and the first rejected; accepted: the accepted ones
+            for j in range(min(a + 1, d)):
+                tried[j] += 1.0
+            for j in range(a):
+                acc[j] += 1.0
+        self.tried, self.accepted = tried, acc
         self._expected = None
+        new = self.expected(kmax)
+        tol = self.tolerance
+        if any(abs(x - y) > tol * y for x, y in zip(new, self._published)):
+            self.version += 1
+            self._published = new
 
     @property
     def alpha(self) -> np.ndarray:
@@ -157,7 +194,7 @@ class AcceptanceEstimate:
     def _alpha(self) -> list[float]:
         out = []
         prev, w = self.prior, self.prior_weight
-        for acc, tried in zip(self.accepted.tolist(), self.tried.tolist()):
+        for acc, tried in zip(self.accepted, self.tried):
             prev = (acc + w * prev) / (tried + w)
             out.append(prev)
         return out
@@ -167,8 +204,8 @@ class AcceptanceEstimate:
         return float(self.expected(k)[k]) if k > 0 else 1.0
 
     def expected(self, kmax: int) -> list[float]:
-        """`expected_tokens(k)` for every k in [0, kmax], in one pass (read
-        every step: kept until the next update, in plain floats)."""
+        """`expected_tokens(k)` for every k in [0, kmax], in one pass (kept
+        until the next update, in plain floats)."""
         if self._expected is None:
             out, run, total = [1.0], 1.0, 1.0
             for a in self._alpha():
@@ -176,6 +213,57 @@ class AcceptanceEstimate:
                 total += run
                 out.append(total)
             self._expected = out
+        return self._expected[: kmax + 1]
+
+
+class ReplayedLength:
+    """E[k] of a deterministic proposer from its proposals replayed on the
+    history (see the module docstring): each `add` is one row's window of
+    positions, each with how many of the kmax proposed tokens agreed with the
+    tokens that came; speculation at each k is walked over the window (from
+    its first position, a step at p emits min(match[p], k) + 1 tokens and the
+    next starts after them; a step across the window's end counts for its
+    share inside, or the last step's tokens past the end would read high),
+    and E[k] = the window's tokens over its steps,
+    in counts decayed by `decay` per window so that it follows the
+    workload. It is used once `min_positions` positions are counted."""
+
+    def __init__(self, kmax: int, window: int = 32, decay: float = 0.95, min_positions: int = 128):
+        self.kmax = kmax
+        self.window = window
+        self.decay = decay
+        self.min_positions = min_positions
+        self.positions = 0.0  # replayed positions (each a token emitted), decayed
+        self.steps = np.zeros(kmax + 1)  # per k, the steps speculation at k took over them, decayed
+        self.total = 0  # positions replayed
+        self.version = 0
+        self._expected: list[float] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.positions >= self.min_positions
+
+    def add(self, matches: list[int]) -> None:
+        w = len(matches)
+        steps = np.empty(self.kmax + 1)
+        steps[0] = w
+        for k in range(1, self.kmax + 1):
+            p, n = 0, 0.0
+            while p < w:
+                e = min(matches[p], k) + 1
+                n += 1.0 if p + e <= w else (w - p) / e  # a step across the window's end: its share inside
+                p += e
+            steps[k] = n
+        self.positions = self.positions * self.decay + w
+        self.steps = self.steps * self.decay + steps
+        self.total += w
+        self.version += 1
+        self._expected = None
+
+    def expected(self, kmax: int) -> list[float]:
+        """E[tokens a verify row emits] for every k in [0, kmax]."""
+        if self._expected is None:
+            self._expected = (self.positions / np.maximum(self.steps, 1e-12)).tolist()
         return self._expected[: kmax + 1]
 
 
@@ -303,7 +391,12 @@ class SpecLengthPolicy:
     name = "spec-length"
 
     def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
-                 min_samples: int = 32, explore_every: int = 32):
+                 min_samples: int = 32, explore_every: int = 32, replay=None, replay_every: int = 16):
+        """`replay(token_ids, start, stop, k)`: for each position p in
+        [start, stop), how many of the k tokens a deterministic proposer
+        proposes after token_ids[:p] agree with token_ids[p:]
+        (`NgramProposer.matches`), or None; one step in `replay_every`, one
+        decode row is replayed (see the module docstring)."""
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
         self.acceptance = AcceptanceEstimate(kmax)
@@ -315,6 +408,10 @@ class SpecLengthPolicy:
         self.target = OnlineLatencyModel(base=latency_model, min_samples=min_samples, target="wall_s",
                                          refit_every_steps=64)
         self.explore_every = explore_every
+        self.replay = replay if self.spec.mode == "adaptive" else None
+        self.replay_every = max(int(replay_every), 1)
+        self.replayed = ReplayedLength(kmax)
+        self._replay_turn = 0  # rotates which row is replayed
         self.steps = 0
         self.verify_steps = 0
         self.k_hist: dict[int, int] = {}  # chosen k -> steps
@@ -342,6 +439,8 @@ class SpecLengthPolicy:
         if self.spec.mode == "fixed":
             k = self.spec.k
         else:
+            if self.replay is not None and self.steps % self.replay_every == 0:
+                self._replay(rows)
             k = self._choose(plan, rows, view)
         self.last_k = k
         self._last_rows = (len(rows), len(plan.rows))
@@ -384,11 +483,11 @@ class SpecLengthPolicy:
             if pure and 0 < pair.done < 3 and pair.rows == len(rows):
                 return pair.next_k
             self._pair = None  # the batch changed under it: dropped
-        expected = self.acceptance.expected(kmax)
+        source = self.replayed if self.replayed.ready else self.acceptance
+        expected = source.expected(kmax)
         base = len(plan.sampling())  # tokens without drafts (`plan.samples` is frozen at commit, after the policies)
         if pure:
-            seen = self.costs.measured(bucket)
-            todo = [k for k in dict.fromkeys((1, min(4, kmax))) if k not in seen]
+            todo = [k for k in dict.fromkeys((1, min(4, kmax))) if not self.costs.count(bucket, k)]
             k = None
             if todo:
                 k = todo[0]
@@ -413,7 +512,7 @@ class SpecLengthPolicy:
                 return 0 if primed else k
         if self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
-        memo = (bucket, len(rows), base, self.acceptance.version, self.costs.version)
+        memo = (bucket, len(rows), base, id(source), source.version, self.costs.version)
         if pure and self._memo is not None and self._memo[0] == memo:
             return self._memo[1]  # nothing it depends on changed since the last such step
         if pure or not self.target.calibrated:
@@ -433,6 +532,21 @@ class SpecLengthPolicy:
             self._best[bucket] = best_k
             self._memo = (memo, best_k)
         return best_k
+
+    def _replay(self, rows) -> None:
+        """One decode row (rotating through them) with enough output replays
+        its last tokens as speculation at every k (`ReplayedLength`)."""
+        kmax, window = self.spec.kmax, self.replayed.window
+        n = len(rows)
+        for i in range(n):
+            seq = rows[(self._replay_turn + i) % n].seq
+            w = min(window, seq.num_output - kmax)
+            if w >= MIN_REPLAY:
+                ids = seq.token_ids
+                stop = len(ids) - kmax
+                self.replayed.add(self.replay(ids, stop - w, stop, kmax))
+                self._replay_turn += i + 1
+                return
 
     def _rate(self, base_tokens: int, n: int, expected: list[float], bucket: int, k: int) -> float:
         """Expected tokens per step time (in units of the step without drafts)
@@ -536,5 +650,6 @@ class SpecLengthPolicy:
             "spec_k_steps": dict(sorted(self.k_hist.items())),
             "spec_acceptance": [round(float(a), 4) for a in alpha],
             "spec_cost_pairs": self.pairs,
+            "spec_replayed_positions": self.replayed.total,
             "spec_cost_ratio": self.costs.to_dict(),
         }

@@ -55,6 +55,8 @@ def test_greedy_output_equals_plain(plain, proposer, length):
         assert _tokens(llm.generate(PROMPTS, _mixed_params())) == ref
     stats = llm.engine.stats().policy
     assert stats["spec_draft_tokens"] > 0 and stats["spec_accepted_tokens"] > 0
+    # the adaptive length replays the n-gram lookup on the history; a draft model is not replayed
+    assert (stats["spec_replayed_positions"] > 0) == (proposer == "ngram" and length == "adaptive")
     report = llm.engine.kv_report()
     assert not report.busy and report.accounted == report.capacity
 

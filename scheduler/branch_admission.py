@@ -36,11 +36,13 @@ TAPER, each step:
     budget = T0 + rho * max(0, slack - T0).
   * `late=drop` (default): deadlines no plan of this step can keep are left
     out of the slack: a first token due before the baseline step ends, and
-    a request's next token due before then whose TPOT SLO the baseline step
-    alone exceeds (it falls further behind whatever runs; one behind whose
-    SLO the baseline step is shorter than stays, as short steps let it catch
-    up). `late=keep` is the paper's rule, which holds the step to T0 for them
-    and defers rows that save no one.
+    a request's next token due before then when the request cannot catch
+    up: its TPOT SLO is shorter than the baseline step (it falls further
+    behind whatever runs), or the tokens it may still generate (its rows'
+    `max_tokens` left) are too few to win the lost time back, even at
+    baseline steps with all its rows running. One that short steps let
+    catch up in time stays. `late=keep` is the paper's rule, which holds
+    the step to T0 for them and defers rows that save no one.
   * Extra rows are added greedily by utility gain per marginal predicted
     latency while the predicted step stays within the budget. Under the
     average clock each extra row of a request moves that request's deadline
@@ -289,11 +291,12 @@ class BranchAdmissionPolicy:
         ttft, tpot = self._deadlines(plan)
         return min(ttft + [d for d, _ in tpot.values()], default=math.inf) - now
 
-    def _deadlines(self, plan: StepPlan) -> tuple[list[float], dict]:
+    def _deadlines(self, plan: StepPlan, left: dict | None = None) -> tuple[list[float], dict]:
         """The deadlines of `slack`: the TTFT ones, and the TPOT ones as
         {request: (deadline, its TPOT SLO)}, the request keyed by its clock
         (all its branches and stages share it) or, under the token clock
-        without one, by its group."""
+        without one, by its group. `left`, when given, is filled with
+        {request: [tokens its rows may still generate, the most one row may]}."""
         default_tpot, default_ttft = self.slo_tpot_s, self.slo_ttft_s
         average = self.spec.clock == "average"
         ttfts: list[float] = []
@@ -311,14 +314,21 @@ class BranchAdmissionPolicy:
             if tpot is None:
                 continue
             if average:
-                if c is None or c.start is None or id(c) in tpots:
+                if c is None or c.start is None:
                     continue
-                tpots[id(c)] = (c.deadline(tpot), tpot)
+                k = id(c)
+                if k not in tpots:
+                    tpots[k] = (c.deadline(tpot), tpot)
             else:
                 t = seq.last_token_time if seq.last_token_time is not None else seq.stage_start
                 k = id(c) if c is not None else id(seq.group)
                 if t > last.get(k, (-math.inf, 0.0))[0]:
                     last[k] = (t, tpot)
+            if left is not None:
+                got = left.setdefault(k, [0, 0])
+                n = seq.remaining_tokens
+                got[0] += n
+                got[1] = max(got[1], n)
         for k, (t, tpot) in last.items():
             tpots[k] = (t + tpot, tpot)
         return ttfts, tpots
@@ -356,14 +366,25 @@ class BranchAdmissionPolicy:
         def budget_at(slack: float) -> float:  # the paper's step budget for a slack
             return t_base + rho * max(0.0, slack - t_base)
 
-        ttfts, tpots = self._deadlines(plan)
-        if self.spec.late == "drop":
+        drop = self.spec.late == "drop"
+        left: dict | None = {} if drop else None
+        ttfts, tpots = self._deadlines(plan, left)
+        if drop:
             # a deadline the baseline step already misses is lost whatever runs beside it: a first
-            # token's, and a token's of a request whose TPOT SLO the baseline step alone exceeds (it
-            # falls further behind even at the baseline; one that a short step lets catch up stays)
+            # token's, and a token's of a request that cannot catch up: its TPOT SLO is shorter than
+            # the baseline step (it falls further behind even at the baseline), or its tokens left
+            # are too few to win the lost time back at baseline steps with all its rows running
             horizon = now + t_base
+
+            def catches_up(k, deadline: float, tpot: float) -> bool:
+                if t_base >= tpot:
+                    return False
+                # its last token: after as many baseline steps as its longest row has tokens left
+                tokens, longest = left[k]
+                return horizon + (longest - 1) * t_base <= deadline + (tokens - 1) * tpot
+
             ttfts = [d for d in ttfts if d >= horizon]
-            tpots = {k: v for k, v in tpots.items() if v[0] >= horizon or t_base < v[1]}
+            tpots = {k: v for k, v in tpots.items() if v[0] >= horizon or catches_up(k, *v)}
         slack = min(ttfts + [d for d, _ in tpots.values()], default=math.inf) - now
         self.last_slack_s = slack
         if self.spec.budget == "slo":  # the paper's ablation: a fixed budget, blind to banked or owed time

@@ -212,8 +212,8 @@ def _deadlines(plan, slo, clock):
         if r.seq.first_token_time is not None:
             by.setdefault(id(r.seq.group), []).append(r.seq)
     if clock == "token":
-        return {k: (max(s.last_token_time for s in seqs) + slo, len(seqs)) for k, seqs in by.items()}
-    return {k: (min(s.first_token_time for s in seqs) + sum(s.num_output for s in seqs) * slo, len(seqs))
+        return {k: (max(s.last_token_time for s in seqs) + slo, seqs) for k, seqs in by.items()}
+    return {k: (min(s.first_token_time for s in seqs) + sum(s.num_output for s in seqs) * slo, seqs)
             for k, seqs in by.items()}
 
 
@@ -222,13 +222,30 @@ def _slack(plan, slo, clock, now):
     return min(d for d, _ in _deadlines(plan, slo, clock).values()) - now
 
 
+def _catches_up(d, seqs, slo, now, t0):
+    """Whether a request can still meet its TPOT SLO on average: a baseline
+    step shorter than its SLO, and its last possible token (all its rows
+    running, a token each per baseline step from now, until each reaches its
+    max_tokens) no later than due (one SLO per token after `d`, the next
+    token's due time)."""
+    if t0 >= slo:
+        return False
+    left = [s.remaining_tokens for s in seqs]
+    t, tokens = now, 0
+    while any(left):
+        t += t0
+        tokens += sum(1 for n in left if n)
+        left = [max(n - 1, 0) for n in left]
+    return t <= d + (tokens - 1) * slo
+
+
 def _brute_force(policy, plan, groups, now):
     """The most extra rows any admissible set holds, by exhaustive search,
     where the greedy is exact: linear utility and rows that all cost the same.
     A set is admissible when its predicted step fits its budget: T0 + rho *
     max(0, slack - T0), where under `late=drop` a deadline before the end of
-    the baseline step is left out if the baseline step is longer than the
-    SLO, and under the average clock each
+    the baseline step is left out if its request cannot catch up, and under
+    the average clock each
     extra row of a request moves its deadline out by one SLO. Returns (that
     count, the least budget of a largest admissible set)."""
     m = policy.predictor.current()
@@ -237,7 +254,7 @@ def _brute_force(policy, plan, groups, now):
     base_ctx = sum(min(rows, key=lambda x: x[1])[0] + 1 for rows in groups) + 16
     t0 = m.predict(base_rows, base_ctx, len(groups) + 16)
     deadlines = list(_deadlines(plan, slo, policy.spec.clock).values())  # in the order of `groups`
-    keep = [policy.spec.late == "keep" or d - now >= t0 or t0 < slo for d, _ in deadlines]
+    keep = [policy.spec.late == "keep" or d - now >= t0 or _catches_up(d, seqs, slo, now, t0) for d, seqs in deadlines]
     extras = [(gi, r) for gi, rows in enumerate(groups) for r in sorted(rows, key=lambda x: x[1])[1:]]
     best = (0, t0 + rho * max(0.0, min([d for (d, _), k in zip(deadlines, keep) if k], default=math.inf)
                               - now - t0))
@@ -445,11 +462,12 @@ def test_cli_refuses_bad_branch_admission(capsys):
 
 def _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late):
     """TAPER's rule restated plainly, for small batches, under the token
-    clock: (admitted extra rows, budget, deadlines left out). `groups`: per request its rows as
+    clock: (admitted extra rows, budget, deadlines left out, of those the
+    ones left out for their tokens left alone). `groups`: per request its rows as
     (start, staleness), the stalest first; `prefill`: (start, num_new) of the
-    prefill rows; `deadlines`: the requests' as (deadline, TPOT SLO)
-    (`late=drop`: one the baseline step misses, when that step is longer
-    than its SLO, does not count toward the slack). Each
+    prefill rows; `deadlines`: the requests' as (deadline, TPOT SLO, its
+    sequences) (`late=drop`: one the baseline step misses, when the request
+    cannot catch up, does not count toward the slack). Each
     round scans every request for its next row and takes the best ratio of
     utility gain to marginal predicted latency (ties: the staler row, then
     the earlier request), while the predicted step fits the budget; a request
@@ -463,7 +481,7 @@ def _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late)
 
     base = [g[0] for g in groups]
     t0 = model.predict(*feats(base))
-    counted = [d for d, slo in deadlines if late == "keep" or d >= now + t0 or t0 < slo]
+    counted = [d for d, slo, seqs in deadlines if late == "keep" or d >= now + t0 or _catches_up(d, seqs, slo, now, t0)]
     slack = min(counted, default=math.inf) - now
     budget = t0 + rho * max(0.0, slack - t0)
     taken = [1] * len(groups)
@@ -483,7 +501,10 @@ def _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late)
             if best is None or key > best[0]:
                 best = (key, gi, r, cost)
         if best is None:
-            return admitted, budget, len(deadlines) - len(counted)
+            # left out by the tokens they have left alone (the baseline step is within their SLO)
+            short = sum(1 for d, slo, _ in deadlines if late == "drop" and d < now + t0 and t0 < slo) - (
+                len(counted) - sum(1 for d, slo, _ in deadlines if late == "keep" or d >= now + t0))
+            return admitted, budget, len(deadlines) - len(counted), short
         _, gi, r, cost = best
         if t + cost > budget:
             closed.add(gi)
@@ -502,6 +523,7 @@ def test_taper_matches_the_reference_rule_on_random_batches(late):
     rng = np.random.default_rng(7)
     partial = 0  # cases where the rule admitted some extra rows and deferred others
     dropped = 0  # cases where extra rows ran after a deadline the baseline misses was left out
+    too_few = 0  # cases where a request was left out as it has too few tokens left to catch up
     for case in range(300):
         model = LinearLatencyModel("linear+attn", [float(rng.uniform(1e-4, 5e-3)), float(rng.uniform(0, 1e-3)),
                                                    float(rng.uniform(0, 2e-6)), float(rng.uniform(0, 1e-4)),
@@ -513,15 +535,20 @@ def test_taper_matches_the_reference_rule_on_random_batches(late):
         plan = StepPlan()
         groups = []
         sid = itertools.count()
+        seqs = []
+        behind = case % 4 == 0  # requests whose last token is up to 0.3 s old, most with few tokens left
         for _ in range(int(rng.integers(1, 6))):
-            g, rows = _Req(), []
+            g, rows, mine = _Req(), [], []
             for _ in range(int(rng.integers(1, 6))):
                 start = int(rng.integers(0, 200))
-                s = Seq(next(sid), [1] * (start + 1), 1, 100, 0.0, group=g)
-                s.last_token_time = s.first_token_time = now - float(rng.uniform(0, 0.05))
+                left = int(rng.integers(1, 6 if behind else 40))
+                s = Seq(next(sid), [1] * (start + 1), 1, start + left, 0.0, group=g)
+                s.last_token_time = s.first_token_time = now - float(rng.uniform(0, 0.3 if behind else 0.05))
                 plan.rows.append(ScheduledRow(s, start, 1, True))
                 rows.append((start, s.last_token_time))
+                mine.append(s)
             groups.append(sorted(rows, key=lambda x: x[1]))
+            seqs.append(mine)
         prefill = []
         for _ in range(int(rng.integers(0, 3))):
             start, n = int(rng.integers(0, 100)), int(rng.integers(2, 64))
@@ -539,9 +566,10 @@ def test_taper_matches_the_reference_rule_on_random_batches(late):
             slo = max(want_slack + now - latest, 1e-4)
         pol = BranchAdmissionPolicy(f"taper:rho={rho},utility={utility},clock=token,late={late}",
                                     latency_model=model, slo_tpot_s=slo)
-        deadlines = [(max(t for _, t in g) + slo, slo) for g in groups]
-        want, budget, left_out = _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late)
+        deadlines = [(max(t for _, t in g) + slo, slo, mine) for g, mine in zip(groups, seqs)]
+        want, budget, left_out, short = _reference_taper(groups, prefill, model, deadlines, now, rho, utility, late)
         dropped += left_out > 0 and len(want) > 0
+        too_few += short > 0
         out = pol.plan(plan, EngineView(now, 20, 0, 1000, 1000))
         decode = [r for r in out.rows if r.num_new == 1]
         kept = sorted((r.start, r.seq.last_token_time) for r in decode)
@@ -559,6 +587,7 @@ def test_taper_matches_the_reference_rule_on_random_batches(late):
         partial += 0 < len(want) < sum(len(g) - 1 for g in groups)
     assert partial > 30, partial  # the cases exercise the greedy, not just "all" or "none"
     assert (dropped > 5) == (late == "drop"), dropped
+    assert (too_few > 5) == (late == "drop"), too_few
 
 
 class _SeesSLOs:

@@ -330,7 +330,8 @@ def plot_validation(result: dict, path: str) -> str:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     slo = result.get("slo") or {}
-    fig.suptitle(f"validate: {result['trace'].get('path', '')} with {result['profile']['name']}; SLO TTFT "
+    trace = os.path.basename(result["trace"].get("path", "") or "")  # the file's name, not where this machine keeps it
+    fig.suptitle(f"validate: {trace} with {result['profile']['name']}; SLO TTFT "
                  f"{_ms(slo.get('ttft_s'))} ms, TPOT {_ms(slo.get('tpot_s'))} ms", fontsize=9)
     fig.tight_layout()
     fig.savefig(output_path(path), dpi=110)

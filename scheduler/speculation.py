@@ -412,6 +412,9 @@ class SpecLengthPolicy:
         self.replay_every = max(int(replay_every), 1)
         self.replayed = ReplayedLength(kmax)
         self._replay_turn = 0  # rotates which row is replayed
+        # the rows to replay after this step: the replay runs in `observe`, after the step's time is
+        # taken, or an exploration pair whose step also replayed would price the other step too low
+        self._replay_rows = None
         self.steps = 0
         self.verify_steps = 0
         self.k_hist: dict[int, int] = {}  # chosen k -> steps
@@ -440,7 +443,7 @@ class SpecLengthPolicy:
             k = self.spec.k
         else:
             if self.replay is not None and self.steps % self.replay_every == 0:
-                self._replay(rows)
+                self._replay_rows = rows  # replayed after the step (`observe`), outside the step's time
             k = self._choose(plan, rows, view)
         self.last_k = k
         self._last_rows = (len(rows), len(plan.rows))
@@ -596,6 +599,9 @@ class SpecLengthPolicy:
     def observe(self, plan: StepPlan, record: StepRecord) -> None:
         if self.spec.mode == "none":
             return
+        if self._replay_rows is not None:
+            self._replay(self._replay_rows)
+            self._replay_rows = None
         if not plan.num_verify and self.target is not None:
             self.target.add(plan_features(plan), record.wall_s)  # a step without drafts, whatever its shape
         pair = self._pair

@@ -589,6 +589,25 @@ def test_replayed_length_walks_speculation_over_the_window():
     assert r.expected(3)[3] == pytest.approx(6 / 1.5)
 
 
+def test_replay_runs_after_the_step_is_timed():
+    """The replay is work the step's own time must not carry: an exploration
+    pair compares the wall times of two steps, and a replay in one of them
+    (0.5 ms at batch 1 on a 2-core CPU, with steps of 1-2 ms) read drafting
+    as nearly free. So `plan` only marks the rows, and `observe`, which runs
+    after the step's record is taken, replays them."""
+    pol = SpecLengthPolicy("adaptive:kmax=4", replay=_counting_matches, replay_every=1)
+    seq = _History(list(range(10)))
+    seq.token_ids += list(range(10, 40))
+    plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]),
+                    EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048))
+    assert pol.replayed.total == 0
+    plan.sort_decode_first()
+    for r in plan.verify_rows:
+        r.draft, r.num_accepted = [0] * r.draft_len, 0
+    pol.observe(plan, StepRecord(0, 1, plan.num_decode, 40, plan.num_new_tokens, 1e-3, 1e-3, 0.0))
+    assert pol.replayed.total == 26  # output 30 tokens: a window of 30 - kmax positions
+
+
 def _regime_stream(rng, length: int, runs: tuple[int, int]) -> list[int]:
     """Tokens that alternate between counting runs (each token the last + 1)
     and random runs, of geometric lengths with means `runs`: a counting

@@ -63,9 +63,8 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              A proposer whose proposal is a function of the tokens alone (the
              n-gram lookup) gets E[k] from the sequences' history instead
              (`ReplayedLength`): one step in `replay_every`, after the step
-             (outside its timed work), one decode row's
-             last output tokens are replayed as speculation at every k would
-             have run over them (a step at k proposes after the tokens so
+             (outside its timed work), one decode row's last output tokens
+             are replayed as speculation at every k would have run over them (a step at k proposes after the tokens so
              far, emits the agreeing prefix of its proposal and one token
              more, and the next step starts there), and E[k] is tokens per
              replayed step. The tokens that came are what verification would

@@ -8,20 +8,25 @@ import time
 
 from starlette.requests import Request
 
-from stepserve.server.errors import bad_request
-from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from stepserve.server.beam_search import beam_search, check_beam_request
-from stepserve.server.errors import SafeJSONResponse
+from stepserve.server.errors import SafeJSONResponse, bad_request
+from stepserve.server.logprobs import completion_logprobs, join_completion_logprobs, vllm_prompt_logprobs
 from stepserve.server.openai_common import (check_stream_options, chunk_usage, include_usage, output_grammar,
                                             sampling_kwargs, usage)
-from stepserve.server.sse import DONE, SSEResponse, event
 from stepserve.server.protocol import CompletionRequest
 from stepserve.server.serving import EngineClient, new_id
+from stepserve.server.sse import DONE, SSEResponse, event
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 # engine parameter name -> this endpoint's
 _NAMES = {"logprobs": "logprobs", "max_tokens": "max_tokens", "prompt": "prompt"}
+
+
+def _body(client: EngineClient, rid: str, created: int, choices: list, **extra) -> dict:
+    """A completion object (or chunk) around `choices`."""
+    return {"id": rid, "object": "text_completion", "created": created, "model": client.settings.served_model_name,
+            "choices": choices, **extra}
 
 
 async def _prompts(client: EngineClient, prompt, keep: int | None = None) -> list[tuple[list[int], str | None]]:
@@ -82,8 +87,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
               for ids, text in prompts]
 
     def head(choices, **extra):
-        return {"id": rid, "object": "text_completion", "created": acc.created, "model": client.settings.served_model_name,
-                "choices": choices, **extra}
+        return _body(client, rid, acc.created, choices, **extra)
 
     offsets = {}  # choice index -> text offset of its next logprob (streamed)
     echo_lps = req.echo and req.logprobs is not None  # the echo waits for the prompt's logprobs
@@ -162,8 +166,7 @@ async def _beam_completion(req: CompletionRequest, request: Request, client: Eng
                 sum(c for _, c in results) if details else None)
 
     def head(chs, **extra):
-        return {"id": rid, "object": "text_completion", "created": created, "model": client.settings.served_model_name,
-                "choices": chs, **extra}
+        return _body(client, rid, created, chs, **extra)
 
     if not req.stream:
         return SafeJSONResponse(head(choices, usage=use))

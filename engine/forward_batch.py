@@ -12,7 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+
+def long_tensor(values, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A list of ints as an int64 tensor on `device`, through numpy: on the
+    host a third of what `torch.tensor(list)` costs (~3 against ~9 us), and
+    a step builds several."""
+    t = torch.from_numpy(np.array(values, dtype=np.int64))
+    return t if torch.device(device).type == "cpu" else t.to(device)
 
 
 @dataclass

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from stepserve.engine.attention import AttentionBackend
-from stepserve.engine.forward_batch import ForwardBatch, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, long_tensor, token_bucket
 from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_rows, row_input
 from stepserve.engine.speculative import verify_rows
@@ -124,19 +125,20 @@ class ModelRunner:
         if pad:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
-        positions = torch.tensor(pos, dtype=torch.long)
+        pos_np = np.array(pos, dtype=np.int64)
+        positions = torch.from_numpy(pos_np)
         decode_rows = decode_lens = lens_host = None
         if num_dq:
-            lens_host = positions[:num_dq] + 1
+            lens_host = torch.from_numpy(pos_np[:num_dq] + 1)
             decode_lens = lens_host.to(dev)
-            decode_rows = torch.tensor(dec_rows, dtype=torch.long, device=dev)
+            decode_rows = long_tensor(dec_rows, dev)
         if nv:
             a, b = plan.verify_samples()
             sampled = [last_index[i] for i, _ in plan.samples[:a] + plan.samples[b:]] + verify_idx
         else:
             sampled = [last_index[i] for i, _ in plan.samples]
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=long_tensor(ids, dev),
             positions=positions.to(dev),
             out_slots=(out_slots if not pad else torch.cat([out_slots, out_slots.new_zeros(pad)])).to(dev),
             num_decode=num_dq,
@@ -144,7 +146,7 @@ class ModelRunner:
             decode_rows=decode_rows,
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
-            logits_indices=torch.tensor(sampled, dtype=torch.long, device=dev),
+            logits_indices=long_tensor(sampled, dev),
             hidden_indices=torch.cat([torch.arange(f, f + k) for _, _, k, f in prompt_rows]).to(dev)
             if prompt_rows else None,
             num_padding=pad,

@@ -16,8 +16,6 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-import torch
-
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.policy import EngineView, StepPolicy
@@ -231,13 +229,10 @@ class Scheduler:
         if slots is None:
             raise RuntimeError(f"KV accounting error: {total} slots planned, {self.kv.available()} available")
         plan.slots = slots
-        table = self.kv.req_pool.table
         nd = plan.num_decode
         if nd:
             dec = plan.rows[:nd]
-            rows = torch.tensor([r.seq.row for r in dec], dtype=torch.long, device=table.device)
-            pos = torch.tensor([r.start for r in dec], dtype=torch.long, device=table.device)
-            table[rows, pos] = slots[:nd]
+            self.kv.req_pool.write([r.seq.row for r in dec], [r.start for r in dec], slots[:nd])
         off = nd
         for r in plan.rows[nd:]:
             r.slots = slots[off : off + r.num_new]

@@ -397,6 +397,10 @@ class OnlineLatencyModel:
     runs eager until then). Refits when the minimum is first reached, then
     every `refit_period_s` of `clock` time (the simulator passes its virtual
     clock) or every `refit_every_steps` observed steps, whichever comes first.
+    `lazy`: a refit that falls due waits until the model is next read
+    (`predict`, `current`), on the window as it is then, so an owner that
+    reads it on few steps (speculation prices only mixed steps with it) does
+    not pay a fit every `refit_every_steps` steps for nothing.
     """
 
     name = "latency-model"
@@ -411,6 +415,7 @@ class OnlineLatencyModel:
         refit_every_steps: int | None = None,
         target: str = "wall_s",
         clock: Callable[[], float] = time.monotonic,
+        lazy: bool = False,
     ):
         self.base = base
         self.form = form or (base.form if base is not None else "linear")
@@ -424,12 +429,16 @@ class OnlineLatencyModel:
         self.num_refits = 0
         self._last_refit_t: float | None = None
         self._since_refit = 0
+        self.lazy = lazy
+        self._due: float | None = None  # lazy: the clock when a refit fell due, until it runs
 
     @property
     def calibrated(self) -> bool:
-        return self.model is not None or self.base is not None
+        return self.model is not None or self.base is not None or self._due is not None
 
     def current(self) -> LinearLatencyModel | None:
+        if self._due is not None:
+            self.refit(self._due)
         return self.model if self.model is not None else self.base
 
     def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
@@ -459,7 +468,10 @@ class OnlineLatencyModel:
             or (self.refit_every_steps is not None and self._since_refit >= self.refit_every_steps)
         )
         if due:
-            self.refit(now)
+            if self.lazy:
+                self._due = now
+            else:
+                self.refit(now)
 
     def refit(self, now: float | None = None) -> LinearLatencyModel:
         feats = [f for f, _ in self.window]
@@ -471,6 +483,7 @@ class OnlineLatencyModel:
         self.num_refits += 1
         self._last_refit_t = self.clock() if now is None else now
         self._since_refit = 0
+        self._due = None
         return self.model
 
 

@@ -94,7 +94,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import LinearLatencyModel, OnlineLatencyModel, linear_fit_of, nnls, plan_features
+from stepserve.scheduler.latency_model import (LinearLatencyModel, OnlineLatencyModel, linear_fit_of, nnls, plan_features,
+                                                record_features)
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
@@ -406,7 +407,7 @@ class SpecLengthPolicy:
         if latency_model is not None and not isinstance(latency_model, LinearLatencyModel):
             latency_model = linear_fit_of(latency_model)  # a roofline estimate: its linear fit, rescaled online
         self.target = OnlineLatencyModel(base=latency_model, min_samples=min_samples, target="wall_s",
-                                         refit_every_steps=64)
+                                         refit_every_steps=64, lazy=True)  # read on mixed steps only
         self.explore_every = explore_every
         self.replay = replay if self.spec.mode == "adaptive" else None
         self.replay_every = max(int(replay_every), 1)
@@ -425,6 +426,7 @@ class SpecLengthPolicy:
         self.pairs = 0  # exploration pairs measured
         self._pair: _Pair | None = None
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
+        self._started: set[int] = set()  # the buckets whose first pairs are measured
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
@@ -479,21 +481,27 @@ class SpecLengthPolicy:
         choice (or at it), in turn, so the costs keep following the machine
         and the batch where it matters, k = 0 included."""
         kmax = self.spec.kmax
-        pure = len(rows) == len(plan.rows)  # every row decodes and may draft: what a pair measures
-        bucket = row_bucket(len(rows))
+        n = len(rows)
+        pure = n == len(plan.rows)  # every row decodes and may draft: what a pair measures
+        bucket = row_bucket(n)
         pair = self._pair
         if pair is not None:
-            if pure and 0 < pair.done < 3 and pair.rows == len(rows):
+            if pure and 0 < pair.done < 3 and pair.rows == n:
                 return pair.next_k
             self._pair = None  # the batch changed under it: dropped
         source = self.replayed if self.replayed.ready else self.acceptance
         expected = source.expected(kmax)
-        base = len(plan.sampling())  # tokens without drafts (`plan.samples` is frozen at commit, after the policies)
+        # tokens without drafts (`plan.samples` is frozen at commit, after the policies); in a pure
+        # step every row samples one
+        base = n if pure else len(plan.sampling())
         if pure:
-            todo = [k for k in dict.fromkeys((1, min(4, kmax))) if not self.costs.count(bucket, k)]
             k = None
-            if todo:
-                k = todo[0]
+            if bucket not in self._started:  # the first pairs of this range, at k = 1 and min(4, kmax)
+                todo = [k for k in dict.fromkeys((1, min(4, kmax))) if not self.costs.count(bucket, k)]
+                if todo:
+                    k = todo[0]
+                else:
+                    self._started.add(bucket)
             elif self.steps % self.explore_every == 0:
                 best = self._best.get(bucket, 0)
                 near = sorted({min(max(best + d, 1), kmax) for d in (-1, 0, 1)})
@@ -513,9 +521,9 @@ class SpecLengthPolicy:
                 primed = self.last_k > 0 and self._last_rows == (len(rows), len(plan.rows))
                 self._pair = _Pair(bucket, len(rows), k, done=1 if primed else 0)
                 return 0 if primed else k
-        if self.costs.ratio(bucket, 1) is None:
+        if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
-        memo = (bucket, len(rows), base, id(source), source.version, self.costs.version)
+        memo = (bucket, n, base, id(source), source.version, self.costs.version)
         if pure and self._memo is not None and self._memo[0] == memo:
             return self._memo[1]  # nothing it depends on changed since the last such step
         if pure or not self.target.calibrated:
@@ -603,7 +611,7 @@ class SpecLengthPolicy:
             self._replay(self._replay_rows)
             self._replay_rows = None
         if not plan.num_verify and self.target is not None:
-            self.target.add(plan_features(plan), record.wall_s)  # a step without drafts, whatever its shape
+            self.target.add(record_features(record), record.wall_s)  # a step without drafts, whatever its shape
         pair = self._pair
         if pair is not None:
             self._pair_step(pair, plan, record)

@@ -110,6 +110,30 @@ def test_online_refit_window_and_period():
     assert m.model.coef == pytest.approx(slow.coef, rel=1e-3)
 
 
+def test_online_lazy_refits_when_read_on_the_window_then():
+    """A lazy model fits nothing while nobody reads it; the first read fits
+    the window as it is then, as an eager model fitting at that step would."""
+    truth = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    slow = LinearLatencyModel("linear", [2 * c for c in truth.coef])
+    lazy = OnlineLatencyModel(window=40, min_samples=10, refit_every_steps=16, lazy=True)
+    eager = OnlineLatencyModel(window=40, min_samples=10, refit_every_steps=1)
+    feats = _feats(200, seed=3)
+    for i, f in enumerate(feats[:10]):
+        for m in (lazy, eager):
+            m.observe(None, FakeRecord(f, truth.predict_features(f)))
+    assert lazy.calibrated and lazy.num_refits == 0 and lazy.model is None  # due, not run
+    assert lazy.predict(3, 300, 3) == pytest.approx(truth.predict(3, 300, 3), rel=1e-3)
+    assert lazy.num_refits == 1
+    for f in feats[10:90]:  # many refits fall due and none runs
+        for m in (lazy, eager):
+            m.observe(None, FakeRecord(f, slow.predict_features(f)))
+    assert lazy.num_refits == 1
+    assert lazy.current().coef == pytest.approx(eager.current().coef, rel=1e-9)
+    assert lazy.current().coef == pytest.approx(slow.coef, rel=1e-3) and lazy.num_refits == 2
+    lazy.predict(1, 100, 1)
+    assert lazy.num_refits == 2  # nothing added since: nothing due
+
+
 def test_online_ridge_keeps_prior_on_degenerate_window():
     prior = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
     m = OnlineLatencyModel(base=prior, min_samples=32, refit_every_steps=32)

@@ -9,8 +9,10 @@ how its text becomes OpenAI `tool_calls`.
   or more calls, each `{"name": one of the tools, "arguments": valid for that
   tool's parameters}`.
 - a named function: the output is constrained to JSON valid for that
-  function's parameters: the call's arguments.
-A response with calls has `finish_reason: "tool_calls"`.
+  function's parameters: the call's arguments. The call is returned even
+  when max_tokens cuts its arguments short (`finish_reason: "length"` says
+  so), streamed or not, as OpenAI and vLLM answer.
+A response with calls that ended by itself has `finish_reason: "tool_calls"`.
 """
 
 from __future__ import annotations
@@ -103,16 +105,13 @@ class ToolCallParser:
         return rest
 
 
-def parse_constrained(text: str, tool_choice) -> list[ToolCall]:
-    """The calls in the output of a constrained request ("required": a JSON
-    array of calls; a named function: its arguments); [] if it is not
-    complete JSON (the output was cut by max_tokens)."""
+def parse_constrained(text: str) -> list[ToolCall]:
+    """The calls in the output of a "required" request (a JSON array of
+    calls); [] if it is not complete JSON (the output was cut by max_tokens)."""
     try:
         obj = json.loads(text)
     except ValueError:
         return []
-    if isinstance(tool_choice, dict):
-        return [ToolCall(tool_choice["function"]["name"], text.strip())]
     calls = [call_from_json(o) for o in obj] if isinstance(obj, list) else []
     return [c for c in calls if c is not None]
 
@@ -177,12 +176,12 @@ class ChoiceTools:
                 out.append({"content": rest})
         elif self.mode == "required":
             text = "".join(self.text)
-            calls = self._keep(parse_constrained(text, self.tool_choice))
+            calls = self._keep(parse_constrained(text))
             out = [{"tool_calls": [c.delta(i)]} for i, c in enumerate(calls)] or (
                 [{"content": text}] if text else [])
-        elif self.named is not None and parse_constrained("".join(self.text), self.tool_choice):
-            self.named.arguments = "".join(self.text).strip()
-            self.calls = [self.named]  # the call whose id and arguments were streamed
+        elif self.named is not None:  # the call whose id and arguments were streamed (cut short by
+            self.named.arguments = "".join(self.text).strip()  # max_tokens too: finish_reason "length")
+            self.calls = [self.named]
         return out, ("tool_calls" if self.calls and reason == "stop" else reason)
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:
@@ -191,8 +190,12 @@ class ChoiceTools:
             content, calls = self.parser.feed(text)
             content += self.parser.finish()
             self._keep(calls)
+        elif self.mode == "named":  # the call, its arguments as generated: valid JSON for the schema unless
+            # max_tokens cut them short, which finish_reason "length" says (as OpenAI and vLLM answer)
+            self._keep([ToolCall(self.tool_choice["function"]["name"], text.strip())])
+            content = ""
         else:
-            self._keep(parse_constrained(text, self.tool_choice))
+            self._keep(parse_constrained(text))
             content = "" if self.calls else text
         msg = {"content": content.strip() if self.calls else content}
         if self.calls:

@@ -216,6 +216,26 @@ def test_named_tool_choice_forces_a_valid_call(tclient):
     assert args == c.message.tool_calls[0].function.arguments  # same seed, same call
 
 
+def test_named_tool_call_cut_by_max_tokens_is_still_the_call(tclient):
+    """max_tokens that cut the arguments short: the call comes back with the
+    arguments generated so far and finish_reason "length", streamed or not."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=3, temperature=1.0, seed=5,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = tclient.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "length" and c.message.content is None and len(c.message.tool_calls) == 1
+    call = c.message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert call.function.arguments.startswith("{") and not call.function.arguments.endswith("}")
+    args, finish = "", []
+    for ch in tclient.chat.completions.create(stream=True, **kw):
+        assert not ch.choices[0].delta.content
+        for tc in ch.choices[0].delta.tool_calls or ():
+            args += tc.function.arguments or ""
+        if ch.choices[0].finish_reason:
+            finish.append(ch.choices[0].finish_reason)
+    assert finish == ["length"] and args == call.function.arguments
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice_gives_calls_of_the_given_tools(tclient, parallel):
     """The output is a JSON array of calls (one at most without parallel

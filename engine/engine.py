@@ -183,8 +183,8 @@ def _positive_int(v, what: str) -> int:
 def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
     """The step policies `config` names (branch admission, speculation
     length), in their fixed order. `proposer`: the engine's, whose proposals
-    the speculation length replays on the history when it is deterministic
-    (the n-gram lookup)."""
+    the speculation length replays on the history, and asks for before the
+    step's slots are reserved, when it is deterministic (the n-gram lookup)."""
     model = None
     if config.latency_profile:
         from stepserve.scheduler.latency_model import load_profile
@@ -196,8 +196,9 @@ def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
     if branch is not None:
         out.append(branch)
     if config.speculative != "none":
-        replay = proposer.matches if isinstance(proposer, NgramProposer) else None
-        spec = speculation_policy(config.spec_length or "adaptive", latency_model=model, replay=replay)
+        ngram = isinstance(proposer, NgramProposer)
+        spec = speculation_policy(config.spec_length or "adaptive", latency_model=model,
+                                  replay=proposer.matches if ngram else None, propose=proposer.lookup if ngram else None)
         if spec is not None:
             out.append(spec)
     return out

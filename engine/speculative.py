@@ -99,8 +99,9 @@ class NgramProposer:
 
     def propose(self, plan: StepPlan) -> None:
         for r in plan.verify_rows:
-            r.draft = self.lookup(r.seq.token_ids, r.draft_len)
-            r.draft_probs = None
+            if r.draft is None:  # (the speculation-length policy drafts before commit: `early`)
+                r.draft = self.lookup(r.seq.token_ids, r.draft_len)
+                r.draft_probs = None
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         return self._lookup(np.asarray(ids, dtype=np.int64), len(ids), k)

@@ -19,8 +19,11 @@ class ScheduledRow:
     slots: torch.Tensor | None = None  # extend rows: KV slots of the new tokens (set at commit)
     # speculation (a verify row): `num_new` = 1 + draft_len slots are reserved for the pending
     # token and up to draft_len drafted tokens (set by the speculation-length policy, before
-    # commit); the runner fills `draft` (at most draft_len tokens) and `num_accepted`
+    # commit); the runner fills `draft` (at most draft_len tokens) and `num_accepted`. A
+    # deterministic proposer (the n-gram lookup) drafts in the policy instead: `draft` is set
+    # before commit and draft_len is its length, and a row it found nothing for stays a decode row
     draft_len: int = 0
+    draft_asked: int = 0  # the drafts the policy asked this row for (>= draft_len)
     draft: list[int] | None = None
     draft_probs: Any = None  # a draft model's sampled rows: the distribution of each drafted token
     num_accepted: int = 0

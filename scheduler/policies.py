@@ -24,14 +24,17 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
     return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
 
 
-def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay=None) -> SpecLengthPolicy | None:
+def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay=None,
+                       propose=None) -> SpecLengthPolicy | None:
     """The speculation-length policy of `spec`, or None for `none`. `replay`:
     a deterministic proposer's `matches` (`NgramProposer.matches`), which
-    the adaptive length replays on the sequences' history."""
+    the adaptive length replays on the sequences' history; `propose`: its
+    `lookup`, which drafts in the policy, before the step's slots are
+    reserved."""
     spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
     if spec.mode == "none":
         return None
-    return SpecLengthPolicy(spec, latency_model=latency_model, replay=replay)
+    return SpecLengthPolicy(spec, latency_model=latency_model, replay=replay, propose=propose)
 
 
 def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):

@@ -55,7 +55,9 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              with pairs at k = 1 and 4; after, one step in 32 starts a pair
              next to the range's choice (one in 256 for a length priced under
              0.9x the choice's rate once it has 3 pairs), so the costs keep following the machine
-             even where k = 0 wins. The step model of mixed steps is fitted
+             even where k = 0 wins; past the longest length measured the line
+             is not trusted to stay flat (it never prices below the extra time
+             grown in proportion to k). The step model of mixed steps is fitted
              online on the steps that drafted nothing (until it has enough of
              them, a mixed step is priced as if its chunks were free).
              Options: `adaptive:kmax=8`.
@@ -80,6 +82,15 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              per-position rates from verifications at one k cannot give for
              another.
 
+A deterministic proposer also drafts here, before the step's slots are
+reserved (`propose`): a row its lookup finds nothing for stays a plain decode
+row, since a verify row with nothing to verify costs more than a decode row
+(+19% on a batch-1 step of the embedded model), and a shorter proposal
+reserves only its own slots. The pairs then see fewer drafts than asked for;
+each pair is scaled to k drafts on every row (and kept only when at least
+half of them came), and asking for k is priced at the share of drafts the
+proposer delivers (`DraftFill`): 1 + fill * (C_b[k] - 1).
+
 A row is eligible when it decodes (not a prefill chunk, not forking), its
 request allows speculation (`Seq.speculative`), and at least two tokens are
 left to generate. Its k is capped so that every emitted token fits its
@@ -103,6 +114,7 @@ MODES = ("none", "fixed", "adaptive")
 MIN_REPLAY = 8  # a row is replayed over at least this many positions (and at most `ReplayedLength.window`)
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 TRUSTED = 3  # ... once its cost cell holds this many pairs
+MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
 
 
 @dataclass(frozen=True)
@@ -268,6 +280,36 @@ class ReplayedLength:
         return self._expected[: kmax + 1]
 
 
+class DraftFill:
+    """The share of the drafts asked for that the proposer delivers, from
+    every verification (decayed counts). A draft model delivers every one;
+    a prompt lookup that finds no earlier occurrence delivers none, and that
+    row's step is a plain decode step. Its verify cost is paid only for the
+    drafts delivered, so asking k costs 1 + fill * (C[k] - 1), with C[k] the
+    cost of k drafts delivered to every row (`DraftCostTable`). `version`
+    moves when the share moved by more than `tolerance` (absolute) since the
+    last move."""
+
+    def __init__(self, decay: float = 0.995, tolerance: float = 0.01):
+        self.asked = 0.0
+        self.got = 0.0
+        self.decay = decay
+        self.tolerance = tolerance
+        self.version = 0
+        self.value = 1.0  # nothing seen: every draft delivered
+        self._published = 1.0
+
+    def update(self, asked: int, got: int) -> None:
+        if asked <= 0:
+            return
+        self.asked = self.asked * self.decay + asked
+        self.got = self.got * self.decay + got
+        self.value = self.got / self.asked
+        if abs(self.value - self._published) > self.tolerance:
+            self._published = self.value
+            self.version += 1
+
+
 def row_bucket(rows: int) -> int:
     """The batch-size range of `rows` decode-shaped rows: 1, 2-3, 4-7, ... (0, 1, 2, ...)."""
     return max(int(rows), 1).bit_length() - 1
@@ -290,8 +332,12 @@ class DraftCostTable:
     (a, b >= 0; the draft model's fixed cost per step and its cost per draft,
     with the verify tokens'), so two measured lengths price them all; a
     cell's own median is pulled toward the line by `line_weight` pairs'
-    worth, so one noisy pair does not decide alone. A range with nothing
-    measured borrows the nearest measured range's line."""
+    worth, so one noisy pair does not decide alone. Past the longest length
+    measured, the price never falls below the extra time at that length
+    grown in proportion to k: an extrapolation that errs dear, so a longer
+    length is chosen only once exploration next to the choice has measured
+    it. A range with nothing measured borrows the nearest measured range's
+    line."""
 
     def __init__(self, kmax: int, window: int = 8, line_weight: float = 3.0):
         self.kmax = kmax
@@ -325,8 +371,9 @@ class DraftCostTable:
     def _median(self, bucket: int, k: int) -> float:
         return self._medians[bucket][k]
 
-    def line(self, bucket: int) -> tuple[float, float] | None:
-        """(a, b) of this range's line (or the nearest measured range's); None: nothing measured anywhere."""
+    def line(self, bucket: int) -> tuple[float, float, int] | None:
+        """(a, b, the longest length measured) of this range's line (or the
+        nearest measured range's); None: nothing measured anywhere."""
         if bucket not in self.cells:
             if not self.cells:
                 return None
@@ -337,10 +384,10 @@ class DraftCostTable:
             y = np.array([self._median(bucket, k) - 1.0 for k in ks])
             sw = np.sqrt(np.array([self.count(bucket, k) for k in ks], dtype=np.float64))
             if len(ks) == 1:  # through the origin
-                got = (0.0, max(float(y[0]) / ks[0], 0.0))
+                got = (0.0, max(float(y[0]) / ks[0], 0.0), ks[0])
             else:
                 a, b = nnls(np.column_stack([np.ones(len(ks)), ks]) * sw[:, None], y * sw)
-                got = (float(a), float(b))
+                got = (float(a), float(b), ks[-1])
             self._lines[bucket] = got
         return got
 
@@ -356,7 +403,12 @@ class DraftCostTable:
         if ln is None:
             got = None
         else:
-            est = 1.0 + ln[0] + ln[1] * k
+            a, b, top = ln
+            est = 1.0 + a + b * k
+            if k > top:  # past the longest length measured, never below the extra time grown in
+                # proportion to k: two noisy cells can lay the line flat, and a flat line makes the
+                # longest drafts look free (measured: k = 8 chosen at 1.37x priced, 2.75x paid)
+                est = max(est, 1.0 + (a + b * top) * k / top)
             n = self.count(bucket, k)
             got = est if not n else float((n * self._median(bucket, k) + self.line_weight * est) / (n + self.line_weight))
         self._ratios[key] = got
@@ -392,16 +444,26 @@ class SpecLengthPolicy:
     name = "spec-length"
 
     def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
-                 min_samples: int = 32, explore_every: int = 32, replay=None, replay_every: int = 16):
+                 min_samples: int = 32, explore_every: int = 32, replay=None, replay_every: int = 16,
+                 propose=None):
         """`replay(token_ids, start, stop, k)`: for each position p in
         [start, stop), how many of the k tokens a deterministic proposer
         proposes after token_ids[:p] agree with token_ids[p:]
         (`NgramProposer.matches`), or None; one step in `replay_every`, one
-        decode row is replayed (see the module docstring)."""
+        decode row is replayed (see the module docstring). `propose(token_ids,
+        k)`: that proposer's proposal (`NgramProposer.lookup`), or None: with
+        it the rows draft here, before the step's slots are reserved, and a
+        row it proposes nothing for stays a plain decode row (a verify row
+        with nothing to verify costs more than a decode row: measured +19%
+        on a batch-1 step)."""
+        self.propose = propose
+        self._asked: tuple[int, list[int], int | None] = (0, [], None)  # this step: drafts asked for, the
+        # asks that got no proposal, and the k every eligible row was asked for (None: not all alike)
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
         self.acceptance = AcceptanceEstimate(kmax)
         self.costs = DraftCostTable(kmax)
+        self.fill = DraftFill()
         # a step's time without drafting (for steps that mix prefill chunks with the drafting rows):
         # the profile's model rescaled online, or fitted online, on the steps that drafted nothing
         if latency_model is not None and not isinstance(latency_model, LinearLatencyModel):
@@ -438,6 +500,7 @@ class SpecLengthPolicy:
         rows = [r for r in plan.rows if r.num_new == 1 and r.sample and r.seq.speculative
                 and r.seq.num_output > 0 and not r.seq.fork_children and r.seq.remaining_tokens >= 2]
         self.steps += 1
+        self._asked = (0, [], None)
         if not rows:
             self._pair = None
             return plan
@@ -458,15 +521,29 @@ class SpecLengthPolicy:
             room = min(room, view.max_batched_tokens - planned)
         max_ctx = view.max_context or 1 << 62
         any_set = False
+        propose = self.propose
+        asked, empty, alike = 0, [], len(rows) == len(plan.rows)
         for r in rows:
             seq = r.seq
             kr = min(k, seq.remaining_tokens - 1, max_ctx - seq.num_tokens - 1, room)
             if kr <= 0:
+                alike = False
                 continue
+            alike = alike and kr == k
+            asked += kr
+            r.draft_asked = kr
+            if propose is not None:
+                draft = propose(seq.token_ids, kr)
+                if not draft:
+                    empty.append(kr)
+                    continue  # nothing to verify: the row decodes as it is
+                r.draft, r.draft_probs = draft, None
+                kr = len(draft)
             r.draft_len = kr
             r.num_new = 1 + kr
             room -= kr
             any_set = True
+        self._asked = (asked, empty, k if alike else None)
         if any_set:
             self.verify_steps += 1
         return plan
@@ -523,7 +600,7 @@ class SpecLengthPolicy:
                 return 0 if primed else k
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
-        memo = (bucket, n, base, id(source), source.version, self.costs.version)
+        memo = (bucket, n, base, id(source), source.version, self.costs.version, self.fill.version)
         if pure and self._memo is not None and self._memo[0] == memo:
             return self._memo[1]  # nothing it depends on changed since the last such step
         if pure or not self.target.calibrated:
@@ -565,7 +642,13 @@ class SpecLengthPolicy:
         (`base_tokens` sampled without drafts; `expected`, E[k] per k): every
         step of such a batch exists for its decode rows, so fewer, dearer
         steps win when they commit more tokens per second."""
-        return (base_tokens + n * (expected[k] - 1.0)) / self.costs.ratio(bucket, k)
+        return (base_tokens + n * (expected[k] - 1.0)) / self._cost(bucket, k)
+
+    def _cost(self, bucket: int, k: int) -> float:
+        """Step time when k drafts per row are asked for, over the time
+        without: the cost of k delivered (`DraftCostTable`) for the share of
+        them the proposer delivers (`DraftFill`)."""
+        return 1.0 + self.fill.value * (self.costs.ratio(bucket, k) - 1.0)
 
     def _mixed_score(self, plan: StepPlan, rows, bucket: int, busy: bool, expected: list[float]):
         """k -> the score of k drafts per row in a step with prefill chunks.
@@ -592,8 +675,9 @@ class SpecLengthPolicy:
         m0 = max(t0 - without, 0.0) / n  # a decode row's share of a step like this one
 
         def added(k: int) -> float:
-            on_top = predict(f.rows, f.context_tokens + n * k, f.new_tokens + n * k, f.prefill_pairs, f.extend_rows)
-            return t_spec * (self.costs.ratio(bucket, k) - 1.0) + max(on_top - t0, 0.0)
+            extra = n * k * self.fill.value  # the verify tokens expected
+            on_top = predict(f.rows, f.context_tokens + extra, f.new_tokens + extra, f.prefill_pairs, f.extend_rows)
+            return t_spec * (self._cost(bucket, k) - 1.0) + max(on_top - t0, 0.0)
 
         def saved(k: int) -> float:
             return n * (expected[k] - 1.0) * m0 - added(k) if k else 0.0
@@ -615,18 +699,20 @@ class SpecLengthPolicy:
         pair = self._pair
         if pair is not None:
             self._pair_step(pair, plan, record)
-        if not plan.num_verify:
-            return
+        asked, empty, _ = self._asked
         vr = plan.verify_rows
         drafted = [len(r.draft) if r.draft is not None else 0 for r in vr]
+        self.fill.update(asked, sum(drafted))
+        if not vr and not empty:
+            return
         accepted = [r.num_accepted for r in vr]
         # per position asked for: a proposer that offered fewer drafts than asked (an n-gram lookup
         # that found nothing) failed the position after its last, as a rejected draft would; the
-        # costs are measured at what was asked, so the tokens expected must be too
-        self.acceptance.update([r.draft_len for r in vr], accepted)
+        # tokens expected are priced at what is asked, so they must be measured at it too
+        self.acceptance.update([r.draft_asked or r.draft_len for r in vr] + empty, accepted + [0] * len(empty))
         self.drafted += sum(drafted)
         self.accepted += sum(accepted)
-        self.emitted += sum(accepted) + len(vr)
+        self.emitted += sum(accepted) + len(vr) + len(empty)  # (a row whose ask found nothing decoded one)
 
     def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord) -> None:
         """One step of the exploration pair: kept when every row ran at the
@@ -636,15 +722,21 @@ class SpecLengthPolicy:
         n = len(plan.rows)
         if k == 0:
             ok = plan.num_decode == n == pair.rows
-        else:
-            ok = plan.num_verify == n == pair.rows and all(r.draft_len == k for r in plan.verify_rows)
+        else:  # every row asked for k (what it got is `fill`, below)
+            ok = n == pair.rows and self._asked[2] == k
         if not ok:
             self._pair = None
             return
         if pair.done == 1:
             pair.seconds = (record.wall_s, 0.0)
         elif pair.done == 2:
-            self.costs.add(pair.bucket, pair.k, record.wall_s / max(pair.seconds[0], 1e-12))
+            # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup
+            # that found nothing) verified less, so the extra time is scaled to what was asked
+            fill = sum(len(r.draft) for r in plan.verify_rows if r.draft is not None) / (n * k)
+            if fill < MIN_FILL:
+                self._pair = None
+                return
+            self.costs.add(pair.bucket, pair.k, 1.0 + (record.wall_s / max(pair.seconds[0], 1e-12) - 1.0) / fill)
             self.pairs += 1
             self._pair = None
             return
@@ -666,4 +758,5 @@ class SpecLengthPolicy:
             "spec_cost_pairs": self.pairs,
             "spec_replayed_positions": self.replayed.total,
             "spec_cost_ratio": self.costs.to_dict(),
+            "spec_draft_fill": round(self.fill.value, 4),
         }

@@ -711,6 +711,86 @@ def test_draft_cost_table_pairs_are_kept_only_when_whole():
     assert pol.pairs == 0 and pol._pair.rows == 7
 
 
+def _lookup_plan(lasts: list[int]) -> StepPlan:
+    """A decode plan whose rows' histories end in `lasts`."""
+    rows = []
+    for last in lasts:
+        seq = SimpleNamespace(speculative=True, num_output=10, fork_children=[], remaining_tokens=50,
+                              num_tokens=101, token_ids=[0] * 100 + [last])
+        rows.append(ScheduledRow(seq, 100, 1, True))
+    return StepPlan(rows=rows)
+
+
+def _odd_finds_nothing(ids, k):
+    """A lookup that finds nothing after an odd token and two tokens after an even one."""
+    return [] if ids[-1] % 2 else [7] * min(k, 2)
+
+
+def test_early_proposals_leave_rows_without_a_proposal_decoding():
+    """With a deterministic proposer the policy drafts before commit: a row
+    it finds nothing for stays a plain decode row, a shorter proposal
+    reserves only its own slots, and what was asked is what the acceptance
+    and the fill are measured against."""
+    pol = SpecLengthPolicy("fixed:3", propose=_odd_finds_nothing)
+    view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
+    plan = pol.plan(_lookup_plan([1, 2, 3, 4]), view)
+    plan.sort_decode_first()
+    assert plan.num_decode == 2 and plan.num_verify == 2
+    for r in plan.rows[:2]:
+        assert r.num_new == 1 and r.draft_len == 0 and r.draft is None and r.seq.token_ids[-1] % 2
+    for r in plan.verify_rows:
+        assert r.draft == [7, 7] and r.draft_len == 2 and r.num_new == 3 and r.draft_asked == 3
+        r.num_accepted = 1
+    pol.observe(plan, StepRecord(0, 4, plan.num_decode, 404, plan.num_new_tokens, 1e-3, 1e-3, 0.0))
+    assert pol.fill.value == pytest.approx(4 / 12)
+    assert pol.acceptance.tried[0] == pytest.approx(4.0)  # every row asked tried its first position...
+    assert pol.acceptance.accepted[0] == pytest.approx(2.0)  # ...and the two that drafted took it
+    assert pol.emitted == 6  # 2 x (1 accepted + 1) and 2 plain tokens
+    # every row's proposal empty: a plain decode step, nothing verified
+    plan = pol.plan(_lookup_plan([1, 3]), view)
+    plan.sort_decode_first()
+    assert plan.num_verify == 0 and all(r.num_new == 1 for r in plan.rows)
+
+
+def test_pairs_price_the_drafts_delivered_and_asking_pays_for_the_share_delivered():
+    """Half the rows' lookups find nothing, so a step asked for k verifies
+    half the drafts: the pairs are scaled to k drafts on every row (the cost
+    table holds the full cost), and asking for k is priced at the share the
+    proposer delivers (`DraftFill`). Pricing the asked length at a pair's
+    raw ratio would make it look half as dear."""
+    full = lambda k: 1.0 + 0.2 * k  # noqa: E731 (time of a step with k drafts on every row)
+    pol = SpecLengthPolicy("adaptive:kmax=4", propose=lambda ids, k: [] if ids[-1] % 2 else [7] * k)
+    view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
+    for i in range(200):
+        plan = pol.plan(_lookup_plan([1, 2, 3, 4]), view)
+        plan.sort_decode_first()
+        drafted = sum(r.draft_len for r in plan.verify_rows)
+        for r in plan.verify_rows:
+            r.num_accepted = 0
+        wall = 1e-3 * (1.0 + (full(4) - 1.0) * drafted / 16)  # linear in the drafts verified
+        pol.observe(plan, StepRecord(i, 4, plan.num_decode, 404, plan.num_new_tokens, wall, wall, 0.0))
+    b = row_bucket(4)
+    assert pol.pairs >= 2 and pol.fill.value == pytest.approx(0.5)
+    assert pol.costs.ratio(b, 4) == pytest.approx(full(4), rel=1e-6)
+    assert pol._cost(b, 4) == pytest.approx(1.0 + 0.5 * (full(4) - 1.0), rel=1e-6)
+
+
+def test_draft_costs_past_the_longest_length_measured_grow_at_least_in_proportion():
+    """Two cells that read alike lay the line flat; past the longest length
+    measured a length is priced as if the extra time grew in proportion to
+    k, inside the measured range by the line."""
+    t = DraftCostTable(kmax=8)
+    for _ in range(3):
+        t.add(0, 1, 1.5)
+        t.add(0, 4, 1.5)
+    assert t.ratio(0, 2) == pytest.approx(1.5)
+    assert t.ratio(0, 4) == pytest.approx(1.5)
+    assert t.ratio(0, 8) == pytest.approx(1.0 + 0.5 * 8 / 4)
+    t.add(0, 8, 1.9)  # measured: inside the range now, 6 is priced by the line alone
+    a, b, top = t.line(0)
+    assert top == 8 and t.ratio(0, 6) == pytest.approx(1.0 + a + 6 * b) and t.ratio(0, 6) < 1.0 + 0.5 * 6 / 4
+
+
 # ---------------------------------------------------------------------------
 # over HTTP
 # ---------------------------------------------------------------------------

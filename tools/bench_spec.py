@@ -93,8 +93,8 @@ def main(argv=None) -> int:
         for rep in range(args.repeats + 1):
             for c, llm in engines.items():
                 before = llm.engine.stats().policy
-                records = llm.engine.core.records
-                n0 = len(records)
+                core = llm.engine.core
+                first = core.step_id  # (by step id: the record list is trimmed as it grows)
                 t = time.perf_counter()
                 outs = llm.generate(prompts, sp)
                 dt = time.perf_counter() - t
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
                 tput[c].append(sum(len(o.outputs[0].token_ids) for o in outs) / dt)
                 # the steps with all b rows in the batch (before the first request finishes): the rate a
                 # batch of b sustains, without the ragged finish (verify rows finish at different steps)
-                full[c].append(full_batch_rate(records[n0:], b))
+                full[c].append(full_batch_rate([r for r in core.records if r.step >= first], b))
                 if c != "none":
                     count_spec(spec.setdefault(c, {"draft": 0, "accepted": 0, "rows": 0, "k": {}}), before, after)
         rows.append(batch_row(b, tput, full, spec))

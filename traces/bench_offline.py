@@ -168,10 +168,10 @@ def measure_overhead(cfg, rows: int, steps: int, vocab: int, seed: int) -> dict:
         eng.add_request(x, p)
     while eng.scheduler.waiting or any(s.pending > 1 for s in eng.scheduler.running):
         eng.step()  # admit and prefill everything first
-    start = len(eng.records)
+    first = eng.step_id  # (by step id: the record list is trimmed as it grows)
     for _ in range(steps):
         eng.step()
-    recs = [r for r in eng.records[start:] if r.decode_rows == rows]
+    recs = [r for r in eng.records if r.step >= first and r.decode_rows == rows]
     for req in list(eng.requests):
         eng.abort_request(req)
     sched = [r.schedule_s * 1e3 for r in recs]

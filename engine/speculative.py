@@ -99,7 +99,7 @@ class NgramProposer:
 
     def propose(self, plan: StepPlan) -> None:
         for r in plan.verify_rows:
-            if r.draft is None:  # (the speculation-length policy drafts before commit: `early`)
+            if r.draft is None:  # (set already when the speculation-length policy drafted, given `lookup`)
                 r.draft = self.lookup(r.seq.token_ids, r.draft_len)
                 r.draft_probs = None
 

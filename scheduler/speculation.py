@@ -66,9 +66,10 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              n-gram lookup) gets E[k] from the sequences' history instead
              (`ReplayedLength`): one step in `replay_every`, after the step
              (outside its timed work), one decode row's last output tokens
-             are replayed as speculation at every k would have run over them (a step at k proposes after the tokens so
-             far, emits the agreeing prefix of its proposal and one token
-             more, and the next step starts there), and E[k] is tokens per
+             are replayed as speculation at every k would have run over
+             them (a step at k proposes after the tokens so far, emits the
+             agreeing prefix of its proposal and one token more, and the
+             next step starts there), and E[k] is tokens per
              replayed step. The tokens that came are what verification would
              have accepted: a greedy row's are the target's argmax whatever
              k ran, and a sampled row's next token equals a one-hot draft d
@@ -282,7 +283,7 @@ class ReplayedLength:
 
 class DraftFill:
     """The share of the drafts asked for that the proposer delivers, from
-    every verification (decayed counts). A draft model delivers every one;
+    every step that asks for drafts (decayed counts). A draft model delivers every one;
     a prompt lookup that finds no earlier occurrence delivers none, and that
     row's step is a plain decode step. Its verify cost is paid only for the
     drafts delivered, so asking k costs 1 + fill * (C[k] - 1), with C[k] the
@@ -589,14 +590,14 @@ class SpecLengthPolicy:
                 # most there, and only a large change in the machine or the acceptance would flip it;
                 # not before its cell has TRUSTED pairs, so that one slow pair cannot shelve a length
                 if (self.costs.count(bucket, k) >= TRUSTED
-                        and self._rate(base, len(rows), expected, bucket, k)
-                        < FAR * self._rate(base, len(rows), expected, bucket, best)
+                        and self._rate(base, n, expected, bucket, k)
+                        < FAR * self._rate(base, n, expected, bucket, best)
                         and self.steps % (8 * self.explore_every)):
                     k = None
             if k is not None:
                 # where these rows all drafted last step the proposer is current: the pair starts at 0
-                primed = self.last_k > 0 and self._last_rows == (len(rows), len(plan.rows))
-                self._pair = _Pair(bucket, len(rows), k, done=1 if primed else 0)
+                primed = self.last_k > 0 and self._last_rows == (n, len(plan.rows))
+                self._pair = _Pair(bucket, n, k, done=1 if primed else 0)
                 return 0 if primed else k
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
             return 0  # nothing measured yet (a step with prefill in it: no pair to start)
@@ -605,7 +606,7 @@ class SpecLengthPolicy:
             return self._memo[1]  # nothing it depends on changed since the last such step
         if pure or not self.target.calibrated:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
-            score = lambda k: self._rate(base, len(rows), expected, bucket, k)  # noqa: E731
+            score = lambda k: self._rate(base, n, expected, bucket, k)  # noqa: E731
         else:
             # more prompt left after this step (a chunk that does not end its prompt, a request waiting):
             # the next steps run for it too

@@ -9,8 +9,8 @@ The backend is planned once per step (`prepare`) and the plan is shared by all
 layers (`forward`):
   - decode-shaped queries (decode rows, and each position of a speculative
     verify row, which reads its own prefix length) go through flashinfer's
-    batch decode wrapper -- with tensor cores where the GQA group is over 4,
-    as vLLM does;
+    batch decode wrapper -- with tensor cores where the GQA group is at least
+    `TENSOR_CORE_MIN_GROUP`;
   - extend rows (prefill chunks over a radix-cached prefix) go through the
     batch prefill wrapper, causal with the query aligned to the end of its
     context, which is exactly "prefix + chunk".
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import torch
 
 from stepserve.engine.forward_batch import ForwardBatch
@@ -33,6 +34,9 @@ from stepserve.kvcache import TokenKVPool
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-k partial results)
+# decode runs flashinfer's tensor-core kernel (its prefill kernel, one query per
+# row) when a KV head serves at least this many query heads (vLLM: over 4)
+TENSOR_CORE_MIN_GROUP = 5
 
 
 def flashinfer_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -79,9 +83,9 @@ class FlashInferAttention:
         dev = pool.device
         # one float workspace for every wrapper: they run one after another on one stream
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=dev)
-        # tensor-core decode (the prefill kernel with one query per row) pays off past a GQA group of 4
-        # (vLLM's rule); its planner also walks the batch's lengths in Python, ~5 us a row
-        self.use_tensor_cores = num_heads // num_kv_heads > 4
+        # tensor-core decode (the prefill kernel with one query per row) pays off for wide GQA groups;
+        # its planner also walks the batch's lengths in Python, ~5 us a row
+        self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
         self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                             use_tensor_cores=self.use_tensor_cores)
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
@@ -90,6 +94,7 @@ class FlashInferAttention:
         self._graph_wrappers: dict[int, object] = {}
         self._graph_indices: torch.Tensor | None = None  # shared by the graph wrappers: one runs per step
         self._active = None  # the decode wrapper this step's layers run
+        self._ones = torch.ones(64, dtype=torch.int32)  # every page holds one token: the last page's length
         self._num_extend = 0  # tokens of this step's extend rows
 
     # -- planning ---------------------------------------------------------------
@@ -97,15 +102,20 @@ class FlashInferAttention:
         """Plans `wrapper` for rows reading table[rows[b], :lens[b]], then
         `pad_rows` more rows reading the padding slot 0 alone."""
         n = len(lens_host)
-        indptr = indptr_of(torch.cat([lens_host.to(torch.int32), torch.ones(pad_rows, dtype=torch.int32)])
-                           if pad_rows else lens_host)
-        total = int(indptr[n])
+        m = n + pad_rows
+        indptr = torch.empty(m + 1, dtype=torch.int32)  # host arithmetic in numpy: a few us, not a few torch ops
+        ip = indptr.numpy()
+        ip[0] = 0
+        np.cumsum(lens_host.numpy(), dtype=np.int32, out=ip[1 : n + 1])
+        total = int(ip[n])
+        ip[n + 1 :] = np.arange(total + 1, total + pad_rows + 1, dtype=np.int32)
         indices = paged_indices(table, rows, lens, total)
         if pad_rows:
             indices = torch.cat([indices, indices.new_zeros(pad_rows)])
-        wrapper.plan(indptr, indices, torch.ones(n + pad_rows, dtype=torch.int32), self.num_heads,
-                     self.num_kv_heads, self.head_dim, 1, q_data_type=self.dtype, kv_data_type=self.dtype,
-                     sm_scale=self.scale)
+        if len(self._ones) < m:
+            self._ones = torch.ones(max(m, 2 * len(self._ones)), dtype=torch.int32)
+        wrapper.plan(indptr, indices, self._ones[:m], self.num_heads, self.num_kv_heads, self.head_dim, 1,
+                     q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         self._active = wrapper
 
     def prepare(self, fb: ForwardBatch) -> None:
@@ -151,8 +161,9 @@ class FlashInferAttention:
     def forward(self, layer, q, k, v, fb):
         self.pool.write(layer, fb.out_slots, k, v)
         kv = self._kv[layer]
-        q = q.contiguous()  # fused rotary leaves q a strided view of the qkv projection
-        out = torch.empty_like(q)
+        # q may be a strided view of the qkv projection (fused rotary works in place there):
+        # flashinfer's kernels take a query's row and head strides, so it is not copied
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = fb.num_decode
         if nd:
             self._active.run(q[:nd], kv, out=out[:nd])

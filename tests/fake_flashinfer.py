@@ -53,6 +53,7 @@ class _Wrapper:
         assert k.dim() == 4 and k.shape[1] == 1 and tuple(k.shape[2:]) == (self.heads[1], self.head_dim)
         assert q.dtype == self.q_dtype and k.dtype == self.kv_dtype, "run with other dtypes than planned"
         assert q.shape[1:] == (self.heads[0], self.head_dim)
+        assert q.stride(-1) == 1, "flashinfer takes a query with row and head strides, but a contiguous last dim"
         assert out is None or (out.shape == q.shape and out.is_contiguous())
         return k[:, 0], v[:, 0]
 

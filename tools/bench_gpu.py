@@ -16,6 +16,13 @@ the LM head, plus every row's KV) over the GPU's copy bandwidth measured in
 the same run (a device-to-device copy, bytes read + written). With
 `--compare-eager` each batch size also runs with `enforce_eager` (no CUDA graphs).
 
+Where a step's time goes (graph steps): the GPU time of the forward alone
+(the step's graph replayed back to back between CUDA events), and the host
+time of each part of the step -- scheduling and output handling, building the
+batch, copying it into the graph's buffers, planning attention, the replay
+call itself, and sampling up to the tokens on the host. The step's wall time
+minus the forward's GPU time is what the GPU waits for the host.
+
 Prefill: `--prefill-prompts` prompts of `--context` tokens with max_tokens=1;
 prompt tokens per second over the whole run.
 """
@@ -102,13 +109,65 @@ def free(eng) -> None:
     torch.cuda.empty_cache()
 
 
+class HostTimes:
+    """Host seconds spent in wrapped callables, a list per name."""
+
+    def __init__(self):
+        self.calls: dict[str, list[float]] = {}
+
+    def wrap(self, obj, attr: str, name: str) -> None:
+        fn = getattr(obj, attr)
+        calls = self.calls.setdefault(name, [])
+
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                calls.append(time.perf_counter() - t0)
+
+        setattr(obj, attr, timed)
+
+    def median_ms(self, name: str, since: int = 0) -> float:
+        xs = self.calls.get(name, [])[since:]
+        return statistics.median(xs) * 1e3 if xs else 0.0
+
+
+def graph_gpu_ms(graphs, batch: int, reps: int = 20) -> float:
+    """GPU time of one replay of the graph serving `batch` rows: `reps` replays
+    back to back between two CUDA events (they rewrite the last step's KV
+    with the same values)."""
+    from stepserve.engine.cuda_graph import bucket_for
+
+    g = graphs.graphs[bucket_for(graphs.buckets, batch)]
+    g.replay()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        g.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
 def decode_point(args, batch: int, eager: bool, bandwidth: float) -> dict:
     from stepserve.engine.sampling_params import SamplingParams
 
     eng = engine(args, max_running=batch, enforce_eager=eager)
+    graphs = eng.runner.graphs
+    host = HostTimes()
+    host.wrap(eng.runner, "build_batch", "build")
+    if graphs is not None:
+        for attr in ("run", "_plan"):
+            host.wrap(graphs, attr, attr)
+        for w in getattr(eng.runner.backend, "_graph_wrappers", {}).values():
+            host.wrap(w, "plan", "fi_plan")
+        for bs, gr in graphs.graphs.items():
+            host.wrap(gr, "replay", "replay")
     g = torch.Generator().manual_seed(batch)
     vocab = eng.model_config.vocab_size
-    p = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    # enough tokens that every row decodes through the timed and the profiled steps
+    p = SamplingParams(max_tokens=args.steps + 32, temperature=0.0, ignore_eos=True)
     for _ in range(batch):
         eng.add_request(torch.randint(16, vocab, (args.context,), generator=g).tolist(), p)
     while eng.scheduler.waiting or any(s.pending > 1 for s in eng.scheduler.running):
@@ -117,12 +176,21 @@ def decode_point(args, batch: int, eager: bool, bandwidth: float) -> dict:
         eng.step()
     times = []
     first = eng.step_id
+    since = {k: len(v) for k, v in host.calls.items()}
     for _ in range(args.steps):
         t0 = time.perf_counter()
         eng.step()
         times.append(time.perf_counter() - t0)
     recs = [r for r in eng.records if r.step >= first]
     parts = {k: statistics.median(getattr(r, k) for r in recs) * 1e3 for k in ("schedule_s", "prep_s", "forward_s")}
+    rows = statistics.median(r.rows for r in recs)
+    ctx = statistics.median(r.context_tokens for r in recs)
+    breakdown = {}
+    if graphs is not None and not eager:
+        run, plan, fi_plan, replay = (host.median_ms(k, since.get(k, 0)) for k in ("run", "_plan", "fi_plan", "replay"))
+        breakdown = {"graph_gpu_ms": graph_gpu_ms(graphs, batch), "host_copy_ms": run - plan - replay,
+                     "host_plan_ms": plan, "host_flashinfer_plan_ms": fi_plan, "host_replay_call_ms": replay,
+                     "sample_and_sync_ms": parts["forward_s"] - run}
     if batch in args.profile_batches and not eager:
         from torch.profiler import ProfilerActivity, profile
 
@@ -132,18 +200,16 @@ def decode_point(args, batch: int, eager: bool, bandwidth: float) -> dict:
         print(f"--- profile: 8 decode steps at batch {batch} ---")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
-    ctx = sum(len(s.token_ids) for s in eng.scheduler.running)
     step = statistics.median(times)
     kv = ctx * eng.model_config.kv_bytes_per_token(eng.dtype)
     wbytes = weight_bytes_per_step(eng.model, batch)
     roof = (wbytes + kv) / bandwidth
-    graphs = eng.runner.graphs
-    out = {"batch": batch, "mode": "eager" if eager else "graphs", "backend": eng.attention_backend,
+    out = {"batch": batch, "rows_median": rows, "context_tokens_median": ctx, "mode": "eager" if eager else "graphs", "backend": eng.attention_backend,
            "step_ms_median": step * 1e3, "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
            "tok_per_s": batch / step, "weight_gb": wbytes / 1e9, "kv_gb": kv / 1e9,
            "roofline_ms": roof * 1e3, "x_roofline": step / roof,
            "graph_replays": graphs.replays if graphs is not None else 0,
-           **{k.replace("_s", "_ms_median"): v for k, v in parts.items()}}
+           **{k.replace("_s", "_ms_median"): v for k, v in parts.items()}, **breakdown}
     for r in list(eng.requests):
         eng.abort_request(r)
     free(eng)
@@ -181,6 +247,9 @@ def main() -> int:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--compare-eager", action="store_true")
+    p.add_argument("--tensor-core-groups", default=None,
+                   help="comma list of TENSOR_CORE_MIN_GROUP values: each batch size runs with each (an A/B of "
+                        "flashinfer's tensor-core decode against its CUDA-core one)")
     p.add_argument("--prefill-prompts", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -203,15 +272,29 @@ def main() -> int:
                        check=True)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    from stepserve.engine import attention_flashinfer
+
+    groups = [int(x) for x in args.tensor_core_groups.split(",")] if args.tensor_core_groups else [None]
+    default_group = attention_flashinfer.TENSOR_CORE_MIN_GROUP
     points = []
     for b in [int(x) for x in args.batches.split(",")]:
-        for eager in ([False, True] if args.compare_eager else [False]):
+        for eager, group in [(e, g) for e in ([False, True] if args.compare_eager else [False]) for g in groups]:
+            if group is not None:
+                attention_flashinfer.TENSOR_CORE_MIN_GROUP = group
             pt = decode_point(args, b, eager, bw)
+            pt["tensor_core_min_group"] = attention_flashinfer.TENSOR_CORE_MIN_GROUP
             points.append(pt)
-            print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']}: {pt['step_ms_median']:7.2f} ms/step "
+            print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']} tc>={pt['tensor_core_min_group']}: "
+                  f"{pt['step_ms_median']:7.2f} ms/step "
                   f"{pt['tok_per_s']:9.1f} tok/s  roofline {pt['roofline_ms']:6.2f} ms ({pt['x_roofline']:.2f}x)  "
                   f"[schedule {pt['schedule_ms_median']:.2f} prep {pt['prep_ms_median']:.2f} "
                   f"forward+sample {pt['forward_ms_median']:.2f} ms]", flush=True)
+            if "graph_gpu_ms" in pt:
+                print(f"    graph GPU {pt['graph_gpu_ms']:.2f} ms; host: copies {pt['host_copy_ms']:.3f} plan "
+                      f"{pt['host_plan_ms']:.3f} (flashinfer's {pt['host_flashinfer_plan_ms']:.3f}) replay call {pt['host_replay_call_ms']:.3f} sample+sync "
+                      f"{pt['sample_and_sync_ms']:.2f} ms; rows {pt['rows_median']}, context "
+                      f"{pt['context_tokens_median']} tokens", flush=True)
+    attention_flashinfer.TENSOR_CORE_MIN_GROUP = default_group
     pre = prefill_point(args)
     print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,

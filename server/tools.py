@@ -182,6 +182,11 @@ class ChoiceTools:
         elif self.named is not None:  # the call whose id and arguments were streamed (cut short by
             self.named.arguments = "".join(self.text).strip()  # max_tokens too: finish_reason "length")
             self.calls = [self.named]
+        elif self.mode == "named":  # no text at all (a stop string or max_tokens before any): the call with
+            # empty arguments, as the whole message has it
+            self.named = ToolCall(self.tool_choice["function"]["name"], "")
+            self.calls = [self.named]
+            out = [{"tool_calls": [self.named.delta(0)]}]
         return out, ("tool_calls" if self.calls and reason == "stop" else reason)
 
     def message(self, text: str, reason: str) -> tuple[dict, str]:

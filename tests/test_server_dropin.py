@@ -236,6 +236,23 @@ def test_named_tool_call_cut_by_max_tokens_is_still_the_call(tclient):
     assert finish == ["length"] and args == call.function.arguments
 
 
+def test_named_tool_call_with_no_output_is_the_same_call_streamed_or_not(tclient):
+    """A stop string that matches before any argument text (the grammar's
+    first character): the call with empty arguments either way."""
+    kw = dict(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=8, temperature=0.0, stop=["{"],
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = tclient.chat.completions.create(**kw).choices[0]
+    assert len(c.message.tool_calls) == 1 and c.message.tool_calls[0].function.arguments == ""
+    calls, finish = [], []
+    for ch in tclient.chat.completions.create(stream=True, **kw):
+        assert not ch.choices[0].delta.content
+        calls += ch.choices[0].delta.tool_calls or []
+        if ch.choices[0].finish_reason:
+            finish.append(ch.choices[0].finish_reason)
+    assert [(tc.function.name, tc.function.arguments) for tc in calls] == [("get_weather", "")]
+    assert calls[0].id.startswith("call_") and finish == [c.finish_reason]
+
+
 @pytest.mark.parametrize("parallel", [True, False])
 def test_required_tool_choice_gives_calls_of_the_given_tools(tclient, parallel):
     """The output is a JSON array of calls (one at most without parallel

@@ -54,11 +54,17 @@ def flashinfer_unavailable(device: torch.device, dtype: torch.dtype, head_dim: i
     return None
 
 
-def indptr_of(lengths: torch.Tensor | list[int]) -> torch.Tensor:
-    """[0, l0, l0+l1, ...] as int32 on the host (flashinfer's planners read it there)."""
-    lens = torch.as_tensor(lengths, dtype=torch.int32, device="cpu")
-    out = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(lens, 0, out=out[1:])
+def indptr_of(lengths: torch.Tensor | list[int], pad_ones: int = 0) -> torch.Tensor:
+    """[0, l0, l0+l1, ...] as int32 on the host (flashinfer's planners read it
+    there), then `pad_ones` more rows of length 1 each; numpy arithmetic, a
+    few us a call where torch ops cost a few each."""
+    lens = lengths.numpy() if isinstance(lengths, torch.Tensor) else np.asarray(lengths, dtype=np.int64)
+    n = len(lens)
+    out = torch.empty(n + pad_ones + 1, dtype=torch.int32)
+    o = out.numpy()
+    o[0] = 0
+    np.cumsum(lens, dtype=np.int32, out=o[1 : n + 1])
+    o[n + 1 :] = np.arange(o[n] + 1, o[n] + pad_ones + 1, dtype=np.int32)
     return out
 
 
@@ -103,12 +109,8 @@ class FlashInferAttention:
         `pad_rows` more rows reading the padding slot 0 alone."""
         n = len(lens_host)
         m = n + pad_rows
-        indptr = torch.empty(m + 1, dtype=torch.int32)  # host arithmetic in numpy: a few us, not a few torch ops
-        ip = indptr.numpy()
-        ip[0] = 0
-        np.cumsum(lens_host.numpy(), dtype=np.int32, out=ip[1 : n + 1])
-        total = int(ip[n])
-        ip[n + 1 :] = np.arange(total + 1, total + pad_rows + 1, dtype=np.int32)
+        indptr = indptr_of(lens_host, pad_rows)
+        total = int(indptr[n])
         indices = paged_indices(table, rows, lens, total)
         if pad_rows:
             indices = torch.cat([indices, indices.new_zeros(pad_rows)])

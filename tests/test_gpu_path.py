@@ -58,6 +58,8 @@ def test_paged_indices_equal_a_naive_gather():
     lens = torch.tensor([1, 40, 7, 13])
     ip = indptr_of(lens)
     assert ip.dtype == torch.int32 and ip.tolist() == [0, 1, 41, 48, 61]
+    assert indptr_of(lens.tolist(), 2).tolist() == [0, 1, 41, 48, 61, 62, 63]  # two padding rows of one page
+    assert indptr_of([]).tolist() == [0]
     got = paged_indices(table, rows, lens, int(ip[-1]))
     want = torch.cat([table[r, :n] for r, n in zip(rows.tolist(), lens.tolist())])
     assert got.dtype == torch.int32 and torch.equal(got.long(), want)

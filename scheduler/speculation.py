@@ -697,13 +697,14 @@ class SpecLengthPolicy:
             self._replay_rows = None
         if not plan.num_verify and self.target is not None:
             self.target.add(record_features(record), record.wall_s)  # a step without drafts, whatever its shape
-        pair = self._pair
-        if pair is not None:
-            self._pair_step(pair, plan, record)
         asked, empty, _ = self._asked
         vr = plan.verify_rows
         drafted = [len(r.draft) if r.draft is not None else 0 for r in vr]
-        self.fill.update(asked, sum(drafted))
+        delivered = sum(drafted)
+        pair = self._pair
+        if pair is not None:
+            self._pair_step(pair, plan, record, delivered)
+        self.fill.update(asked, delivered)
         if not vr and not empty:
             return
         accepted = [r.num_accepted for r in vr]
@@ -711,14 +712,14 @@ class SpecLengthPolicy:
         # that found nothing) failed the position after its last, as a rejected draft would; the
         # tokens expected are priced at what is asked, so they must be measured at it too
         self.acceptance.update([r.draft_asked or r.draft_len for r in vr] + empty, accepted + [0] * len(empty))
-        self.drafted += sum(drafted)
+        self.drafted += delivered
         self.accepted += sum(accepted)
         self.emitted += sum(accepted) + len(vr) + len(empty)  # (a row whose ask found nothing decoded one)
 
-    def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord) -> None:
+    def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord, delivered: int) -> None:
         """One step of the exploration pair: kept when every row ran at the
         pair's k for this step (no row capped, none left out), else the pair
-        is dropped."""
+        is dropped. `delivered`: the drafts the step's verify rows got."""
         k = pair.next_k
         n = len(plan.rows)
         if k == 0:
@@ -733,7 +734,7 @@ class SpecLengthPolicy:
         elif pair.done == 2:
             # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup
             # that found nothing) verified less, so the extra time is scaled to what was asked
-            fill = sum(len(r.draft) for r in plan.verify_rows if r.draft is not None) / (n * k)
+            fill = delivered / (n * k)
             if fill < MIN_FILL:
                 self._pair = None
                 return

@@ -70,6 +70,10 @@ class Seq:
     logits_processor: Any = None  # proc(output_ids, logits_row) editing this branch's logits (e.g. a grammar)
     plain_greedy: bool = False  # argmax alone serves it: greedy, no penalties, bias, logprobs or min_tokens
     speculative: bool = False  # may decode speculatively (the engine allows it and the request did not opt out)
+    # its own speculation record (`SpecLengthPolicy`): draft positions tried (each accepted one and the first
+    # rejected, as `AcceptanceEstimate` counts them) and accepted, over every verification it had
+    spec_tried: int = 0
+    spec_accepted: int = 0
     # siblings created by fork when this sequence's prefill completes
     fork_children: list["Seq"] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

@@ -60,7 +60,13 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              grown in proportion to k). The step model of mixed steps is fitted
              online on the steps that drafted nothing (until it has enough of
              them, a mixed step is priced as if its chunks were free).
-             Options: `adaptive:kmax=8`.
+
+             Per row (`per_row=1`, the default; decode steps with a draft
+             model): each row's drafts are priced at its own acceptance rate,
+             and the step's k is how far the draft model runs, each row
+             drafting as far as its drafts are worth their verify tokens
+             (`_per_row`).
+             Options: `adaptive:kmax=8,per_row=1`.
 
              A proposer whose proposal is a function of the tokens alone (the
              n-gram lookup) gets E[k] from the sequences' history instead
@@ -116,6 +122,7 @@ MIN_REPLAY = 8  # a row is replayed over at least this many positions (and at mo
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 TRUSTED = 3  # ... once its cost cell holds this many pairs
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
+ROW_PRIOR = 8.0  # a row's own acceptance leans on the pooled rate with the weight of this many tries
 
 
 @dataclass(frozen=True)
@@ -123,6 +130,7 @@ class SpecLengthSpec:
     mode: str = "none"
     k: int = 0  # fixed:K
     kmax: int = 8  # adaptive: the longest draft considered
+    per_row: bool = True  # adaptive: each row's drafts follow its own acceptance (`SpecLengthPolicy._per_row`)
 
     @classmethod
     def parse(cls, text: str) -> "SpecLengthSpec":
@@ -133,14 +141,19 @@ class SpecLengthSpec:
         if head == "fixed":
             return cls("fixed", k=_draft_length(rest, "fixed:K"))
         if head == "adaptive":
-            kmax = 8
+            kmax, per_row = 8, True
             for opt in filter(None, rest.split(",")):
                 key, _, val = opt.partition("=")
-                if key != "kmax":
-                    raise ValueError(f"unknown adaptive option {key!r} (kmax)")
-                kmax = _draft_length(val, "kmax")
-            return cls("adaptive", kmax=kmax)
-        raise ValueError(f"unknown speculation length {text!r} (none, fixed:K, adaptive[:kmax=K])")
+                if key == "kmax":
+                    kmax = _draft_length(val, "kmax")
+                elif key == "per_row":
+                    if val not in ("0", "1"):
+                        raise ValueError(f"adaptive per_row takes 0 or 1, got {val!r}")
+                    per_row = val == "1"
+                else:
+                    raise ValueError(f"unknown adaptive option {key!r} (kmax, per_row)")
+            return cls("adaptive", kmax=kmax, per_row=per_row)
+        raise ValueError(f"unknown speculation length {text!r} (none, fixed:K, adaptive[:kmax=K,per_row=0|1])")
 
 
 def _draft_length(text: str, what: str) -> int:
@@ -482,6 +495,7 @@ class SpecLengthPolicy:
         self.steps = 0
         self.verify_steps = 0
         self.k_hist: dict[int, int] = {}  # chosen k -> steps
+        self.row_k_hist: dict[int, int] = {}  # drafts asked of an eligible row -> rows (0: it decoded plainly)
         self.drafted = 0
         self.accepted = 0
         self.emitted = 0
@@ -505,12 +519,13 @@ class SpecLengthPolicy:
         if not rows:
             self._pair = None
             return plan
+        caps = None  # per row, the most it drafts (None: k for every row)
         if self.spec.mode == "fixed":
             k = self.spec.k
         else:
             if self.replay is not None and self.steps % self.replay_every == 0:
                 self._replay_rows = rows  # replayed after the step (`observe`), outside the step's time
-            k = self._choose(plan, rows, view)
+            k, caps = self._choose(plan, rows, view)
         self.last_k = k
         self._last_rows = (len(rows), len(plan.rows))
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
@@ -524,10 +539,13 @@ class SpecLengthPolicy:
         any_set = False
         propose = self.propose
         asked, empty, alike = 0, [], len(rows) == len(plan.rows)
-        for r in rows:
+        row_k = self.row_k_hist
+        for i, r in enumerate(rows):
             seq = r.seq
-            kr = min(k, seq.remaining_tokens - 1, max_ctx - seq.num_tokens - 1, room)
-            if kr <= 0:
+            kr = min(k if caps is None else caps[i], seq.remaining_tokens - 1, max_ctx - seq.num_tokens - 1, room)
+            kr = max(kr, 0)
+            row_k[kr] = row_k.get(kr, 0) + 1
+            if kr == 0:
                 alike = False
                 continue
             alike = alike and kr == k
@@ -536,7 +554,7 @@ class SpecLengthPolicy:
             if propose is not None:
                 draft = propose(seq.token_ids, kr)
                 if not draft:
-                    empty.append(kr)
+                    empty.append((kr, seq))
                     continue  # nothing to verify: the row decodes as it is
                 r.draft, r.draft_probs = draft, None
                 kr = len(draft)
@@ -549,7 +567,7 @@ class SpecLengthPolicy:
             self.verify_steps += 1
         return plan
 
-    def _choose(self, plan: StepPlan, rows, view: EngineView) -> int:
+    def _choose(self, plan: StepPlan, rows, view: EngineView) -> tuple[int, list[int] | None]:
         """The adaptive k for this step: the k that maximises expected tokens
         per second, with the cost of k drafts per row from `DraftCostTable`.
         A batch-size range with fewer than two draft lengths measured runs
@@ -565,7 +583,7 @@ class SpecLengthPolicy:
         pair = self._pair
         if pair is not None:
             if pure and 0 < pair.done < 3 and pair.rows == n:
-                return pair.next_k
+                return pair.next_k, None
             self._pair = None  # the batch changed under it: dropped
         source = self.replayed if self.replayed.ready else self.acceptance
         expected = source.expected(kmax)
@@ -598,19 +616,26 @@ class SpecLengthPolicy:
                 # where these rows all drafted last step the proposer is current: the pair starts at 0
                 primed = self.last_k > 0 and self._last_rows == (n, len(plan.rows))
                 self._pair = _Pair(bucket, n, k, done=1 if primed else 0)
-                return 0 if primed else k
+                return (0 if primed else k), None
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
-            return 0  # nothing measured yet (a step with prefill in it: no pair to start)
-        memo = (bucket, n, base, id(source), source.version, self.costs.version, self.fill.version)
-        if pure and self._memo is not None and self._memo[0] == memo:
-            return self._memo[1]  # nothing it depends on changed since the last such step
-        if pure or not self.target.calibrated:
-            # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
-            score = lambda k: self._rate(base, n, expected, bucket, k)  # noqa: E731
-        else:
+            return 0, None  # nothing measured yet (a step with prefill in it: no pair to start)
+        busy = None
+        if not pure and self.target.calibrated:
             # more prompt left after this step (a chunk that does not end its prompt, a request waiting):
             # the next steps run for it too
             busy = view.num_waiting > 0 or any(r.num_new > 1 and not r.sample for r in plan.rows)
+        if self.spec.per_row and source is self.acceptance and (pure or busy is not None):
+            k, caps = self._per_row(plan, rows, base, bucket, busy)
+            if pure:
+                self._best[bucket] = k
+            return k, caps
+        memo = (bucket, n, base, id(source), source.version, self.costs.version, self.fill.version)
+        if pure and self._memo is not None and self._memo[0] == memo:
+            return self._memo[1], None  # nothing it depends on changed since the last such step
+        if busy is None:
+            # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
+            score = lambda k: self._rate(base, n, expected, bucket, k)  # noqa: E731
+        else:
             score = self._mixed_score(plan, rows, bucket, busy, expected)
         best_k, best = 0, score(0)
         for k in range(1, kmax + 1):
@@ -620,7 +645,101 @@ class SpecLengthPolicy:
         if pure:
             self._best[bucket] = best_k
             self._memo = (memo, best_k)
-        return best_k
+        return best_k, None
+
+    def _per_row(self, plan: StepPlan, rows, base: int, bucket: int,
+                 busy: bool | None) -> tuple[int, list[int] | None]:
+        """The step's k (the draft model runs k steps) and each row's own
+        length (at most k).
+
+        Requests differ in how often their drafts are accepted: on the
+        embedded pair, a request's rate per position spans 0.66-0.99 from its
+        5th to its 95th percentile. Pooled over requests, the per-position
+        rates rise with the position (the later positions are reached mostly
+        by the requests whose drafts are accepted most), and a pooled E[k]
+        prices every row as the mix: too long a draft for the rows that
+        seldom keep one, too short for the others. Here a row's drafts are
+        accepted at its own rate, the same at every position: its record
+        (`Seq.spec_tried`, `spec_accepted`) with `ROW_PRIOR` tries at the
+        pooled first-position rate, so its j-th draft is worth own^j tokens.
+        At each k the step's drafts are taken best first; the first m of
+        them, worth W, cost
+
+          C_b[k] - (n k - m) * t_tok
+
+        of a decode step of the drafting rows (a draft left out gives back
+        its verify token, t_tok of such a step from the target's step model,
+        `_token_cost`, and no more than the measured cost of a draft; the
+        draft model's steps run for the others). A decode step scores
+        (base + W) over that cost. A step with prefill chunks (`busy` not
+        None; see `_mixed_score`) adds what the step model says the m verify
+        tokens cost on top of the chunks, and scores the time saved (`busy`)
+        or the drafting rows' tokens per second. The (k, m) of the highest
+        score wins; k = 0 is plain decoding.
+
+        Only for a proposer priced by its verifications (a draft model): a
+        prompt lookup's drafts are right in runs (one right guess tends to be
+        followed by more), which no per-row constant rate describes; its rows
+        share the replayed E[k]."""
+        kmax = self.spec.kmax
+        n = len(rows)
+        est = self.acceptance
+        first = float(est.alpha[0]) if kmax else 0.0
+        tried = np.fromiter((r.seq.spec_tried for r in rows), dtype=np.float64, count=n)
+        acc = np.fromiter((r.seq.spec_accepted for r in rows), dtype=np.float64, count=n)
+        own = np.clip((acc + ROW_PRIOR * first) / (tried + ROW_PRIOR), 0.0, 1.0)
+        worth = np.cumprod(np.repeat(own[:, None], kmax, axis=1), axis=1)  # [n, kmax]: own^j
+        flat = worth.ravel()
+        order = np.argsort(-flat, kind="stable")
+        worth_sorted = flat[order]
+        pos = order % kmax  # the draft's position (0-based) in its row
+        row = order // kmax
+        cost = [self._cost(bucket, k) for k in range(kmax + 1)]
+        t_tok = self._token_cost(rows)
+        if busy is None:
+            def score(k, m, w):
+                tok = min(t_tok, (cost[k] - 1.0) / (n * k))
+                return (base + w) / (cost[k] - (n * k - m) * tok)
+
+            best = float(base)  # k = 0: base tokens at cost 1
+        else:
+            m0, t_spec, on_top = self._mixed_terms(plan, rows)
+            fill = self.fill.value
+
+            def score(k, m, w):
+                tok = min(t_tok, (cost[k] - 1.0) / (n * k))
+                added = t_spec * (cost[k] - 1.0 - (n * k - m) * tok) + on_top * m * fill
+                return w * m0 - added if busy else (n + w) / (t_spec + added)
+
+            best = 0.0 if busy else n / t_spec
+        best_k, best_m = 0, 0
+        for k in range(1, kmax + 1):
+            w = np.cumsum(worth_sorted[pos < k])
+            v = score(k, np.arange(1, len(w) + 1), w)
+            i = int(np.argmax(v))
+            if v[i] > best + 1e-9 * abs(best):
+                best_k, best_m, best = k, i + 1, float(v[i])
+        if best_k == 0:
+            return 0, None
+        if best_m == n * best_k:
+            return best_k, None
+        caps = np.bincount(row[pos < best_k][:best_m], minlength=n)
+        return best_k, caps.tolist()
+
+    def _token_cost(self, rows) -> float:
+        """One more query token in a decode step of these rows, relative to
+        the step: from the target's step model when it rests on an offline
+        profile, whose sweep of prefill shapes sets the cost of a token apart
+        from that of a row. Fitted online alone it has mostly seen decode
+        steps, where a row and a token come together and their costs cannot
+        be told apart: 0 then (no draft is left out to save its token)."""
+        model = self.target
+        if model.base is None:
+            return 0.0
+        n = len(rows)
+        ctx = sum(r.start for r in rows) + n
+        t0 = model.predict(n, ctx, n)
+        return max(model.predict(n, ctx + 1, n + 1) - t0, 0.0) / t0 if t0 > 0 else 0.0
 
     def _replay(self, rows) -> None:
         """One decode row (rotating through them) with enough output replays
@@ -667,18 +786,11 @@ class SpecLengthPolicy:
         says the extra tokens cost on top of the chunks (which make the step
         compute-bound: there verify tokens are no longer nearly free)."""
         n = len(rows)
-        f = plan_features(plan)
-        starts = sum(r.start for r in rows)
-        predict = self.target.predict
-        t0 = predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
-        t_spec = predict(n, starts + n, n)  # a decode step of the drafting rows alone
-        without = predict(f.rows - n, f.context_tokens - starts - n, f.new_tokens - n, f.prefill_pairs, f.extend_rows)
-        m0 = max(t0 - without, 0.0) / n  # a decode row's share of a step like this one
+        m0, t_spec, on_top = self._mixed_terms(plan, rows)
 
         def added(k: int) -> float:
             extra = n * k * self.fill.value  # the verify tokens expected
-            on_top = predict(f.rows, f.context_tokens + extra, f.new_tokens + extra, f.prefill_pairs, f.extend_rows)
-            return t_spec * (self._cost(bucket, k) - 1.0) + max(on_top - t0, 0.0)
+            return t_spec * (self._cost(bucket, k) - 1.0) + on_top * extra
 
         def saved(k: int) -> float:
             return n * (expected[k] - 1.0) * m0 - added(k) if k else 0.0
@@ -687,6 +799,21 @@ class SpecLengthPolicy:
             return n * expected[k] / (t_spec + (added(k) if k else 0.0))
 
         return saved if busy else rate
+
+    def _mixed_terms(self, plan: StepPlan, rows) -> tuple[float, float, float]:
+        """For a step with prefill chunks, from the step model: a decode row's
+        share of such a step (m0), a decode step of the drafting rows alone
+        (t_spec), and what one more verify token adds to the step on top of
+        the chunks (the step model is linear in tokens at fixed rows)."""
+        n = len(rows)
+        f = plan_features(plan)
+        starts = sum(r.start for r in rows)
+        predict = self.target.predict
+        t0 = predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        t_spec = predict(n, starts + n, n)
+        without = predict(f.rows - n, f.context_tokens - starts - n, f.new_tokens - n, f.prefill_pairs, f.extend_rows)
+        one = predict(f.rows, f.context_tokens + 1, f.new_tokens + 1, f.prefill_pairs, f.extend_rows)
+        return max(t0 - without, 0.0) / n, t_spec, max(one - t0, 0.0)
 
     # -- observing ---------------------------------------------------------------
     def observe(self, plan: StepPlan, record: StepRecord) -> None:
@@ -711,7 +838,14 @@ class SpecLengthPolicy:
         # per position asked for: a proposer that offered fewer drafts than asked (an n-gram lookup
         # that found nothing) failed the position after its last, as a rejected draft would; the
         # tokens expected are priced at what is asked, so they must be measured at it too
-        self.acceptance.update([r.draft_asked or r.draft_len for r in vr] + empty, accepted + [0] * len(empty))
+        asked_k = [r.draft_asked or r.draft_len for r in vr]
+        self.acceptance.update(asked_k + [kr for kr, _ in empty], accepted + [0] * len(empty))
+        for r, d, a in zip(vr, asked_k, accepted):  # each row's own record, counted as the estimate counts
+            seq = r.seq
+            seq.spec_tried += min(a + 1, d)
+            seq.spec_accepted += a
+        for _, seq in empty:
+            seq.spec_tried += 1
         self.drafted += delivered
         self.accepted += sum(accepted)
         self.emitted += sum(accepted) + len(vr) + len(empty)  # (a row whose ask found nothing decoded one)
@@ -756,6 +890,7 @@ class SpecLengthPolicy:
             if self.emitted > self.accepted else 0.0,
             "spec_last_k": self.last_k,
             "spec_k_steps": dict(sorted(self.k_hist.items())),
+            "spec_row_k": dict(sorted(self.row_k_hist.items())),
             "spec_acceptance": [round(float(a), 4) for a in alpha],
             "spec_cost_pairs": self.pairs,
             "spec_replayed_positions": self.replayed.total,

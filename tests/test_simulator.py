@@ -6,6 +6,7 @@ and the CLI end to end (report, plot, compare)."""
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -382,6 +383,46 @@ def test_speculation_acceptance_is_drawn_position_by_position():
     assert pol.stats()["spec_mean_accepted_length"] == pytest.approx(0.9 + 0.45, rel=0.04)
 
 
+def test_speculation_acceptance_spread_gives_each_request_its_own_rate():
+    """With a spread, each request's drafts are accepted at its own rate (the
+    rates shifted in log-odds by its draw), the same requests at the same
+    rates under every policy (the draws are keyed on the trace's seed, not on
+    the steps), and the pooled rate stays near the rate given. Without one,
+    every request shares it."""
+    from stepserve.traces.simulator import shifted_rates
+
+    assert shifted_rates([0.8, 0.0, 1.0], 0.0) == [0.8, 0.0, 1.0]
+    up, = shifted_rates([0.5], math.log(3.0))
+    assert up == pytest.approx(0.75)
+
+    def per_request(length, spread, seed=0):
+        specs = [_spec(i, 0.0, 10, 200) for i in range(16)]
+        sim, pol = _spec_sim([0.7], length=length, check_every=0, acceptance_spread=spread, seed=seed)
+        got = {}
+        orig = sim.runner.speculate
+
+        def spy(plan):
+            t = orig(plan)
+            for r in plan.verify_rows:
+                c = got.setdefault(r.seq.group.rec.request_id, [0, 0])
+                c[0] += min(r.num_accepted + 1, r.draft_len)
+                c[1] += r.num_accepted
+            return t
+
+        sim.runner.speculate = spy
+        sim.run(specs)
+        return {k: a / t for k, (t, a) in got.items()}
+
+    alike = per_request("fixed:4", 0.0)
+    assert max(alike.values()) - min(alike.values()) < 0.2
+    spread = per_request("fixed:4", 1.5)
+    assert max(spread.values()) - min(spread.values()) > 0.4
+    other = per_request("fixed:2", 1.5)  # another policy, the same requests
+    assert np.corrcoef([spread[k] for k in sorted(spread)], [other[k] for k in sorted(spread)])[0, 1] > 0.8
+    reseeded = per_request("fixed:4", 1.5, seed=1)
+    assert np.corrcoef([spread[k] for k in sorted(spread)], [reseeded[k] for k in sorted(spread)])[0, 1] < 0.8
+
+
 def test_speculation_draft_model_time_is_charged():
     """A draft model of 0.5 ms per step: fixed:2 and every draft accepted
     makes each decode step 1 ms (target) + 2 x 0.5 ms."""
@@ -422,7 +463,12 @@ def test_simulate_cli_speculation(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["config"]["speculative"] == "draft" and rep["config"]["acceptance"] == [0.8, 0.7]
     assert rep["config"]["spec_length"] == "fixed:3"
+    assert main([*base, "--speculative", "ngram", "--acceptance", "0.8", "--acceptance-spread", "1.2",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["config"]["acceptance_spread"] == 1.2
     for bad in (["--speculative", "draft", "--acceptance", "0.8"],  # no draft profile
+                ["--speculative", "ngram", "--acceptance", "0.8", "--acceptance-spread", "-1"],
+                ["--acceptance-spread", "1"],  # no proposer
                 ["--speculative", "ngram"],  # no acceptance
                 ["--acceptance", "0.8"],  # no proposer
                 ["--speculative", "ngram", "--acceptance", "1.5"]):

@@ -370,7 +370,7 @@ def test_acceptance_estimate_expected_tokens():
 def _decode_plan(n: int, start: int = 100) -> StepPlan:
     rows = []
     for i in range(n):
-        seq = SimpleNamespace(speculative=True, num_output=10, fork_children=[], remaining_tokens=50,
+        seq = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, num_output=10, fork_children=[], remaining_tokens=50,
                               num_tokens=start + 1)
         rows.append(ScheduledRow(seq, start, 1, True))
     return StepPlan(rows=rows)  # as the policies see it: before commit, `samples` not yet frozen
@@ -458,6 +458,94 @@ def test_draft_costs_stand_for_the_median_of_recent_pairs():
     assert t.count(0, 2) == 8 and t._median(0, 2) == 2.0
 
 
+def _drive_rows(pol, alphas, steps: int, seed: int = 0, base_s: float = 3.6e-3, token_s: float = 1e-4):
+    """Decode steps of one row per entry of `alphas` (each row's drafts
+    accepted at its own rate), the same sequences throughout: a step at k
+    drafts costs base_s * (1.1 + 0.01 k) (a draft model's k steps, whatever
+    rows draft) plus token_s per draft verified. Returns the tokens emitted,
+    the time taken, and per row the drafts it was asked for in the last
+    half of the steps."""
+    rng = np.random.default_rng(seed)
+    n = len(alphas)
+    seqs = [SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, num_output=10, fork_children=[],
+                            remaining_tokens=1 << 20, num_tokens=101) for _ in range(n)]
+    view = EngineView(0.0, n, 0, 10_000, 10_000, 4096, 2048)
+    index = {id(s): j for j, s in enumerate(seqs)}  # (namespaces compare equal by value)
+    tokens, seconds = 0, 0.0
+    asked = [0] * n
+    for i in range(steps):
+        plan = pol.plan(StepPlan(rows=[ScheduledRow(s, 100 + i, 1, True) for s in seqs]), view)
+        plan.sort_decode_first()
+        k = max(r.draft_len for r in plan.rows)
+        drafts = 0
+        for r in plan.rows:
+            j = index[id(r.seq)]
+            if i >= steps // 2:
+                asked[j] += r.draft_len
+            if r.draft_len:
+                r.draft = [0] * r.draft_len
+                acc = 0
+                while acc < r.draft_len and rng.random() < alphas[j]:
+                    acc += 1
+                r.num_accepted = acc
+                tokens += acc
+                drafts += r.draft_len
+            tokens += 1
+        wall = base_s * ((1.1 + 0.01 * k) if k else 1.0) + token_s * drafts
+        seconds += wall
+        pol.observe(plan, StepRecord(i, n, plan.num_decode, n * (100 + i), plan.num_new_tokens, wall, wall, 0.0))
+    return tokens, seconds, asked
+
+
+def test_adaptive_drafts_follow_each_rows_own_acceptance():
+    """Rows whose drafts are seldom accepted stop drafting while the others
+    draft long: half the rows accept 90% of their drafts, half 20%; a draft
+    model's steps cost the same whatever rows draft, and each verified draft
+    costs a token (which the step model, the policy's offline profile, knows).
+    Per row, adaptive commits more tokens per second than pooling the rows'
+    acceptance (`per_row=0`, which drafts the same length on every row) and
+    than every fixed length."""
+    alphas = [0.9, 0.2] * 8
+    # the target's step model: 2 ms a step and 0.1 ms a token, as the world below charges
+    model = LinearLatencyModel("linear", [2e-3, 0.0, 0.0, 1e-4])
+
+    def rate(cfg):
+        got = []
+        for seed in (1, 2, 3):
+            pol = SpecLengthPolicy(cfg, latency_model=model)
+            tokens, seconds, asked = _drive_rows(pol, alphas, steps=400, seed=seed)
+            got.append(tokens / seconds)
+        return float(np.median(got)), asked
+
+    per_row, asked = rate("adaptive:kmax=8")
+    pooled, _ = rate("adaptive:kmax=8,per_row=0")
+    best_fixed = max(rate(f"fixed:{k}")[0] for k in (1, 2, 4, 8))
+    high, low = sum(asked[0::2]), sum(asked[1::2])
+    assert high > 5 * max(low, 1), (high, low)  # the rows that keep drafts get them
+    assert per_row > 1.05 * pooled, (per_row, pooled)
+    assert per_row > 1.03 * best_fixed, (per_row, best_fixed)
+
+
+def test_per_row_acceptance_alike_rows_choose_as_pooled():
+    """Rows that all accept alike get the one length the pooled estimate
+    picks: per row adds nothing and costs nothing then."""
+    model = LinearLatencyModel("linear", [2e-3, 0.0, 0.0, 1e-4])
+    rates = []
+    for cfg in ("adaptive:kmax=8", "adaptive:kmax=8,per_row=0"):
+        pol = SpecLengthPolicy(cfg, latency_model=model)
+        tokens, seconds, _ = _drive_rows(pol, [0.7] * 16, steps=400, seed=4)
+        rates.append(tokens / seconds)
+    assert rates[0] == pytest.approx(rates[1], rel=0.03)
+
+
+def test_spec_length_parses_per_row():
+    assert SpecLengthSpec.parse("adaptive").per_row
+    assert not SpecLengthSpec.parse("adaptive:kmax=4,per_row=0").per_row
+    assert SpecLengthSpec.parse("adaptive:per_row=1,kmax=4") == SpecLengthSpec("adaptive", kmax=4, per_row=True)
+    with pytest.raises(ValueError, match="per_row"):
+        SpecLengthSpec.parse("adaptive:per_row=yes")
+
+
 def test_adaptive_length_learns_each_batch_range_apart():
     """One policy, batches of 2 rows (where drafts are nearly free) and of 64
     (where they cost a full row each): it drafts long at 2 and not at 64."""
@@ -484,7 +572,7 @@ def _mixed_choices(pol, busy: bool, steps: int = 40) -> list[int]:
     ks = []
     for i in range(steps):
         plan = _decode_plan(32, start=300 + i)
-        chunk = SimpleNamespace(speculative=True, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
+        chunk = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
         plan.rows.append(ScheduledRow(chunk, 0, 1024, not busy))
         plan = pol.plan(plan, view)
         ks.append(max(r.draft_len for r in plan.rows))
@@ -522,6 +610,37 @@ def test_adaptive_length_in_steps_with_prefill_chunks(case):
         assert all(k >= pure - 1 for k in last), (last, pure)
 
 
+def test_per_row_drafts_in_steps_with_prefill_chunks():
+    """In a step with a prefill chunk, where the step model makes each verify
+    token cost compute on top of the chunk, the rows that keep their drafts
+    still draft and those that seldom do stop: with one k for all rows the
+    choice is all or nothing."""
+    def cost(rows, k, ctx):
+        return 1e-3 + rows * (1e-4 + 1e-6 * ctx) * (1 + 0.02 * k)
+
+    coef = [1e-3, 1e-5, 1e-8, 4e-6]  # const, rows, context_tokens, new_tokens: a token is dear beside a chunk
+    pol = SpecLengthPolicy("adaptive:kmax=6", latency_model=LinearLatencyModel("linear", coef))
+    _drive(pol, cost, alpha=0.7, steps=200)  # the pure-decode costs of 32 rows, measured
+    view = EngineView(0.0, 33, 0, 10_000, 10_000, 4096, 4096)
+    plan = _decode_plan(32, start=300)
+    for i, r in enumerate(plan.rows):  # a long record each: half keep 95% of their drafts, half 10%
+        r.seq.spec_tried = 200
+        r.seq.spec_accepted = 190 if i % 2 == 0 else 20
+    chunk = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, num_output=0, fork_children=[],
+                            remaining_tokens=50, num_tokens=0)
+    plan.rows.append(ScheduledRow(chunk, 0, 1024, True))  # the last of a prompt
+    plan = pol.plan(plan, view)
+    high = [r.draft_len for r in plan.rows[:32:2]]
+    low = [r.draft_len for r in plan.rows[1:32:2]]
+    assert min(high) >= 2 and max(low) == 0, (high, low)
+    pol2 = SpecLengthPolicy("adaptive:kmax=6,per_row=0", latency_model=LinearLatencyModel("linear", coef))
+    _drive(pol2, cost, alpha=0.7, steps=200)
+    plan = _decode_plan(32, start=300)
+    plan.rows.append(ScheduledRow(chunk, 0, 1024, True))
+    ks = {r.draft_len for r in pol2.plan(plan, view).rows[:32]}
+    assert len(ks) == 1  # pooled: every row alike
+
+
 class _History:
     """A decode sequence as the policy reads it: its tokens so far."""
 
@@ -532,6 +651,7 @@ class _History:
     def __init__(self, prompt: list[int]):
         self.token_ids = list(prompt)
         self.prompt_len = len(prompt)
+        self.spec_tried = self.spec_accepted = 0
 
     @property
     def num_output(self) -> int:
@@ -674,9 +794,10 @@ def test_adaptive_length_with_replayed_proposals(world):
     adaptive with the proposer's history replayed, the same histories for
     each: adaptive commits at least 97% of the best fixed k's tokens per
     unit of time, whether a short draft wins or plain decoding does. From
-    verifications alone (no replay), per-position rates measured at k = 1 and
-    leaned on beyond it read the later positions too low where drafting
-    wins, and adaptive falls short of the best fixed k there."""
+    verifications alone (no replay), pooled per-position rates measured at
+    k = 1 and leaned on beyond it read the later positions too low where
+    drafting wins, and adaptive with them (`per_row=0`) falls short of the
+    best fixed k there."""
     runs, fixed = ((30, 60), 0.1) if world == "drafting-wins" else ((8, 19), 0.3)
     rows, steps = 8, 600
 
@@ -695,7 +816,7 @@ def test_adaptive_length_with_replayed_proposals(world):
     assert adaptive >= 0.97 * best, (adaptive / best)
     if world == "drafting-wins":
         assert best > 1.05 * rows  # drafting wins by more than the margin
-        assert rate("adaptive:kmax=6") < 0.97 * best
+        assert rate("adaptive:kmax=6,per_row=0") < 0.97 * best
 
 
 def test_draft_cost_table_pairs_are_kept_only_when_whole():
@@ -715,7 +836,7 @@ def _lookup_plan(lasts: list[int]) -> StepPlan:
     """A decode plan whose rows' histories end in `lasts`."""
     rows = []
     for last in lasts:
-        seq = SimpleNamespace(speculative=True, num_output=10, fork_children=[], remaining_tokens=50,
+        seq = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, num_output=10, fork_children=[], remaining_tokens=50,
                               num_tokens=101, token_ids=[0] * 100 + [last])
         rows.append(ScheduledRow(seq, 100, 1, True))
     return StepPlan(rows=rows)

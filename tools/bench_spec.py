@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--workload", choices=["text", "repetitive"], default="text")
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
     p.add_argument("--fixed", default="1,2,4,8", help="the fixed draft lengths to compare")
+    p.add_argument("--also", action="append", default=[], metavar="SPEC",
+                   help="another speculation length to compare (repeatable), e.g. adaptive:per_row=0")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -73,10 +75,12 @@ def main(argv=None) -> int:
     g.add_argument("--draft-profile", default=None, metavar="PROFILE", help="the draft model's step latency")
     g.add_argument("--acceptance", default="0.8", metavar="A[,A2,...]",
                    help="per-position acceptance rates of the simulated drafts")
+    g.add_argument("--acceptance-spread", type=float, default=0.0, metavar="S",
+                   help="the requests' spread in acceptance: log-odds standard deviation (stepserve simulate's)")
     g.add_argument("--prompt-len", type=int, default=1024, help="simulated prompt tokens per request")
     args = p.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    configs = ["none"] + [f"fixed:{k}" for k in args.fixed.split(",")] + ["adaptive"]
+    configs = ["none"] + [f"fixed:{k}" for k in args.fixed.split(",")] + ["adaptive"] + args.also
     if args.simulate:
         rows = simulated_sweep(args, sizes, configs)
         return report(args, rows, configs)
@@ -159,7 +163,7 @@ def simulated_sweep(args, sizes, configs) -> list[dict]:
     prof = load_profile(args.simulate)
     draft = load_profile(args.draft_profile).model if args.proposer == "draft" else None
     base = SimConfig.from_profile(prof.engine, noise=prof.data.get("noise"), acceptance=parse_acceptance(args.acceptance),
-                                  max_running=max(max(sizes), 1))
+                                  acceptance_spread=args.acceptance_spread, max_running=max(max(sizes), 1))
     sims = {c: Simulator(prof.model, base, [] if c == "none" else [speculation_policy(c, latency_model=prof.model)],
                          draft_model=draft) for c in configs}
     rows = []
@@ -195,6 +199,7 @@ def report(args, rows, configs) -> int:
             json.dump({"proposer": args.proposer, "workload": args.workload, "output_len": args.output_len,
                        "simulate": args.simulate, "draft_profile": args.draft_profile,
                        "acceptance": args.acceptance if args.simulate else None,
+                       "acceptance_spread": args.acceptance_spread if args.simulate else None,
                        "repeats": args.repeats, "machine": platform.processor() or platform.machine(),
                        "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
     return 0

@@ -58,6 +58,20 @@ def add_sim_speculative_args(g) -> None:
     g.add_argument("--acceptance", type=_checked(parse_acceptance), default=None, metavar="A[,A2,...]",
                    help="the probability that draft position j is accepted when every draft before it was, per "
                         "position (the last repeats), e.g. 0.8 or 0.8,0.75,0.7")
+    g.add_argument("--acceptance-spread", type=_checked(parse_spread), default=None, metavar="S",
+                   help="how much requests differ in acceptance: each request's rates are --acceptance's shifted "
+                        "in log-odds by a normal draw of this standard deviation (default 0: all alike; about 1.2 "
+                        "measured on the embedded draft and target)")
+
+
+def parse_spread(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 10.0:
+        raise ValueError(f"--acceptance-spread needs a log-odds standard deviation in [0, 10], got {text!r}")
+    return v
 
 
 def parse_acceptance(text: str) -> list[float]:
@@ -76,7 +90,7 @@ def speculation(args):
 
     if args.speculative == "none":
         for flag, v in (("--spec-length", args.spec_length), ("--draft-profile", args.draft_profile),
-                        ("--acceptance", args.acceptance)):
+                        ("--acceptance", args.acceptance), ("--acceptance-spread", args.acceptance_spread)):
             if v is not None:
                 raise SystemExit(f"stepserve: {flag} needs --speculative draft or ngram")
         return None, None
@@ -155,6 +169,7 @@ def sim_config(args, prof):
         prefix_caching=not args.no_prefix_caching, check_every=args.check_every,
         noise=None if args.no_step_noise else prof.data.get("noise"), noise_seed=args.seed,
         acceptance=parse_acceptance(args.acceptance) if args.acceptance else None,
+        acceptance_spread=parse_spread(args.acceptance_spread) if args.acceptance_spread is not None else None,
     )
     if args.no_serving_costs:
         cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[])

@@ -87,6 +87,10 @@ class SimConfig:
     # draft before it was, per position (the last repeats for deeper ones);
     # each verify row's accepted run is drawn from it. Empty: no row drafts.
     acceptance: list = field(default_factory=list)
+    # how much requests differ in acceptance: each request's per-position rates are the ones above shifted
+    # in log-odds by a normal draw with this standard deviation (0: every request alike). On the embedded
+    # draft/target pair the spread measured is about 1.2 (README, speculative decoding in the simulator).
+    acceptance_spread: float = 0.0
 
     @classmethod
     def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
@@ -117,6 +121,18 @@ class SimOutput:
     token_ids: list[int]
     prep_s: float = 0.0
     draft_s: float = 0.0  # of the step, the proposer's time
+
+
+def shifted_rates(rates: list[float], shift: float) -> list[float]:
+    """Acceptance rates moved by `shift` in log-odds (0 and 1 stay put)."""
+    if not shift:
+        return list(rates)
+    out = []
+    for a in rates:
+        if 0.0 < a < 1.0:
+            a = 1.0 / (1.0 + math.exp(-(math.log(a / (1.0 - a)) + shift)))
+        out.append(a)
+    return out
 
 
 class SimRunner:
@@ -185,8 +201,10 @@ class SimRunner:
         for r in rows:
             k = r.draft_len
             r.draft = [PLACEHOLDER_TOKEN] * k
+            live = r.seq.group
+            rates = live.acceptance if isinstance(live, _Live) and live.acceptance is not None else acc_rates
             a = 0
-            while a < k and rng() < acc_rates[min(a, last)]:
+            while a < k and rng() < rates[min(a, last)]:
                 a += 1
             r.num_accepted = a
         if self.draft_model is None:
@@ -206,6 +224,7 @@ class _Live:
     rec: RequestRecord
     left: int
     cached: int = 0
+    acceptance: list[float] | None = None  # its own acceptance rates (`SimConfig.acceptance_spread`)
 
 
 @dataclass
@@ -322,6 +341,10 @@ class Simulator:
         sched = core.scheduler
         self._itl = itl = array("d")
         specs = sorted(specs, key=lambda s: s.arrival_s)
+        # each request's acceptance level, from a stream of its own keyed on the trace's seed: every policy
+        # simulated on a trace meets the same requests
+        spread = cfg.acceptance_spread
+        spread_rng = random.Random(cfg.seed * 1000003 + 11)
         records: list[RequestRecord] = []
         busy = 0.0
         sum_rows = sum_new = 0
@@ -348,6 +371,7 @@ class Simulator:
                     heapq.heappop(freed)
                 sent += 1
                 i += 1
+                own = shifted_rates(cfg.acceptance, spread_rng.gauss(0.0, spread)) if spread > 0 else None
                 rec = RequestRecord(spec.request_id, spec.arrival_s, spec.prompt_len, n=spec.n, start_s=at,
                                     stages=1 + len(spec.stages))
                 records.append(rec)
@@ -364,7 +388,7 @@ class Simulator:
                         heapq.heappush(freed, at)  # answered at once: the slot is free again
                     continue
                 later = sum(len(st.branches) for st in stages)
-                core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n + later), seeds=[0] * spec.n,
+                core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n + later, acceptance=own), seeds=[0] * spec.n,
                                    stages=stages or None, stage_seeds=[0] * later if stages else None,
                                    ignore_eos=True, speculative=speculative)
             if not core.has_work():

@@ -226,6 +226,13 @@ class AcceptanceEstimate:
             out.append(prev)
         return out
 
+    def alpha_first(self) -> float:
+        """The first position's rate (as `alpha[0]`, without the rest)."""
+        if not self.tried:
+            return self.prior
+        w = self.prior_weight
+        return (self.accepted[0] + w * self.prior) / (self.tried[0] + w)
+
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
         return float(self.expected(k)[k]) if k > 0 else 1.0
@@ -495,7 +502,7 @@ class SpecLengthPolicy:
         self.steps = 0
         self.verify_steps = 0
         self.k_hist: dict[int, int] = {}  # chosen k -> steps
-        self.row_k_hist: dict[int, int] = {}  # drafts asked of an eligible row -> rows (0: it decoded plainly)
+        self.row_k_hist: dict[int, int] = {}  # in the steps that drafted: drafts asked of a row -> rows (0: none)
         self.drafted = 0
         self.accepted = 0
         self.emitted = 0
@@ -507,6 +514,8 @@ class SpecLengthPolicy:
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
+        self._row_memo: tuple | None = None  # the same, per row (`_per_row`)
+        self._cost_rows: dict[tuple, np.ndarray] = {}  # (bucket, versions) -> `_cost` of k = 1..kmax
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -662,20 +671,20 @@ class SpecLengthPolicy:
         accepted at its own rate, the same at every position: its record
         (`Seq.spec_tried`, `spec_accepted`) with `ROW_PRIOR` tries at the
         pooled first-position rate, so its j-th draft is worth own^j tokens.
-        At each k the step's drafts are taken best first; the first m of
-        them, worth W, cost
 
-          C_b[k] - (n k - m) * t_tok
-
-        of a decode step of the drafting rows (a draft left out gives back
-        its verify token, t_tok of such a step from the target's step model,
-        `_token_cost`, and no more than the measured cost of a draft; the
-        draft model's steps run for the others). A decode step scores
-        (base + W) over that cost. A step with prefill chunks (`busy` not
-        None; see `_mixed_score`) adds what the step model says the m verify
-        tokens cost on top of the chunks, and scores the time saved (`busy`)
-        or the drafting rows' tokens per second. The (k, m) of the highest
-        score wins; k = 0 is plain decoding.
+        The step's k maximises the score of `_rate` (a decode step) or of
+        `_mixed_score` (a step with prefill chunks, `busy` not None) with
+        the step's expected drafts accepted summed over its rows' own rates.
+        Then each row stops where its next draft is worth less than the
+        verify token it costs at the step's exchange rate of time for tokens
+        (the step's score): t_tok of a decode step of the drafting rows (the
+        target's step model, `_token_cost`, no more than the measured cost of
+        a draft), plus, beside prefill chunks, what the step model says a
+        token adds on top of them. The draft model's own work for a row that
+        stops early is not counted as saved: its steps run for the others.
+        Pricing each subset of drafts exactly (sorted, every k) chose no
+        better in the simulator (Azure conversations, 16 and 20 req/s: goodput
+        within 1% either way) at 2-10x the planning time.
 
         Only for a proposer priced by its verifications (a draft model): a
         prompt lookup's drafts are right in runs (one right guess tends to be
@@ -684,47 +693,64 @@ class SpecLengthPolicy:
         kmax = self.spec.kmax
         n = len(rows)
         est = self.acceptance
-        first = float(est.alpha[0]) if kmax else 0.0
-        tried = np.fromiter((r.seq.spec_tried for r in rows), dtype=np.float64, count=n)
-        acc = np.fromiter((r.seq.spec_accepted for r in rows), dtype=np.float64, count=n)
-        own = np.clip((acc + ROW_PRIOR * first) / (tried + ROW_PRIOR), 0.0, 1.0)
-        worth = np.cumprod(np.repeat(own[:, None], kmax, axis=1), axis=1)  # [n, kmax]: own^j
-        flat = worth.ravel()
-        order = np.argsort(-flat, kind="stable")
-        worth_sorted = flat[order]
-        pos = order % kmax  # the draft's position (0-based) in its row
-        row = order // kmax
-        cost = [self._cost(bucket, k) for k in range(kmax + 1)]
+        seqs = [r.seq for r in rows]
+        tried = [q.spec_tried for q in seqs]
+        accepted = [q.spec_accepted for q in seqs]
+        memo = None
+        if busy is None:  # a decode step: nothing else moves the choice
+            memo = (bucket, base, tuple(tried), tuple(accepted), est.version, self.costs.version, self.fill.version)
+            if self._row_memo is not None and self._row_memo[0] == memo:
+                return self._row_memo[1]
+        first = est.alpha_first()
+        own = np.minimum((np.array(accepted, dtype=np.float64) + ROW_PRIOR * first)
+                         / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)
+        # the k: expected tokens over the rows at k drafts each (power sums of their rates)
+        ks = np.arange(1, kmax + 1)
+        w = np.cumsum((own[:, None] ** ks).sum(axis=0))  # [k - 1]: the step's expected accepted drafts
+        cost = self._costs_of(bucket)
         t_tok = self._token_cost(rows)
         if busy is None:
-            def score(k, m, w):
-                tok = min(t_tok, (cost[k] - 1.0) / (n * k))
-                return (base + w) / (cost[k] - (n * k - m) * tok)
-
-            best = float(base)  # k = 0: base tokens at cost 1
+            v = (base + w) / cost
+            baseline = float(base)  # k = 0: base tokens at cost 1
         else:
             m0, t_spec, on_top = self._mixed_terms(plan, rows)
-            fill = self.fill.value
+            added = t_spec * (cost - 1.0) + on_top * self.fill.value * n * ks
+            v = w * m0 - added if busy else (n + w) / (t_spec + added)
+            baseline = 0.0 if busy else n / t_spec
+        i = int(np.argmax(v))
+        if not v[i] > baseline + 1e-9 * abs(baseline):
+            out = (0, None)
+        else:
+            k = i + 1
+            # each row's drafts past the point where the next is worth less than the verify token it
+            # costs, at the step's exchange rate of time for tokens (one pass of the threshold)
+            tok = min(t_tok, (cost[i] - 1.0) / (n * k))
+            if busy is None:
+                threshold = tok * v[i]
+            else:
+                per_draft = t_spec * tok + on_top * self.fill.value
+                threshold = per_draft / m0 if busy else per_draft * v[i]
+            caps = None
+            if threshold > 0.0:
+                # own^j >= threshold  <=>  j <= log(threshold) / log(own)
+                with np.errstate(divide="ignore"):
+                    j = np.floor(np.log(threshold) / np.log(own))
+                caps = np.clip(np.where(own > 0.0, j, 0.0), 0, k).astype(np.int64)
+                caps = None if int(caps.min()) >= k else caps.tolist()
+            out = (k, caps)
+        if memo is not None:
+            self._row_memo = (memo, out)
+        return out
 
-            def score(k, m, w):
-                tok = min(t_tok, (cost[k] - 1.0) / (n * k))
-                added = t_spec * (cost[k] - 1.0 - (n * k - m) * tok) + on_top * m * fill
-                return w * m0 - added if busy else (n + w) / (t_spec + added)
-
-            best = 0.0 if busy else n / t_spec
-        best_k, best_m = 0, 0
-        for k in range(1, kmax + 1):
-            w = np.cumsum(worth_sorted[pos < k])
-            v = score(k, np.arange(1, len(w) + 1), w)
-            i = int(np.argmax(v))
-            if v[i] > best + 1e-9 * abs(best):
-                best_k, best_m, best = k, i + 1, float(v[i])
-        if best_k == 0:
-            return 0, None
-        if best_m == n * best_k:
-            return best_k, None
-        caps = np.bincount(row[pos < best_k][:best_m], minlength=n)
-        return best_k, caps.tolist()
+    def _costs_of(self, bucket: int) -> np.ndarray:
+        """`_cost(bucket, k)` for k = 1..kmax, kept until a pair or the fill moves them."""
+        key = (bucket, self.costs.version, self.fill.version)
+        got = self._cost_rows.get(key)
+        if got is None:
+            if len(self._cost_rows) > 64:
+                self._cost_rows.clear()
+            got = self._cost_rows[key] = np.array([self._cost(bucket, k) for k in range(1, self.spec.kmax + 1)])
+        return got
 
     def _token_cost(self, rows) -> float:
         """One more query token in a decode step of these rows, relative to

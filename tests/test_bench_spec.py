@@ -49,3 +49,21 @@ def test_simulated_sweep_needs_a_draft_profile(tmp_path):
            "--batch-sizes", "1"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--draft-profile" in done.stderr
+
+
+def test_acceptance_spread_of_the_engine(tmp_path):
+    """The per-request acceptance of the embedded draft/target pair, as the
+    simulator's --acceptance-spread takes it: every request is counted, the
+    rates are ordered percentiles, and the requests of this workload do differ
+    (their log-odds spread is well above what 60 counted positions each would
+    give alone)."""
+    out = tmp_path / "spread.json"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "bench_spec.py"), "--acceptance-spread-of-engine", "12",
+           "--output-len", "64", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rep = json.loads(out.read_text())
+    assert rep["requests"] == 12 and rep["mean_tries"] > 20
+    pct = rep["rate_percentiles_5_25_50_75_95"]
+    assert pct == sorted(pct) and 0.0 < pct[0] and pct[-1] < 1.0
+    assert 0.3 < rep["acceptance_spread"] < rep["logit_sd"]

@@ -33,6 +33,16 @@ prompts; repeats differ in their seeds.
 
     python tools/bench_spec.py --simulate h100:llama3-8b --draft-profile h100:llama3.2-1b \
         --acceptance 0.8 --batch-sizes 1,2,4,8,16,32,64,128,256 --output-len 256
+
+With --acceptance-spread-of-engine N it measures instead how much requests
+differ in acceptance on this engine (the draft model on the text workload):
+N requests decode greedily with fixed:4 drafts; each request's rate per
+position is its accepted drafts over the positions it tried (each accepted
+one and the first rejected), and the spread is the standard deviation of
+their log-odds with the part that finite counts alone would give taken
+out: the value for `stepserve simulate --acceptance-spread`.
+
+    python tools/bench_spec.py --acceptance-spread-of-engine 128 --output-len 256
 """
 
 from __future__ import annotations
@@ -69,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--acceptance-spread-of-engine", type=int, default=0, metavar="N",
+                   help="measure how much N requests differ in acceptance on this engine, and exit")
     g = p.add_argument_group("in the simulator")
     g.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="run the sweep in the simulator on this target profile (roofline name or file)")
@@ -79,6 +91,8 @@ def main(argv=None) -> int:
                    help="the requests' spread in acceptance: log-odds standard deviation (stepserve simulate's)")
     g.add_argument("--prompt-len", type=int, default=1024, help="simulated prompt tokens per request")
     args = p.parse_args(argv)
+    if args.acceptance_spread_of_engine:
+        return acceptance_spread_of_engine(args)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     configs = ["none"] + [f"fixed:{k}" for k in args.fixed.split(",")] + ["adaptive"] + args.also
     if args.simulate:
@@ -113,6 +127,38 @@ def main(argv=None) -> int:
                     count_spec(spec.setdefault(c, {"draft": 0, "accepted": 0, "rows": 0, "k": {}}), before, after)
         rows.append(batch_row(b, tput, full, spec))
     return report(args, rows, configs)
+
+
+def acceptance_spread_of_engine(args) -> int:
+    import math
+
+    import numpy as np
+
+    n = args.acceptance_spread_of_engine
+    llm = LLM(speculative="draft", spec_length="fixed:4", max_running=min(n, 64))
+    prompts = make_prompts(llm, n, "text", args.seed)
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    reqs = [llm.engine.add_request(p, sp) for p in prompts]
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    tried = np.array([r.seqs[0].spec_tried for r in reqs], dtype=np.float64)
+    acc = np.array([r.seqs[0].spec_accepted for r in reqs], dtype=np.float64)
+    rate = (acc + 0.5) / (tried + 1.0)
+    logit = np.log(rate / (1.0 - rate))
+    noise = float(np.mean(1.0 / ((tried + 1.0) * rate * (1.0 - rate))))  # a binomial count's log-odds variance
+    spread = math.sqrt(max(float(logit.var()) - noise, 0.0))
+    pct = np.percentile(rate, [5, 25, 50, 75, 95])
+    out = {"requests": n, "output_len": args.output_len, "pooled_rate": float(acc.sum() / tried.sum()),
+           "mean_tries": float(tried.mean()), "rate_percentiles_5_25_50_75_95": [round(float(x), 3) for x in pct],
+           "logit_sd": float(logit.std()), "acceptance_spread": spread,
+           "machine": platform.processor() or platform.machine(), "command": " ".join(sys.argv)}
+    print(f"{n} requests, {out['mean_tries']:.0f} positions tried each: pooled rate {out['pooled_rate']:.3f}; "
+          f"per request (5/25/50/75/95%) {', '.join(f'{x:.3f}' for x in pct)}; log-odds sd {out['logit_sd']:.3f}, "
+          f"without the counts' own noise {spread:.3f} (--acceptance-spread)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
 
 
 def full_batch_rate(records, b: int) -> float:

@@ -736,7 +736,9 @@ class SpecLengthPolicy:
                 with np.errstate(divide="ignore"):
                     j = np.floor(np.log(threshold) / np.log(own))
                 caps = np.clip(np.where(own > 0.0, j, 0.0), 0, k).astype(np.int64)
-                caps = None if int(caps.min()) >= k else caps.tolist()
+                if not caps.any():
+                    k = 0  # no row's first draft is worth its token: plain decoding
+                caps = None if not k or int(caps.min()) >= k else caps.tolist()
             out = (k, caps)
         if memo is not None:
             self._row_memo = (memo, out)

@@ -226,13 +226,6 @@ class AcceptanceEstimate:
             out.append(prev)
         return out
 
-    def alpha_first(self) -> float:
-        """The first position's rate (as `alpha[0]`, without the rest)."""
-        if not self.tried:
-            return self.prior
-        w = self.prior_weight
-        return (self.accepted[0] + w * self.prior) / (self.tried[0] + w)
-
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
         return float(self.expected(k)[k]) if k > 0 else 1.0
@@ -515,7 +508,7 @@ class SpecLengthPolicy:
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
         self._row_memo: tuple | None = None  # the same, per row (`_per_row`)
-        self._cost_rows: dict[tuple, np.ndarray] = {}  # (bucket, versions) -> `_cost` of k = 1..kmax
+        self._cost_rows: dict[int, tuple] = {}  # bucket -> (versions, `_cost` of k = 1..kmax)
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -697,11 +690,13 @@ class SpecLengthPolicy:
         tried = [q.spec_tried for q in seqs]
         accepted = [q.spec_accepted for q in seqs]
         memo = None
-        if busy is None:  # a decode step: nothing else moves the choice
+        if busy is None:  # a decode step: the same records, estimate, costs and fill give the same choice
+            # (the step model's token price, which moves only with the contexts and its online rescale, is
+            # read again whenever one of those changes)
             memo = (bucket, base, tuple(tried), tuple(accepted), est.version, self.costs.version, self.fill.version)
             if self._row_memo is not None and self._row_memo[0] == memo:
                 return self._row_memo[1]
-        first = est.alpha_first()
+        first = est._alpha()[0]
         own = np.minimum((np.array(accepted, dtype=np.float64) + ROW_PRIOR * first)
                          / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)
         # the k: expected tokens over the rows at k drafts each (power sums of their rates)
@@ -746,13 +741,12 @@ class SpecLengthPolicy:
 
     def _costs_of(self, bucket: int) -> np.ndarray:
         """`_cost(bucket, k)` for k = 1..kmax, kept until a pair or the fill moves them."""
-        key = (bucket, self.costs.version, self.fill.version)
-        got = self._cost_rows.get(key)
-        if got is None:
-            if len(self._cost_rows) > 64:
-                self._cost_rows.clear()
-            got = self._cost_rows[key] = np.array([self._cost(bucket, k) for k in range(1, self.spec.kmax + 1)])
-        return got
+        versions = (self.costs.version, self.fill.version)
+        got = self._cost_rows.get(bucket)
+        if got is None or got[0] != versions:
+            got = self._cost_rows[bucket] = (versions, np.array([self._cost(bucket, k)
+                                                                 for k in range(1, self.spec.kmax + 1)]))
+        return got[1]
 
     def _token_cost(self, rows) -> float:
         """One more query token in a decode step of these rows, relative to

@@ -8,7 +8,7 @@ coefficients and fitted by least squares:
   linear       T = a + b*rows + c*context_tokens + d*new_tokens  (the default)
   linear+attn  linear + e*prefill_pairs
   segmented    a + R(rows) + c*context_tokens + d*new_tokens + e*prefill_pairs
-               + f*extend_rows, where R is piecewise linear in rows: one slope
+               + g*prefill_step + f*extend_rows, where R is piecewise linear in rows: one slope
                per segment between knots (1, 2, 4, ... up to the largest batch
                the fit saw; the last segment open-ended), each >= 0
 
@@ -21,7 +21,14 @@ one row. `extend_rows` (rows that prefill a chunk) is the work a step does
 per chunk outside the forward pass: admission, the radix cache, the chunk's
 input and output bookkeeping; on that server steps with a chunk spent
 0.6-3.7 ms outside the forward pass (growing with the chunk), decode steps
-0.45 ms. The forms without it fold it into the token terms. Both are terms the step policies price too: TAPER's
+0.45 ms. `prefill_step` (1 when any row prefills a chunk) is what a step
+pays once for having chunks at all: the prefill attention path and its
+masks. Fitted on that server's sweep, the first chunk of a step cost 4.4
+ms and each further one 0.7. One price per chunk (3.0 ms) overcharged the
+steps of overload, which pack 16-25 short prompts' chunks into 2,048
+tokens (measured 0.95x predicted, where steps with one chunk measured
+1.1-1.2x), and a speed fitted to runs made of them undercharged every
+small step. The forms without the two fold them into the token terms. Both are terms the step policies price too: TAPER's
 marginal cost of a branch row is R's local slope.
 
 `prefill_pairs` counts the (query, key) pairs of the prefill chunks' causal
@@ -73,9 +80,9 @@ FORMS: dict[str, tuple[str, ...]] = {
     "linear": ("const", "rows", "context_tokens", "new_tokens"),
     "linear+attn": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs"),
     # "rows" here is a piecewise-linear term: one coefficient per segment of `knots`
-    "segmented": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows"),
+    "segmented": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows"),
 }
-TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows")
+TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows")
 # A step's cost in two parts that a busy machine slows by different amounts:
 # per step, per row and per context token (the loop, small kernels and decode
 # attention: latency- and memory-bound), and per token computed (the matrix
@@ -122,6 +129,11 @@ class StepFeatures:
     new_tokens: int
     prefill_pairs: float = 0.0
     extend_rows: int = 0  # rows that prefill a chunk of more than one token (not decode, not verify)
+
+    @property
+    def prefill_step(self) -> float:
+        """1 when the step prefills a chunk (the segmented form's once-a-step price of having chunks)."""
+        return 1.0 if self.extend_rows > 0 else 0.0
 
     def vector(self, form: str, knots: tuple[int, ...] = ()) -> list[float]:
         out = []
@@ -229,7 +241,8 @@ class LinearLatencyModel:
         if len(self.coef) != len(names):
             raise ValueError(f"form {self.form} takes {len(names)} coefficients ({', '.join(names)}), "
                              f"got {len(self.coef)}")
-        # spread into fixed slots (const, context, new, pairs, extend; 0 where the form has no such term),
+        # spread into fixed slots (const, context, new, pairs, prefill step, extend; 0 where the form has no
+        # such term),
         # and the rows term as a piecewise-linear function: cumulative value at each knot, slope after it
         coef = iter(float(x) for x in self.coef)
         c, slopes = {}, []
@@ -255,8 +268,10 @@ class LinearLatencyModel:
 
     def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
                 extend_rows: int = 0) -> float:
-        a, c, d, e, f = self._c
+        a, c, d, e, g, f = self._c
         t = a + self.row_cost(rows) + c * context_tokens + d * new_tokens + e * prefill_pairs + f * extend_rows
+        if extend_rows > 0:
+            t += g
         return t if t > self.min_s else self.min_s
 
     def predict_features(self, f: StepFeatures) -> float:
@@ -283,12 +298,18 @@ class LinearLatencyModel:
 
     def token_part(self, f: StepFeatures) -> float:
         """The `TOKEN_TERMS` part of a prediction (before the `min_s` floor)."""
-        _, _, d, e, _ = self._c
+        _, _, d, e, _, _ = self._c
         return d * f.new_tokens + e * f.prefill_pairs
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinearLatencyModel":
-        return cls(d["form"], [float(x) for x in d["coef"]], knots=tuple(d.get("knots") or ()))
+        coef = [float(x) for x in d["coef"]]
+        terms = d.get("terms")
+        if d["form"] == "segmented" and terms and "prefill_step" not in terms:
+            # a profile written before the segmented form priced a step's first chunk apart: every
+            # chunk at one price is the same model with no once-a-step price
+            coef.insert(terms.index("extend_rows"), 0.0)
+        return cls(d["form"], coef, knots=tuple(d.get("knots") or ()))
 
     @classmethod
     def fit(

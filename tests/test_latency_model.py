@@ -31,7 +31,7 @@ def _feats(n=200, seed=0):
     return out
 
 
-SEGMENTED_TRUTH = ([2e-3, 2.5e-3, 4e-4, 3e-4, 2e-4, 2e-4, 1e-4, 3e-7, 5e-6, 1e-9, 2e-3], (1, 2, 4, 8, 16, 32))
+SEGMENTED_TRUTH = ([2e-3, 2.5e-3, 4e-4, 3e-4, 2e-4, 2e-4, 1e-4, 3e-7, 5e-6, 1e-9, 3e-3, 2e-3], (1, 2, 4, 8, 16, 32))
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -385,12 +385,13 @@ def test_segmented_rows_term_is_piecewise_linear():
     the last open-ended; a dict round trip keeps the knots; bad knots and
     knots on another form are refused."""
     a, slopes = 1e-3, [3e-3, 5e-4, 4e-4, 3e-4]
-    m = LinearLatencyModel("segmented", [a, *slopes, 0.0, 0.0, 0.0, 2e-3], knots=(1, 2, 4, 8))
+    m = LinearLatencyModel("segmented", [a, *slopes, 0.0, 0.0, 0.0, 1e-3, 2e-3], knots=(1, 2, 4, 8))
     assert m.predict(1, 0, 0) == pytest.approx(a)
     assert m.predict(2, 0, 0) == pytest.approx(a + 3e-3)
     assert m.predict(3, 0, 0) == pytest.approx(a + 3e-3 + 5e-4)
     assert m.predict(100, 0, 0) == pytest.approx(a + 3e-3 + 2 * 5e-4 + 4 * 4e-4 + 92 * 3e-4)
-    assert m.predict(3, 0, 0, 0.0, 2) == pytest.approx(a + 3e-3 + 5e-4 + 4e-3)  # two prefill chunks
+    assert m.predict(3, 0, 0, 0.0, 1) == pytest.approx(a + 3e-3 + 5e-4 + 1e-3 + 2e-3)  # a prefill chunk
+    assert m.predict(3, 0, 0, 0.0, 2) == pytest.approx(a + 3e-3 + 5e-4 + 1e-3 + 4e-3)  # two: the step's price once
     ts = [m.predict(r, 0, 0) for r in range(1, 300)]
     assert all(b > a for a, b in zip(ts, ts[1:]))
     d = json.loads(json.dumps(m.to_dict()))
@@ -399,11 +400,24 @@ def test_segmented_rows_term_is_piecewise_linear():
     assert back.knots == (1, 2, 4, 8) and back.predict(77, 5, 3, 1.0, 1) == m.predict(77, 5, 3, 1.0, 1)
     assert back.rescaled(2.0).predict(77, 0, 0) == pytest.approx(2 * m.predict(77, 0, 0))
     with pytest.raises(ValueError):
-        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0], knots=(2, 4, 8, 16))  # must start at 1
+        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0, 0], knots=(2, 4, 8, 16))  # must start at 1
     with pytest.raises(ValueError):
-        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0], knots=(1, 2, 4, 8))  # a coefficient short
+        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0], knots=(1, 2, 4, 8))  # a coefficient short
     with pytest.raises(ValueError):
         LinearLatencyModel("linear", [a, 1e-4, 0, 0], knots=(1, 2))
+
+
+def test_a_segmented_profile_without_the_step_price_loads_as_written():
+    """A profile written before the segmented form priced a step's chunks
+    once per step (one price per chunk, no `prefill_step` term) loads with
+    that price at 0: every prediction is the one it was fitted to make."""
+    terms = ["const", "rows[1,2)", "rows[2,4)", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows"]
+    coef = [1e-3, 2e-3, 3e-4, 1e-7, 2e-4, 1e-9, 3e-3]
+    m = LinearLatencyModel.from_dict({"form": "segmented", "terms": terms, "coef": coef, "knots": [1, 2]})
+    assert m.to_dict()["terms"][-2:] == ["prefill_step", "extend_rows"] and m.coef[-2:] == [0.0, 3e-3]
+    for rows, ctx, new, pairs, ext in [(1, 30, 1, 0.0, 0), (5, 900, 300, 4e4, 1), (9, 2000, 1500, 3e5, 4)]:
+        old = 1e-3 + 2e-3 * min(rows - 1, 1) + 3e-4 * max(rows - 2, 0) + 1e-7 * ctx + 2e-4 * new + 1e-9 * pairs + 3e-3 * ext
+        assert m.predict(rows, ctx, new, pairs, ext) == pytest.approx(old, rel=1e-12)
 
 
 def test_segmented_fit_follows_a_concave_batch_curve_where_linear_cannot():
@@ -411,7 +425,7 @@ def test_segmented_fit_follows_a_concave_batch_curve_where_linear_cannot():
     2-core CPU server's shape): the segmented fit predicts every batch size
     within the noise; the linear one misses the small batches, where light
     load lives, and its slope is the average, not the local one."""
-    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 0, 0, 2e-3],
+    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 0, 0, 0, 2e-3],
                                knots=(1, 2, 4, 8, 16, 32))
     rng = np.random.default_rng(2)
     feats, times = [], []
@@ -446,7 +460,7 @@ def test_profile_refuses_the_segmented_form_without_a_step_log(tmp_path):
 
 @pytest.mark.parametrize("form,coef,knots", [
     ("linear", [1e-3, 2e-4, 1e-7, 3e-6], ()),
-    ("segmented", [3e-3, 9e-4, 4e-4, 6e-5, 1e-7, 9e-5, 1e-9, 5e-4], (1, 2, 4)),
+    ("segmented", [3e-3, 9e-4, 4e-4, 6e-5, 1e-7, 9e-5, 1e-9, 2e-3, 5e-4], (1, 2, 4)),
 ])
 def test_rescaled_in_two_parts(form, coef, knots):
     """rescaled(a, b): the per-token terms (new tokens, prefill pairs) times b,

@@ -204,15 +204,16 @@ def test_calibration_takes_the_attention_term_where_long_prefills_need_it():
 
 def test_calibration_takes_the_segmented_form_for_a_concave_batch_curve():
     """Busy steps of a server whose second decode row costs 2.5 ms and later
-    ones 0.3-0.4 ms, and whose prefill chunks cost 2 ms each outside the
-    forward pass: auto takes the segmented form (better held out than the
-    linear ones by far more than the parsimony margin), and its terms are the
-    truth's: the per-chunk cost and the slope of each batch range."""
+    ones 0.3-0.4 ms, and whose prefill chunks cost 3 ms once a step and 1 ms
+    each outside the forward pass: auto takes the segmented form (better held
+    out than the linear ones by far more than the parsimony margin), and its
+    terms are the truth's: the step's and each chunk's price, and the slope
+    of each batch range."""
     import random
 
     from stepserve.traces.calibrate import fit_steps
 
-    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 1e-5, 0.0, 2e-3],
+    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 1e-5, 0.0, 3e-3, 1e-3],
                                knots=(1, 2, 4, 8, 16, 32))
     rng = random.Random(4)
     steps = []
@@ -228,7 +229,8 @@ def test_calibration_takes_the_segmented_form_for_a_concave_batch_curve():
     assert fit["form"] == "segmented" and model.knots[:6] == (1, 2, 4, 8, 16, 32)
     errs = fit["forms_heldout_steps"]
     assert errs["segmented"]["time_error"] < 0.5 * errs["linear"]["time_error"]
-    assert model.coef[-1] == pytest.approx(2e-3, rel=0.1)  # the chunk's own cost (logs without `ext`: rows - decode)
+    # the step's price for having chunks, and each chunk's own (logs without `ext`: rows - decode)
+    assert model.coef[-2:] == pytest.approx([3e-3, 1e-3], rel=0.15)
     assert [model.predict(b, 0, 0) - model.predict(b - 1, 0, 0) for b in (2, 3, 40)] == \
         pytest.approx([2.5e-3, 4e-4, 4e-4], rel=0.15)
 

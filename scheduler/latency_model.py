@@ -8,9 +8,10 @@ coefficients and fitted by least squares:
   linear       T = a + b*rows + c*context_tokens + d*new_tokens  (the default)
   linear+attn  linear + e*prefill_pairs
   segmented    a + R(rows) + c*context_tokens + d*new_tokens + e*prefill_pairs
-               + g*prefill_step + f*extend_rows, where R is piecewise linear in rows: one slope
-               per segment between knots (1, 2, 4, ... up to the largest batch
-               the fit saw; the last segment open-ended), each >= 0
+               + g*prefill_step + f*extend_rows, where R is piecewise linear
+               in rows: one slope per segment between knots (1, 2, 4, ... up
+               to the largest batch the fit saw; the last segment
+               open-ended), each >= 0
 
 The segmented form is for measured steps where one slope does not hold from
 1 row to 100: on a 2-core CPU server the second row of a decode step cost
@@ -28,8 +29,9 @@ ms and each further one 0.7. One price per chunk (3.0 ms) overcharged the
 steps of overload, which pack 16-25 short prompts' chunks into 2,048
 tokens (measured 0.95x predicted, where steps with one chunk measured
 1.1-1.2x), and a speed fitted to runs made of them undercharged every
-small step. The forms without the two fold them into the token terms. Both are terms the step policies price too: TAPER's
-marginal cost of a branch row is R's local slope.
+small step. The forms without the two fold them into the token terms.
+The step policies price all of these terms too: TAPER's marginal cost of a
+branch row is R's local slope.
 
 `prefill_pairs` counts the (query, key) pairs of the prefill chunks' causal
 attention, sum of num_new*start + num_new*(num_new+1)/2 over rows with more
@@ -241,9 +243,9 @@ class LinearLatencyModel:
         if len(self.coef) != len(names):
             raise ValueError(f"form {self.form} takes {len(names)} coefficients ({', '.join(names)}), "
                              f"got {len(self.coef)}")
-        # spread into fixed slots (const, context, new, pairs, prefill step, extend; 0 where the form has no
-        # such term),
-        # and the rows term as a piecewise-linear function: cumulative value at each knot, slope after it
+        # spread into fixed slots (const, context, new, pairs, prefill step, extend; 0 where the form has
+        # no such term), and the rows term as a piecewise-linear function: cumulative value at each knot,
+        # slope after it
         coef = iter(float(x) for x in self.coef)
         c, slopes = {}, []
         for n in FORMS[self.form]:

@@ -160,6 +160,8 @@ class ModelRunner:
         the proposer first, and verified after."""
         draft_s = 0.0
         nv = plan.num_verify
+        if self.proposer is not None and plan.slots is not None:
+            self.proposer.handed_out(plan.slots)
         if nv:
             t0 = time.perf_counter()
             self.proposer.propose(plan)

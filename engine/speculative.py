@@ -74,6 +74,10 @@ DECODE_SHAPED_MAX = 16
 class Proposer(Protocol):
     name: str
 
+    def handed_out(self, slots) -> None:
+        """The KV slots every step hands out (`StepPlan.slots`), drafting or
+        not: whatever a proposer kept for them is stale."""
+
     def propose(self, plan: StepPlan) -> None:
         """Sets `draft` (at most `draft_len` tokens) and `draft_probs` (the
         distributions sampled drafts came from, [len(draft), V], or None for a
@@ -96,6 +100,9 @@ class NgramProposer:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+
+    def handed_out(self, slots) -> None:
+        pass  # no KV
 
     def propose(self, plan: StepPlan) -> None:
         for r in plan.verify_rows:
@@ -190,10 +197,11 @@ class DraftModelProposer:
     prefix-cache hit is a hit for the draft too. The draft's KV is written
     lazily, only when a row speculates, so `valid[slot]` says whether the
     draft's KV of that slot is written: it is cleared when the slot is handed
-    out (every slot of a step's plan), and set when the draft writes it. A
-    row's first draft step starts at its first position without draft KV (its
-    prompt, the first time; the tokens decoded while it did not speculate;
-    or the last token of a fully accepted draft) and ends at its pending token.
+    out (every slot of every step's plan, drafting or not: `handed_out`), and
+    set when the draft writes it. A row's first draft step starts at its first
+    position without draft KV (its prompt, the first time; the tokens decoded
+    while it did not speculate; or the last token of a fully accepted draft)
+    and ends at its pending token.
     """
 
     name = "draft"
@@ -211,10 +219,16 @@ class DraftModelProposer:
         native = paged_decode_module() if device.type == "cpu" else None
         self._native = native if hasattr(native, "first_unmarked") else None
 
+    def handed_out(self, slots) -> None:
+        """Every step's new slots, whether it drafts or not: the draft KV they
+        held belongs to whoever had them before. (Cleared only in steps that
+        drafted, a slot taken again by a prompt's prefill or by a request that
+        does not speculate still read as written: the draft then attended to
+        another sequence's KV, and drafted worse.)"""
+        self.valid.index_fill_(0, slots, False)
+
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> None:
-        if plan.slots is not None:
-            self.valid.index_fill_(0, plan.slots, False)  # handed out this step: whatever the draft wrote is stale
         rows = plan.verify_rows
         for r in rows:
             r.draft, r.draft_probs = [], None

@@ -945,3 +945,31 @@ def test_http_speculative_drop_in(plain):
             client.completions.create(**kw, extra_body={"speculative": "sometimes"})
         report = srv.kv_report()
         assert report.accounted == report.capacity
+
+
+def test_draft_kv_of_a_reused_slot_is_never_taken_as_written():
+    """A slot's draft KV is stale once the slot is handed out again, in any
+    step: one a request that does not speculate gets, a prompt's prefill
+    chunk. The draft model then writes it afresh before reading it, so a
+    request drafts the same tokens (here: is accepted as often) after the
+    pool has been recycled under it as on a fresh engine."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    first = "And the LORD spake unto Moses, saying, Speak unto the children of Israel"
+    later = "Thou shalt love thy neighbour as thyself, and thou shalt not"
+
+    def accepted(llm, prompt, n):
+        before = llm.engine.stats().policy["spec_accepted_tokens"]
+        llm.generate([prompt], SamplingParams(max_tokens=n, **greedy))
+        return llm.engine.stats().policy["spec_accepted_tokens"] - before
+
+    fresh = LLM(check_invariants=True, speculative="draft", spec_length="fixed:4", kv_slots=160)
+    want = accepted(fresh, later, 48)
+    llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:4", kv_slots=160)
+    accepted(llm, first, 120)  # the draft model writes KV into most slots of the pool
+    valid = llm.engine.runner.proposer.valid
+    assert int(valid.sum()) > 120
+    # requests that never draft take those slots again, in steps without verify rows
+    quiet = SamplingParams(max_tokens=60, speculative=False, **greedy)
+    llm.generate([PROMPTS[i] * 3 for i in (0, 4)], quiet)
+    assert int(valid.sum()) < 40  # what is left of the first request's, in the radix cache
+    assert accepted(llm, later, 48) == want

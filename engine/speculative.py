@@ -213,7 +213,8 @@ class DraftModelProposer:
         self.req_pool = req_pool
         self.device = device
         self.vocab_size = model.config.vocab_size
-        self.valid = torch.zeros(pool.num_slots, dtype=torch.bool, device=device)
+        self._valid = torch.zeros(pool.num_slots, dtype=torch.bool, device=device)
+        self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
         self.pad_tokens = pad_tokens
         self.forwards = 0  # draft forward passes run
         native = paged_decode_module() if device.type == "cpu" else None
@@ -224,11 +225,29 @@ class DraftModelProposer:
         held belongs to whoever had them before. (Cleared only in steps that
         drafted, a slot taken again by a prompt's prefill or by a request that
         does not speculate still read as written: the draft then attended to
-        another sequence's KV, and drafted worse.)"""
-        self.valid.index_fill_(0, slots, False)
+        another sequence's KV, and drafted worse.) The flags are read and
+        written only while drafting, so the slots are kept until then (or
+        until 64 steps' worth) and cleared in one call: a call per step cost
+        as much as the rest of a plain step's speculation bookkeeping."""
+        self._stale.append(slots)
+        if len(self._stale) >= 64:
+            self._clear_stale()
+
+    def _clear_stale(self) -> None:
+        if self._stale:
+            stale = self._stale[0] if len(self._stale) == 1 else torch.cat(self._stale)
+            self._stale = []
+            self._valid.index_fill_(0, stale, False)
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """Per slot: whether the draft's KV of it is written."""
+        self._clear_stale()
+        return self._valid
 
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> None:
+        self._clear_stale()
         rows = plan.verify_rows
         for r in rows:
             r.draft, r.draft_probs = [], None
@@ -263,11 +282,11 @@ class DraftModelProposer:
         table = self.req_pool.table
         host = torch.tensor([r.seq.row for r in rows] + [r.start + 1 for r in rows], dtype=torch.long)
         if self._native is not None:  # one scan in C++, not six torch ops (~0.4 ms a step at batch 1)
-            return self._native.first_unmarked(self.valid, table, host[: len(rows)], host[len(rows) :]).tolist()
+            return self._native.first_unmarked(self._valid, table, host[: len(rows)], host[len(rows) :]).tolist()
         seq_rows, lens = host.to(table.device).view(2, -1)
         lmax = int(lens.max())
         idx = table[seq_rows, :lmax]
-        ok = self.valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
+        ok = self._valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
         return (~ok).to(torch.int8).argmax(dim=1).tolist()
 
     def _native_greedy(self, rows: list[ScheduledRow], entries: list[tuple[int, int, list[int]]]) -> bool:
@@ -286,7 +305,7 @@ class DraftModelProposer:
         host = torch.tensor(ids + pos + tok_rows + last + steps, dtype=torch.long)
         R = len(rows)
         out = self.model.greedy_draft_steps(host[:n], host[n : 2 * n], host[2 * n : 3 * n], host[3 * n : 3 * n + R],
-                                            host[3 * n + R :], self.req_pool.table, self.valid, self.backend)
+                                            host[3 * n + R :], self.req_pool.table, self._valid, self.backend)
         for r, toks in zip(rows, out.tolist()):
             r.draft = toks[: r.draft_len]
         self.forwards += max(steps)
@@ -318,7 +337,7 @@ class DraftModelProposer:
         out_slots = table[rows.to(table.device), positions.to(table.device)].to(dev)
         if pad:
             out_slots[n:] = 0
-        self.valid.index_fill_(0, out_slots[:n], True)
+        self._valid.index_fill_(0, out_slots[:n], True)
         extend_meta = []
         for k in ext:
             row, p, toks = entries[k]

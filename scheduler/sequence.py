@@ -74,6 +74,7 @@ class Seq:
     # rejected, as `AcceptanceEstimate` counts them) and accepted, over every verification it had
     spec_tried: int = 0
     spec_accepted: int = 0
+    spec_last: int = -1  # the policy's step in which it last drafted (a draft model is current only after one)
     # siblings created by fork when this sequence's prefill completes
     fork_children: list["Seq"] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

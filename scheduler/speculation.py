@@ -108,11 +108,13 @@ step, so drafting never holds memory.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import (LinearLatencyModel, OnlineLatencyModel, linear_fit_of, nnls, plan_features,
+from stepserve.scheduler.latency_model import (LinearLatencyModel, OnlineLatencyModel, linear_fit_of, plan_features,
                                                 record_features)
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
@@ -121,8 +123,11 @@ MODES = ("none", "fixed", "adaptive")
 MIN_REPLAY = 8  # a row is replayed over at least this many positions (and at most `ReplayedLength.window`)
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 TRUSTED = 3  # ... once its cost cell holds this many pairs
+EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range's step time to the choice
+LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
 ROW_PRIOR = 8.0  # a row's own acceptance leans on the pooled rate with the weight of this many tries
+SMALL_BATCH = 16  # up to this many rows, the per-row choice is worked out in plain floats
 
 
 @dataclass(frozen=True)
@@ -190,6 +195,7 @@ class AcceptanceEstimate:
         self.tolerance = tolerance
         self.version = 0
         self._expected: list[float] | None = None
+        self._rates: list[float] | None = None
         self._published = self.expected(kmax)  # the expected counts at the last version
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
@@ -207,7 +213,7 @@ class AcceptanceEstimate:
             for j in range(a):
                 acc[j] += 1.0
         self.tried, self.accepted = tried, acc
-        self._expected = None
+        self._expected = self._rates = None
         new = self.expected(kmax)
         tol = self.tolerance
         if any(abs(x - y) > tol * y for x, y in zip(new, self._published)):
@@ -219,12 +225,15 @@ class AcceptanceEstimate:
         return np.array(self._alpha())
 
     def _alpha(self) -> list[float]:
-        out = []
-        prev, w = self.prior, self.prior_weight
-        for acc, tried in zip(self.accepted, self.tried):
-            prev = (acc + w * prev) / (tried + w)
-            out.append(prev)
-        return out
+        """The rates per position (kept until the next update)."""
+        if self._rates is None:
+            out = []
+            prev, w = self.prior, self.prior_weight
+            for acc, tried in zip(self.accepted, self.tried):
+                prev = (acc + w * prev) / (tried + w)
+                out.append(prev)
+            self._rates = out
+        return self._rates
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
@@ -361,6 +370,8 @@ class DraftCostTable:
         self._medians: dict[int, list[float]] = {}  # bucket -> per k, the median of its cell (read every step)
         self._lines: dict[int, tuple[float, float]] = {}
         self._ratios: dict[tuple[int, int], float | None] = {}  # (bucket, k) -> ratio, until the next pair
+        self._switches: dict[int, list[float]] = {}  # bucket -> its last priming steps' extra time
+        self.switch: dict[int, float] = {}  # bucket -> the median of those (`add_switch`)
         self.version = 0  # counts pairs added
 
     def add(self, bucket: int, k: int, ratio: float) -> None:
@@ -371,6 +382,18 @@ class DraftCostTable:
         self._medians.setdefault(bucket, [0.0] * (self.kmax + 1))[k] = float(np.median(cell))
         self._lines.pop(bucket, None)
         self._ratios.clear()  # a range without pairs borrows another's line: every cached price may move
+        self.version += 1
+
+    def add_switch(self, bucket: int, extra: float) -> None:
+        """What starting to draft costs in this range, once, in steps at k = 0:
+        a pair's priming step (its rows did not draft the step before, so a
+        draft model first catches up on every token since they last did)
+        over the same length's step once primed. The median of the last
+        `window`."""
+        cell = self._switches.setdefault(bucket, [])
+        cell.append(float(extra))
+        del cell[: -self.window]
+        self.switch[bucket] = float(np.median(cell))
         self.version += 1
 
     def count(self, bucket: int, k: int) -> int:
@@ -395,13 +418,12 @@ class DraftCostTable:
         got = self._lines.get(bucket)
         if got is None:
             ks = self.measured(bucket)
-            y = np.array([self._median(bucket, k) - 1.0 for k in ks])
-            sw = np.sqrt(np.array([self.count(bucket, k) for k in ks], dtype=np.float64))
+            y = [self._median(bucket, k) - 1.0 for k in ks]
             if len(ks) == 1:  # through the origin
-                got = (0.0, max(float(y[0]) / ks[0], 0.0), ks[0])
+                got = (0.0, max(y[0] / ks[0], 0.0), ks[0])
             else:
-                a, b = nnls(np.column_stack([np.ones(len(ks)), ks]) * sw[:, None], y * sw)
-                got = (float(a), float(b), ks[-1])
+                a, b = _line_nonneg(ks, y, [self.count(bucket, k) for k in ks])
+                got = (a, b, ks[-1])
             self._lines[bucket] = got
         return got
 
@@ -433,6 +455,32 @@ class DraftCostTable:
                 for b in sorted(self.cells)}
 
 
+def _line_nonneg(x: list[int], y: list[float], w: list[int]) -> tuple[float, float]:
+    """(a, b) >= 0 minimising sum w (a + b x - y)^2, in closed form: the
+    unconstrained fit if it is nonnegative, else the better of the fits with
+    one of them held at 0 (for two unknowns the optimum is one of these).
+    `nnls` gives the same at 100x the time (280 us at 2-4 points on a Zen 1
+    core), paid by the step after every pair, which made the pair after it
+    look cheap."""
+    sw = float(sum(w))
+    sx = sum(wi * xi for wi, xi in zip(w, x))
+    sy = sum(wi * yi for wi, yi in zip(w, y))
+    sxx = sum(wi * xi * xi for wi, xi in zip(w, x))
+    sxy = sum(wi * xi * yi for wi, xi, yi in zip(w, x, y))
+    det = sw * sxx - sx * sx
+    if det > 0.0:
+        a = (sxx * sy - sx * sxy) / det
+        b = (sw * sxy - sx * sy) / det
+        if a >= 0.0 and b >= 0.0:
+            return a, b
+    best, out = None, (0.0, 0.0)
+    for a, b in ((0.0, max(sxy / sxx, 0.0)), (max(sy / sw, 0.0), 0.0)):
+        err = sum(wi * (a + b * xi - yi) ** 2 for wi, xi, yi in zip(w, x, y))
+        if best is None or err < best:
+            best, out = err, (a, b)
+    return out
+
+
 @dataclass
 class _Pair:
     """An exploration pair in flight: three back-to-back decode steps of
@@ -446,6 +494,10 @@ class _Pair:
     k: int  # the draft length measured
     done: int = 0  # steps of the pair observed
     seconds: tuple[float, float] = (0.0, 0.0)  # wall time of the second and third steps
+    rate: float = 0.0  # the range's choice: expected tokens per step time at k = 0, when the pair began
+    prime: float = 0.0  # wall time of its priming step (0: it started primed)
+    spent: float = 0.0  # wall time of the pair's steps so far
+    tokens: int = 0  # tokens they emitted
 
     @property
     def next_k(self) -> int:
@@ -505,9 +557,12 @@ class SpecLengthPolicy:
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
         self._started: set[int] = set()  # the buckets whose first pairs are measured
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
+        self._explore_at: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_pair_step`)
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
-        self._row_memo: tuple | None = None  # the same, per row (`_per_row`)
+        self._row_memo: list[tuple] = []  # the same, per row (`_per_row`)
+        self._records = 0  # counts the steps that moved some row's own record
+        self._warm: int | None = None  # the range whose prices a pair has just moved
         self._cost_rows: dict[int, tuple] = {}  # bucket -> (versions, `_cost` of k = 1..kmax)
 
     # -- planning ---------------------------------------------------------------
@@ -564,6 +619,7 @@ class SpecLengthPolicy:
             r.num_new = 1 + kr
             room -= kr
             any_set = True
+            seq.spec_last = self.steps
         self._asked = (asked, empty, k if alike else None)
         if any_set:
             self.verify_steps += 1
@@ -600,7 +656,7 @@ class SpecLengthPolicy:
                     k = todo[0]
                 else:
                     self._started.add(bucket)
-            elif self.steps % self.explore_every == 0:
+            elif self.steps % self.explore_every == 0 and self.steps >= self._explore_at.get(bucket, 0):
                 best = self._best.get(bucket, 0)
                 near = sorted({min(max(best + d, 1), kmax) for d in (-1, 0, 1)})
                 turn = self._explore_k.get(bucket, -1) + 1
@@ -615,10 +671,7 @@ class SpecLengthPolicy:
                         and self.steps % (8 * self.explore_every)):
                     k = None
             if k is not None:
-                # where these rows all drafted last step the proposer is current: the pair starts at 0
-                primed = self.last_k > 0 and self._last_rows == (n, len(plan.rows))
-                self._pair = _Pair(bucket, n, k, done=1 if primed else 0)
-                return (0 if primed else k), None
+                return self._start_pair(plan, bucket, n, k, base, expected)
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
             return 0, None  # nothing measured yet (a step with prefill in it: no pair to start)
         busy = None
@@ -626,31 +679,102 @@ class SpecLengthPolicy:
             # more prompt left after this step (a chunk that does not end its prompt, a request waiting):
             # the next steps run for it too
             busy = view.num_waiting > 0 or any(r.num_new > 1 and not r.sample for r in plan.rows)
-        if self.spec.per_row and source is self.acceptance and (pure or busy is not None):
-            k, caps = self._per_row(plan, rows, base, bucket, busy)
-            if pure:
-                self._best[bucket] = k
-            return k, caps
-        memo = (bucket, n, base, id(source), source.version, self.costs.version, self.fill.version)
+        per_row = self.spec.per_row and source is self.acceptance and (pure or busy is not None)
+        k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, (0.0, 1))
+        if k and pure:
+            # rows that did not draft last step pay the draft model's catch-up first (`_switch_price`):
+            # looked at only when drafting wins without it, so a batch that stays at k = 0 never does
+            switch = self._switch_price(rows, bucket)
+            if switch[0]:
+                k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, switch)
+        if pure:
+            self._best[bucket] = k
+            if 0 < k and self.costs.count(bucket, k) < TRUSTED:
+                return self._start_pair(plan, bucket, n, k, base, expected)
+        return k, caps
+
+    def _decide(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None, expected: list[float],
+                per_row: bool, switch: tuple[float, int]) -> tuple[int, list[int] | None]:
+        """The step's k (and each row's cap, or None) from the prices as they
+        stand: per row (`_per_row`) or with one pooled E[k] for every row."""
+        if per_row:
+            return self._per_row(plan, rows, base, bucket, busy, switch)
+        n = len(rows)
+        pure = n == len(plan.rows)
+        memo = (bucket, n, base, self.replayed.ready, self.acceptance.version, self.replayed.version,
+                self.costs.version, self.fill.version, switch)
         if pure and self._memo is not None and self._memo[0] == memo:
             return self._memo[1], None  # nothing it depends on changed since the last such step
         if busy is None:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
-            score = lambda k: self._rate(base, n, expected, bucket, k)  # noqa: E731
+            score = lambda k: self._rate(base, n, expected, bucket, k, switch)  # noqa: E731
         else:
             score = self._mixed_score(plan, rows, bucket, busy, expected)
         best_k, best = 0, score(0)
-        for k in range(1, kmax + 1):
+        for k in range(1, self.spec.kmax + 1):
             v = score(k)
             if v > best + 1e-9 * abs(best):
                 best_k, best = k, v
         if pure:
-            self._best[bucket] = best_k
             self._memo = (memo, best_k)
         return best_k, None
 
+    def _start_pair(self, plan: StepPlan, bucket: int, n: int, k: int, base: int,
+                    expected: list[float]) -> tuple[int, None]:
+        """Start an exploration pair at k (`_Pair`) and return this step's
+        length. Besides the turns of `_choose`, a length is paired as soon as
+        it is chosen while its cell holds fewer than `TRUSTED` pairs: such a
+        choice rests on the line through other lengths (or on one pair taken
+        while the engine was still cold), and a line laid flat by one cheap
+        pair had priced k = 4 at 2.2 steps against 3.2 paid, and drafted it
+        at batch 1 where every length loses."""
+        # where these rows all drafted last step the proposer is current: the pair starts at 0
+        primed = self.last_k > 0 and self._last_rows == (n, len(plan.rows))
+        rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
+        self._pair = _Pair(bucket, n, k, done=1 if primed else 0, rate=rate)
+        return (0 if primed else k), None
+
+    def _switch_price(self, rows, bucket: int) -> tuple[float, int]:
+        """What starting to draft costs these rows: (S, R), S steps at k = 0,
+        paid once (0.0: nothing to pay, the rows drafted the step before),
+        and R tokens left per row (`_switch_added`).
+
+        Rows that did not draft last step make a draft model catch up first
+        on every token since they last did: `DraftCostTable.add_switch`
+        measures that for a whole range's batch, and u of n rows pay u / n
+        of it. R is rounded down to a power of two, so a decode step's choice
+        can be reused while it stays."""
+        price = self.costs.switch.get(bucket, 0.0)
+        if price <= 0.0:
+            return 0.0, 1
+        last = self.steps - 1
+        u = 0
+        left = 0
+        for r in rows:
+            seq = r.seq
+            u += seq.spec_last != last
+            left += seq.remaining_tokens
+        if not u:
+            return 0.0, 1
+        n = len(rows)
+        per_row = max(left // n, 1)
+        return price * u / n, 1 << (per_row.bit_length() - 1)
+
+    def _switch_added(self, switch: tuple[float, int], n: int, tokens: float) -> float:
+        """The step time that starting to draft adds to a decode step of n
+        rows emitting `tokens`, in steps at k = 0: S spread over the steps it buys, R / E of them at E = tokens
+        / n per row, but over no more than `explore_every` (the choice may
+        not outlive the next pair). So a length that only ties with plain
+        decoding is not started cold for a few steps, and one that wins by
+        less than S / 32 waits for a pair to prime the rows (measured at
+        batch 1 on the 2-core EPYC, 64-token requests: a catch-up cost 2-3
+        steps, and drafting stretches of a few steps lost 3% against plain
+        decoding)."""
+        price, left = switch
+        return price * max(tokens / (n * left), 1.0 / self.explore_every)
+
     def _per_row(self, plan: StepPlan, rows, base: int, bucket: int,
-                 busy: bool | None) -> tuple[int, list[int] | None]:
+                 busy: bool | None, switch: tuple[float, int] = (0.0, 1)) -> tuple[int, list[int] | None]:
         """The step's k (the draft model runs k steps) and each row's own
         length (at most k).
 
@@ -686,33 +810,54 @@ class SpecLengthPolicy:
         kmax = self.spec.kmax
         n = len(rows)
         est = self.acceptance
-        seqs = [r.seq for r in rows]
+        seqs = tuple([r.seq for r in rows])
+        memo = None
+        if busy is None:  # a decode step: the same rows, records, estimate, costs and fill give the same choice
+            # (the step model's token price, which moves only with the contexts and its online rescale, is
+            # read again whenever one of those changes; a row's record moves only in `observe`)
+            memo = (bucket, base, seqs, self._records, est.version, self.costs.version, self.fill.version, switch)
+            for key, out in self._row_memo:
+                if key == memo:
+                    return out
         tried = [q.spec_tried for q in seqs]
         accepted = [q.spec_accepted for q in seqs]
-        memo = None
-        if busy is None:  # a decode step: the same records, estimate, costs and fill give the same choice
-            # (the step model's token price, which moves only with the contexts and its online rescale, is
-            # read again whenever one of those changes)
-            memo = (bucket, base, tuple(tried), tuple(accepted), est.version, self.costs.version, self.fill.version)
-            if self._row_memo is not None and self._row_memo[0] == memo:
-                return self._row_memo[1]
         first = est._alpha()[0]
-        own = np.minimum((np.array(accepted, dtype=np.float64) + ROW_PRIOR * first)
-                         / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)
-        # the k: expected tokens over the rows at k drafts each (power sums of their rates)
-        ks = np.arange(1, kmax + 1)
-        w = np.cumsum((own[:, None] ** ks).sum(axis=0))  # [k - 1]: the step's expected accepted drafts
+        prior = ROW_PRIOR * first
+        # each row's own rate, and the step's expected accepted drafts at k = 1..kmax (power sums of the
+        # rates); up to SMALL_BATCH rows in plain floats, where numpy's calls cost more than the arithmetic
+        if n <= SMALL_BATCH:
+            own = [min((a + prior) / (t + ROW_PRIOR), 1.0 - 1e-9) for a, t in zip(accepted, tried)]
+            sums = [0.0] * kmax
+            for o in own:
+                p = 1.0
+                for j in range(kmax):
+                    p *= o
+                    sums[j] += p
+        else:
+            own = np.minimum((np.array(accepted, dtype=np.float64) + prior)
+                             / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)
+            sums = (own[:, None] ** np.arange(1, kmax + 1)).sum(axis=0).tolist()
+        w = list(accumulate(sums))
         cost = self._costs_of(bucket)
         t_tok = self._token_cost(rows)
         if busy is None:
-            v = (base + w) / cost
+            tokens = [base + x for x in w]
+            if switch[0]:
+                v = [t / (c + self._switch_added(switch, n, t)) for t, c in zip(tokens, cost)]
+            else:
+                v = [t / c for t, c in zip(tokens, cost)]
             baseline = float(base)  # k = 0: base tokens at cost 1
         else:
             m0, t_spec, on_top = self._mixed_terms(plan, rows)
-            added = t_spec * (cost - 1.0) + on_top * self.fill.value * n * ks
-            v = w * m0 - added if busy else (n + w) / (t_spec + added)
-            baseline = 0.0 if busy else n / t_spec
-        i = int(np.argmax(v))
+            per_token = on_top * self.fill.value * n
+            added = [t_spec * (c - 1.0) + per_token * (j + 1) for j, c in enumerate(cost)]
+            if busy:
+                v = [x * m0 - a for x, a in zip(w, added)]
+                baseline = 0.0
+            else:
+                v = [(n + x) / (t_spec + a) for x, a in zip(w, added)]
+                baseline = n / t_spec
+        i = max(range(kmax), key=v.__getitem__)  # (the first of equal maxima, as argmax)
         if not v[i] > baseline + 1e-9 * abs(baseline):
             out = (0, None)
         else:
@@ -728,24 +873,32 @@ class SpecLengthPolicy:
             caps = None
             if threshold > 0.0:
                 # own^j >= threshold  <=>  j <= log(threshold) / log(own)
-                with np.errstate(divide="ignore"):
-                    j = np.floor(np.log(threshold) / np.log(own))
-                caps = np.clip(np.where(own > 0.0, j, 0.0), 0, k).astype(np.int64)
-                if not caps.any():
+                if n <= SMALL_BATCH:
+                    if threshold >= 1.0:
+                        caps = [0] * n
+                    else:
+                        lt = math.log(threshold)
+                        caps = [min(int(lt / math.log(o)), k) if o > 0.0 else 0 for o in own]
+                    top, low = max(caps), min(caps)
+                else:
+                    with np.errstate(divide="ignore"):
+                        j = np.floor(np.log(threshold) / np.log(own))
+                    caps = np.clip(np.where(own > 0.0, j, 0.0), 0, k).astype(np.int64)
+                    top, low = int(caps.max()), int(caps.min())
+                if not top:
                     k = 0  # no row's first draft is worth its token: plain decoding
-                caps = None if not k or int(caps.min()) >= k else caps.tolist()
+                caps = None if not k or low >= k else list(map(int, caps))
             out = (k, caps)
-        if memo is not None:
-            self._row_memo = (memo, out)
+        if memo is not None:  # the last two (with and without the price of starting to draft)
+            self._row_memo = [self._row_memo[-1], (memo, out)] if self._row_memo else [(memo, out)]
         return out
 
-    def _costs_of(self, bucket: int) -> np.ndarray:
+    def _costs_of(self, bucket: int) -> list[float]:
         """`_cost(bucket, k)` for k = 1..kmax, kept until a pair or the fill moves them."""
         versions = (self.costs.version, self.fill.version)
         got = self._cost_rows.get(bucket)
         if got is None or got[0] != versions:
-            got = self._cost_rows[bucket] = (versions, np.array([self._cost(bucket, k)
-                                                                 for k in range(1, self.spec.kmax + 1)]))
+            got = self._cost_rows[bucket] = (versions, [self._cost(bucket, k) for k in range(1, self.spec.kmax + 1)])
         return got[1]
 
     def _token_cost(self, rows) -> float:
@@ -778,13 +931,16 @@ class SpecLengthPolicy:
                 self._replay_turn += i + 1
                 return
 
-    def _rate(self, base_tokens: int, n: int, expected: list[float], bucket: int, k: int) -> float:
+    def _rate(self, base_tokens: int, n: int, expected: list[float], bucket: int, k: int,
+              switch: tuple[float, int] = (0.0, 1)) -> float:
         """Expected tokens per step time (in units of the step without drafts)
         at k drafts for each of n rows, for a step whose rows all decode
         (`base_tokens` sampled without drafts; `expected`, E[k] per k): every
         step of such a batch exists for its decode rows, so fewer, dearer
-        steps win when they commit more tokens per second."""
-        return (base_tokens + n * (expected[k] - 1.0)) / self._cost(bucket, k)
+        steps win when they commit more tokens per second. `switch`: what
+        starting to draft costs (`_switch_price`)."""
+        tokens = base_tokens + n * (expected[k] - 1.0)
+        return tokens / (self._cost(bucket, k) + (self._switch_added(switch, n, tokens) if k and switch[0] else 0.0))
 
     def _cost(self, bucket: int, k: int) -> float:
         """Step time when k drafts per row are asked for, over the time
@@ -846,17 +1002,24 @@ class SpecLengthPolicy:
             self._replay_rows = None
         if not plan.num_verify and self.target is not None:
             self.target.add(record_features(record), record.wall_s)  # a step without drafts, whatever its shape
+            if self._pair is None and not self._asked[0]:
+                return  # nothing drafted, asked for or measured
         asked, empty, _ = self._asked
         vr = plan.verify_rows
         drafted = [len(r.draft) if r.draft is not None else 0 for r in vr]
         delivered = sum(drafted)
+        accepted = [r.num_accepted for r in vr]
         pair = self._pair
         if pair is not None:
-            self._pair_step(pair, plan, record, delivered)
+            self._pair_step(pair, plan, record, delivered, len(plan.rows) + sum(accepted))
         self.fill.update(asked, delivered)
+        if self._warm is not None:
+            # a pair moved the table: its prices are worked out now, outside any step's time (in the
+            # next plan they fell on the next pair's first step, whose time they lengthened)
+            self._costs_of(self._warm)
+            self._warm = None
         if not vr and not empty:
             return
-        accepted = [r.num_accepted for r in vr]
         # per position asked for: a proposer that offered fewer drafts than asked (an n-gram lookup
         # that found nothing) failed the position after its last, as a rejected draft would; the
         # tokens expected are priced at what is asked, so they must be measured at it too
@@ -868,14 +1031,27 @@ class SpecLengthPolicy:
             seq.spec_accepted += a
         for _, seq in empty:
             seq.spec_tried += 1
+        self._records += 1
         self.drafted += delivered
         self.accepted += sum(accepted)
         self.emitted += sum(accepted) + len(vr) + len(empty)  # (a row whose ask found nothing decoded one)
 
-    def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord, delivered: int) -> None:
+    def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord, delivered: int, emitted: int) -> None:
         """One step of the exploration pair: kept when every row ran at the
         pair's k for this step (no row capped, none left out), else the pair
-        is dropped. `delivered`: the drafts the step's verify rows got."""
+        is dropped. `delivered`: the drafts the step's verify rows got;
+        `emitted`: the tokens the step emitted.
+
+        A whole pair also prices itself: its steps' time against what the
+        range's choice would have emitted in it (`_Pair.rate`), in steps at
+        k = 0. Once the acceptance is learned (`LEARNED` tries of the first
+        position: where k = 0 runs, the pairs are also what it is learned
+        from), the range's next pair waits until that loss is at most
+        `EXPLORE_SHARE` of the steps between (and at most 8 turns): where
+        the lengths tie, a pair costs about its priming step, in which the
+        draft model catches up on every token since its rows last drafted
+        (measured at batch 1 on the 2-core EPYC: pairs every 32 steps cost
+        the adaptive length 7% against plain decoding, every 128 steps 2.5%)."""
         k = pair.next_k
         n = len(plan.rows)
         if k == 0:
@@ -885,7 +1061,11 @@ class SpecLengthPolicy:
         if not ok:
             self._pair = None
             return
-        if pair.done == 1:
+        pair.spent += record.wall_s
+        pair.tokens += emitted
+        if pair.done == 0:
+            pair.prime = record.wall_s
+        elif pair.done == 1:
             pair.seconds = (record.wall_s, 0.0)
         elif pair.done == 2:
             # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup
@@ -894,8 +1074,16 @@ class SpecLengthPolicy:
             if fill < MIN_FILL:
                 self._pair = None
                 return
-            self.costs.add(pair.bucket, pair.k, 1.0 + (record.wall_s / max(pair.seconds[0], 1e-12) - 1.0) / fill)
+            unit = max(pair.seconds[0], 1e-12)
+            self.costs.add(pair.bucket, pair.k, 1.0 + (record.wall_s / unit - 1.0) / fill)
+            self._warm = pair.bucket
+            if pair.prime > 0.0:  # the priming step over the same step primed: what starting to draft costs
+                self.costs.add_switch(pair.bucket, max(pair.prime - record.wall_s, 0.0) / unit)
             self.pairs += 1
+            if pair.rate > 0.0 and self.acceptance.tried[0] >= LEARNED:
+                loss = pair.spent / unit - pair.tokens / pair.rate
+                wait = min(max(loss, 0.0) / EXPLORE_SHARE, 7 * self.explore_every)
+                self._explore_at[pair.bucket] = self.steps + int(wait)
             self._pair = None
             return
         pair.done += 1

@@ -484,24 +484,32 @@ def _line_nonneg(x: list[int], y: list[float], w: list[int]) -> tuple[float, flo
 @dataclass
 class _Pair:
     """An exploration pair in flight: three back-to-back decode steps of
-    `rows` rows at k, 0 and k drafts per row. The first primes the proposer
-    (a draft model catches up on every token decoded since its rows last
-    drafted, up to the whole prompt of a new request, which would make its
-    step look dear); the ratio is that of the third to the second."""
+    `rows` rows, one step at k and one at 0 measured, each after a step like
+    itself, so that each is what a steady run at its length costs: from
+    plain decoding, (0, k, k), the first measured, the second priming the
+    proposer (a draft model catches up on every token decoded since its rows
+    last drafted, up to the whole prompt of a new request), the third
+    measured; from drafting, (k, 0, 0), the first and third measured. (A
+    step at 0 right after a drafting step, the former reference, ran 3%
+    slower than one after another at 0 at batch 1 on the 2-core EPYC: the
+    draft model's work had evicted the target's weights from the cache. With
+    the policy's own work in it too, k = 1-4 were priced 10% low.)"""
 
     bucket: int
     rows: int
     k: int  # the draft length measured
+    steps: tuple[int, int, int] = (0, 0, 0)  # the length of each of its steps
     done: int = 0  # steps of the pair observed
-    seconds: tuple[float, float] = (0.0, 0.0)  # wall time of the second and third steps
+    ref: float = 0.0  # wall time of the measured step at 0
+    at_k: tuple[float, float] = (0.0, 1.0)  # ... and of the one at k, with the share of its drafts delivered
+    prime: float = 0.0  # wall time of its priming step (0: it started drafting)
     rate: float = 0.0  # the range's choice: expected tokens per step time at k = 0, when the pair began
-    prime: float = 0.0  # wall time of its priming step (0: it started primed)
     spent: float = 0.0  # wall time of the pair's steps so far
     tokens: int = 0  # tokens they emitted
 
     @property
     def next_k(self) -> int:
-        return 0 if self.done == 1 else self.k
+        return self.steps[self.done]
 
 
 class SpecLengthPolicy:
@@ -728,11 +736,11 @@ class SpecLengthPolicy:
         while the engine was still cold), and a line laid flat by one cheap
         pair had priced k = 4 at 2.2 steps against 3.2 paid, and drafted it
         at batch 1 where every length loses."""
-        # where these rows all drafted last step the proposer is current: the pair starts at 0
+        # where these rows all drafted last step the proposer is current: the pair starts at k
         primed = self.last_k > 0 and self._last_rows == (n, len(plan.rows))
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
-        self._pair = _Pair(bucket, n, k, done=1 if primed else 0, rate=rate)
-        return (0 if primed else k), None
+        self._pair = _Pair(bucket, n, k, steps=(k, 0, 0) if primed else (0, k, k), rate=rate)
+        return self._pair.next_k, None
 
     def _switch_price(self, rows, bucket: int) -> tuple[float, int]:
         """What starting to draft costs these rows: (S, R), S steps at k = 0,
@@ -1063,22 +1071,26 @@ class SpecLengthPolicy:
             return
         pair.spent += record.wall_s
         pair.tokens += emitted
-        if pair.done == 0:
-            pair.prime = record.wall_s
-        elif pair.done == 1:
-            pair.seconds = (record.wall_s, 0.0)
-        elif pair.done == 2:
+        if pair.done == 1:  # the middle step: priming the proposer, or settling back to plain decoding
+            if k:
+                pair.prime = record.wall_s
+        elif k:
             # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup
             # that found nothing) verified less, so the extra time is scaled to what was asked
             fill = delivered / (n * k)
             if fill < MIN_FILL:
                 self._pair = None
                 return
-            unit = max(pair.seconds[0], 1e-12)
-            self.costs.add(pair.bucket, pair.k, 1.0 + (record.wall_s / unit - 1.0) / fill)
+            pair.at_k = (record.wall_s, fill)
+        else:
+            pair.ref = record.wall_s
+        if pair.done == 2:
+            unit = max(pair.ref, 1e-12)
+            wall, fill = pair.at_k
+            self.costs.add(pair.bucket, pair.k, 1.0 + (wall / unit - 1.0) / fill)
             self._warm = pair.bucket
             if pair.prime > 0.0:  # the priming step over the same step primed: what starting to draft costs
-                self.costs.add_switch(pair.bucket, max(pair.prime - record.wall_s, 0.0) / unit)
+                self.costs.add_switch(pair.bucket, max(pair.prime - wall, 0.0) / unit)
             self.pairs += 1
             if pair.rate > 0.0 and self.acceptance.tried[0] >= LEARNED:
                 loss = pair.spent / unit - pair.tokens / pair.rate

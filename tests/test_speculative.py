@@ -437,8 +437,10 @@ def test_adaptive_length_follows_measured_draft_costs(name, cost):
     assert len(good) >= 0.85 * len(settled), (name, want, {k: settled.count(k) for k in set(settled)})
     if want == 0:  # drafting loses by 2x: it is rarely tried
         assert settled.count(0) >= 0.95 * len(settled)
-    ratio = pol.costs.ratio(row_bucket(32), 3)
-    assert ratio == pytest.approx(cost(32, 3, 300) / cost(32, 0, 300), rel=0.1)
+    # the price where it is measured: next to the choice (k = 1 where it is 0, the other lengths there
+    # rest on the line through one pair at k = 4)
+    k = 1 if want == 0 else 3
+    assert pol.costs.ratio(row_bucket(32), k) == pytest.approx(cost(32, k, 300) / cost(32, 0, 300), rel=0.1)
 
 
 def test_draft_costs_stand_for_the_median_of_recent_pairs():
@@ -1039,11 +1041,11 @@ def test_exploration_pairs_are_spaced_by_what_they_lose(per_row):
     the acceptance is learned (the pairs' verifications), with a catch-up of
     3 steps the pairs come 8x less often than every 32 steps, and the
     adaptive length runs within 2% of plain decoding; with a free catch-up
-    they keep coming every 32-64 steps, following the costs."""
+    they keep coming every 32-96 steps, following the costs."""
     got = {}
     for switch in (3.0, 0.0):
         pol = SpecLengthPolicy(f"adaptive:kmax=4,per_row={per_row}")
-        _drive_switching(pol, _tie, alpha=0.6, steps=1024, switch=switch)
+        _drive_switching(pol, _tie, alpha=0.6, steps=3072, switch=switch)  # (from pairs alone, at one row)
         learned = pol.pairs
         ks, tokens, seconds = _drive_switching(pol, _tie, alpha=0.6, steps=2048, switch=switch, seed=1)
         cold = sum(1 for i in range(2, len(ks)) if ks[i] and not ks[i - 1] and not ks[i - 2])  # catch-ups paid
@@ -1051,7 +1053,7 @@ def test_exploration_pairs_are_spaced_by_what_they_lose(per_row):
     pairs, cold, rate = got[3.0]
     assert cold <= 2048 // 256 + 2, got
     assert rate >= 0.98, got  # tokens per step time at k = 0
-    assert got[0.0][0] >= 2048 // 64, got
+    assert got[0.0][0] >= max(2048 // 96, 2 * pairs), got
 
 
 def test_drafting_starts_cold_only_when_it_pays_for_the_catch_up():
@@ -1070,7 +1072,7 @@ def test_drafting_starts_cold_only_when_it_pays_for_the_catch_up():
             ks, tokens, seconds = _drive_switching(pol, ratio, alpha=0.6, steps=3000, switch=3.0, left=left)
             rate[left, spec] = tokens / seconds
             if spec.startswith("adaptive"):
-                assert pol.costs.switch[0] == pytest.approx(3.0, rel=0.2)
+                assert 1.5 < pol.costs.switch[0] < 3.6  # (a priming step after fewer than 32 steps pays less)
                 chosen[left] = ks[1000:]
     short, long = chosen[12], chosen[1 << 20]
     assert short.count(0) >= 0.9 * len(short), {k: short.count(k) for k in set(short)}

@@ -45,8 +45,8 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              C_b[k]: the step time with k drafts per row, drafting included,
              over the time with none, measured in the batch-size range b of
              the drafting rows (1, 2-3, 4-7, ...; `DraftCostTable`) from
-             pairs of back-to-back decode steps, one at 0 and one at k (after
-             a step at k that lets a draft model catch up); a cell stands for
+             pairs of back-to-back decode steps, one at 0 and one at k, each
+             after a step like itself (`_Pair`); a cell stands for
              the median of its last 8 pairs, so a pair that a hiccup of the
              machine lengthened does not decide. A pair sees the
              same contexts and the same machine, so it needs no step model,
@@ -54,8 +54,12 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              line through the measured k prices the others. A range starts
              with pairs at k = 1 and 4; after, one step in 32 starts a pair
              next to the range's choice (one in 256 for a length priced under
-             0.9x the choice's rate once it has 3 pairs), so the costs keep following the machine
-             even where k = 0 wins; past the longest length measured the line
+             0.9x the choice's rate once it has 3 pairs; later, while the pairs
+             lose more than 1% of the time to the choice), so the costs keep
+             following the machine even where k = 0 wins, and a length chosen
+             on fewer than 3 pairs is paired at once; starting to draft cold
+             is priced (the draft model's catch-up, from the pairs' priming
+             steps); past the longest length measured the line
              is not trusted to stay flat (it never prices below the extra time
              grown in proportion to k). The step model of mixed steps is fitted
              online on the steps that drafted nothing (until it has enough of

@@ -53,7 +53,8 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              and neither a growing context nor a drifting machine moves it; a
              line through the measured k prices the others. A range starts
              with pairs at k = 1 and 4; after, one step in 32 starts a pair
-             next to the range's choice (one in 256 for a length priced under
+             next to the range's choice (at 1 and 2 next to plain decoding;
+             one in 256 for a length priced under
              0.9x the choice's rate once it has 3 pairs; later, while the pairs
              lose more than 1% of the time to the choice), so the costs keep
              following the machine even where k = 0 wins, and a length chosen
@@ -131,6 +132,7 @@ EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range
 LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
 ROW_PRIOR = 8.0  # a row's own acceptance leans on the pooled rate with the weight of this many tries
+MIN_SPREAD = 2.0  # the least weight `row_spread` gives the rows' spread
 SMALL_BATCH = 16  # up to this many rows, the per-row choice is worked out in plain floats
 
 
@@ -516,6 +518,30 @@ class _Pair:
         return self.steps[self.done]
 
 
+def row_spread(est: "AcceptanceEstimate") -> float | None:
+    """How much requests differ in acceptance, as the weight w of a Beta
+    distribution of their own rates (w tries' worth: the smaller, the more
+    they differ), read off the pooled rates r1 and r2 of the first two
+    positions; None where they do not tell the rows apart.
+
+    Where rows differ, the pooled rate rises with the position: the second
+    position is reached mostly by the rows that accept most. For rates
+    a ~ Beta(w r1, w (1 - r1)), the pooled second-position rate is
+    E[a^2] / E[a] = (w r1 + 1) / (w + 1) = r2, so w = (1 - r2) / (r2 - r1).
+    The rise is taken net of one standard error of the two rates (their
+    tries), so that noise in rows that are alike reads as no spread;
+    w is at least `MIN_SPREAD`."""
+    rates, tried = est._alpha(), est.tried
+    if len(rates) < 2:
+        return None
+    r1, r2 = rates[0], rates[1]
+    n1, n2 = tried[0] + est.prior_weight, tried[1] + est.prior_weight
+    rise = r2 - r1 - math.sqrt(r1 * (1.0 - r1) / n1 + r2 * (1.0 - r2) / n2)
+    if rise <= 0.0:
+        return None
+    return max((1.0 - r2) / rise, MIN_SPREAD)
+
+
 class SpecLengthPolicy:
     """The step policy that turns decode rows into verify rows (`draft_len`)."""
 
@@ -644,7 +670,7 @@ class SpecLengthPolicy:
         exploration pairs (`_Pair`: steps at k, 0 and k, the last two
         measured) at k = 1 and k = min(4, kmax) first; after, one step in
         `explore_every` starts a pair at a length next to the range's last
-        choice (or at it), in turn, so the costs keep following the machine
+        choice (or at it; at 1 and 2 next to 0), in turn, so the costs keep following the machine
         and the batch where it matters, k = 0 included."""
         kmax = self.spec.kmax
         n = len(rows)
@@ -670,7 +696,17 @@ class SpecLengthPolicy:
                     self._started.add(bucket)
             elif self.steps % self.explore_every == 0 and self.steps >= self._explore_at.get(bucket, 0):
                 best = self._best.get(bucket, 0)
-                near = sorted({min(max(best + d, 1), kmax) for d in (-1, 0, 1)})
+                # next to plain decoding, k = 1 and 2: the first draft of a step carries the draft model's
+                # catch-up on the row's last tokens, so 2 can win where 1 loses (batch 1 on the 2-core
+                # EPYC: fixed:1 0.96-1.03x plain decoding, fixed:2 1.05-1.12x), and its price must not
+                # rest on the line through k = 1 and one early pair at k = 4
+                near = {min(max(best + d, 1), kmax) for d in ((1, 2) if best == 0 else (-1, 0, 1))}
+                # and the longest length measured while it has fewer than TRUSTED pairs: the line through it
+                # prices every length past the others, and its first pair may have been taken cold
+                measured = self.costs.measured(bucket)
+                if measured and self.costs.count(bucket, measured[-1]) < TRUSTED:
+                    near.add(measured[-1])
+                near = sorted(near)
                 turn = self._explore_k.get(bucket, -1) + 1
                 self._explore_k[bucket] = turn
                 k = near[turn % len(near)]
@@ -797,9 +833,18 @@ class SpecLengthPolicy:
         by the requests whose drafts are accepted most), and a pooled E[k]
         prices every row as the mix: too long a draft for the rows that
         seldom keep one, too short for the others. Here a row's drafts are
-        accepted at its own rate, the same at every position: its record
-        (`Seq.spec_tried`, `spec_accepted`) with `ROW_PRIOR` tries at the
-        pooled first-position rate, so its j-th draft is worth own^j tokens.
+        accepted at its own rate a, the same at every position. Its mean is
+        the row's record (`Seq.spec_tried`, `spec_accepted`) with `ROW_PRIOR`
+        tries at the pooled first-position rate; around it, a is spread as
+        the rows are (`row_spread`, a Beta of weight w read off the pooled
+        rates), narrowed by the row's record to weight w + tried. Its j-th
+        draft is worth E[a^j] tokens, the product over i < j of
+        (mean (w + tried) + i) / (w + tried + i): more than mean^j, by more
+        the less the row has shown, so a row with no record is priced as the
+        mix of rows. (At mean^j such rows drafted 1-4 shorter than the
+        pooled choice in half of 150 random cases.) Where the pooled rates
+        do not rise, the rows look alike and a row's drafts are worth
+        mean^j.
 
         The step's k maximises the score of `_rate` (a decode step) or of
         `_mixed_score` (a step with prefill chunks, `busy` not None) with
@@ -835,20 +880,35 @@ class SpecLengthPolicy:
         accepted = [q.spec_accepted for q in seqs]
         first = est._alpha()[0]
         prior = ROW_PRIOR * first
-        # each row's own rate, and the step's expected accepted drafts at k = 1..kmax (power sums of the
-        # rates); up to SMALL_BATCH rows in plain floats, where numpy's calls cost more than the arithmetic
+        spread = row_spread(est)
+        # each row's worth of its j-th draft, E[a^j] for its own rate a: the mean of a is its record with
+        # ROW_PRIOR tries at the pooled first-position rate; its spread is the rows' (`row_spread`, none:
+        # a^j at that mean) narrowed by its record, a Beta of weight spread + tried. Then the step's
+        # expected accepted drafts at k = 1..kmax (the sums over the rows); up to SMALL_BATCH rows in plain
+        # floats, where numpy's calls cost more than the arithmetic
         if n <= SMALL_BATCH:
-            own = [min((a + prior) / (t + ROW_PRIOR), 1.0 - 1e-9) for a, t in zip(accepted, tried)]
+            worth = []
             sums = [0.0] * kmax
-            for o in own:
+            for a, t in zip(accepted, tried):
+                own = min((a + prior) / (t + ROW_PRIOR), 1.0 - 1e-9)
+                c = spread + t if spread is not None else 0.0
                 p = 1.0
+                row = []
                 for j in range(kmax):
-                    p *= o
+                    p *= (own * c + j) / (c + j) if c else own
+                    row.append(p)
                     sums[j] += p
+                worth.append(row)
         else:
             own = np.minimum((np.array(accepted, dtype=np.float64) + prior)
-                             / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)
-            sums = (own[:, None] ** np.arange(1, kmax + 1)).sum(axis=0).tolist()
+                             / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)[:, None]
+            j = np.arange(kmax)
+            if spread is not None:
+                c = np.array(tried, dtype=np.float64)[:, None] + spread
+                worth = np.cumprod((own * c + j) / (c + j), axis=1)
+            else:
+                worth = own ** (j + 1)
+            sums = worth.sum(axis=0).tolist()
         w = list(accumulate(sums))
         cost = self._costs_of(bucket)
         t_tok = self._token_cost(rows)
@@ -884,18 +944,12 @@ class SpecLengthPolicy:
                 threshold = per_draft / m0 if busy else per_draft * v[i]
             caps = None
             if threshold > 0.0:
-                # own^j >= threshold  <=>  j <= log(threshold) / log(own)
+                # a row's worth falls with j: its cap is how many of its first k drafts are worth the threshold
                 if n <= SMALL_BATCH:
-                    if threshold >= 1.0:
-                        caps = [0] * n
-                    else:
-                        lt = math.log(threshold)
-                        caps = [min(int(lt / math.log(o)), k) if o > 0.0 else 0 for o in own]
+                    caps = [sum(1 for x in row[:k] if x >= threshold) for row in worth]
                     top, low = max(caps), min(caps)
                 else:
-                    with np.errstate(divide="ignore"):
-                        j = np.floor(np.log(threshold) / np.log(own))
-                    caps = np.clip(np.where(own > 0.0, j, 0.0), 0, k).astype(np.int64)
+                    caps = (worth[:, :k] >= threshold).sum(axis=1)
                     top, low = int(caps.max()), int(caps.min())
                 if not top:
                     k = 0  # no row's first draft is worth its token: plain decoding
@@ -1122,4 +1176,9 @@ class SpecLengthPolicy:
             "spec_replayed_positions": self.replayed.total,
             "spec_cost_ratio": self.costs.to_dict(),
             "spec_draft_fill": round(self.fill.value, 4),
+            "spec_row_spread": self._spread(),
         }
+
+    def _spread(self) -> float | None:
+        w = row_spread(self.acceptance)
+        return round(w, 2) if w is not None else None

@@ -698,7 +698,7 @@ class SpecLengthPolicy:
                 best = self._best.get(bucket, 0)
                 # next to plain decoding, k = 1 and 2: the first draft of a step carries the draft model's
                 # catch-up on the row's last tokens, so 2 can win where 1 loses (batch 1 on the 2-core
-                # EPYC: fixed:1 0.96-1.03x plain decoding, fixed:2 1.05-1.12x), and its price must not
+                # EPYC: fixed:1 0.96-1.07x plain decoding, fixed:2 1.05-1.14x), and its price must not
                 # rest on the line through k = 1 and one early pair at k = 4
                 near = {min(max(best + d, 1), kmax) for d in ((1, 2) if best == 0 else (-1, 0, 1))}
                 # and the longest length measured while it has fewer than TRUSTED pairs: the line through it

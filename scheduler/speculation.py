@@ -667,7 +667,7 @@ class SpecLengthPolicy:
         """The adaptive k for this step: the k that maximises expected tokens
         per second, with the cost of k drafts per row from `DraftCostTable`.
         A batch-size range with fewer than two draft lengths measured runs
-        exploration pairs (`_Pair`: steps at k, 0 and k, the last two
+        exploration pairs (`_Pair`: three steps, one at k and one at 0
         measured) at k = 1 and k = min(4, kmax) first; after, one step in
         `explore_every` starts a pair at a length next to the range's last
         choice (or at it; at 1 and 2 next to 0), in turn, so the costs keep following the machine

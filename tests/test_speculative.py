@@ -1138,20 +1138,24 @@ def test_per_row_choice_in_plain_floats_equals_numpys(monkeypatch):
         assert got[0] == got[1], (trial, got)
 
 
-def _spread_estimate(r1: float, w: float, rows: int, kmax: int = 4, seed: int = 0) -> AcceptanceEstimate:
-    """The pooled estimate of `rows` requests, each drafting kmax once, whose
-    own rates are drawn from Beta(w r1, w (1 - r1)), each draft accepted at
-    its request's rate while the ones before it were."""
-    rng = np.random.default_rng(seed)
-    rates = rng.beta(w * r1, w * (1 - r1), rows)
-    est = AcceptanceEstimate(kmax, decay=1.0)
+def _accepted_runs(rng, rates, kmax: int) -> list[int]:
+    """Per request, the drafts accepted of kmax, each at the request's rate
+    while the ones before it were."""
     accepted = []
     for a in rates:
         acc = 0
         while acc < kmax and rng.random() < a:
             acc += 1
         accepted.append(acc)
-    est.update([kmax] * rows, accepted)
+    return accepted
+
+
+def _spread_estimate(r1: float, w: float, rows: int, kmax: int = 4, seed: int = 0) -> AcceptanceEstimate:
+    """The pooled estimate of `rows` requests, each drafting kmax once, whose
+    own rates are drawn from Beta(w r1, w (1 - r1))."""
+    rng = np.random.default_rng(seed)
+    est = AcceptanceEstimate(kmax, decay=1.0)
+    est.update([kmax] * rows, _accepted_runs(rng, rng.beta(w * r1, w * (1 - r1), rows), kmax))
     return est
 
 
@@ -1167,13 +1171,7 @@ def test_row_spread_reads_how_much_rows_differ(r1, w):
     est = AcceptanceEstimate(4, decay=1.0)
     rng = np.random.default_rng(0)
     for _ in range(40):
-        accepted = []
-        for _ in range(1000):
-            acc = 0
-            while acc < 4 and rng.random() < r1:
-                acc += 1
-            accepted.append(acc)
-        est.update([4] * 1000, accepted)
+        est.update([4] * 1000, _accepted_runs(rng, [r1] * 1000, 4))
         assert row_spread(est) is None
 
 
@@ -1205,8 +1203,8 @@ def test_a_row_with_no_record_drafts_as_the_pool_prices():
         diffs.append(got[0] - got[1])
     counts = {d: diffs.count(d) for d in set(diffs)}
     assert all(-2 <= d <= 1 for d in diffs), counts
-    assert sum(d < -1 for d in diffs) <= 0.03 * len(diffs), counts  # flat: 26 of 200
-    assert counts.get(0, 0) >= 0.6 * len(diffs), counts  # flat: 96 of 200
+    assert sum(d < -1 for d in diffs) <= 0.03 * len(diffs), counts  # flat, in 200 cases like these: 26
+    assert counts.get(0, 0) >= 0.6 * len(diffs), counts  # flat, in the same 200: 96
 
 
 def test_lengths_next_to_plain_decoding_and_a_cold_first_pair_are_measured():

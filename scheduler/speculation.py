@@ -134,6 +134,9 @@ MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is 
 ROW_PRIOR = 8.0  # a row's own acceptance leans on the pooled rate with the weight of this many tries
 MIN_SPREAD = 2.0  # the least weight `row_spread` gives the rows' spread
 SMALL_BATCH = 16  # up to this many rows, the per-row choice is worked out in plain floats
+PAIR_SLACK = 16  # a pair's steps may differ in rows by 1/PAIR_SLACK of its own (and its step at k may have as
+# many rows capped short of k) once the step model can rescale a step to the pair's rows: at large batches
+# rows finish nearly every step, and pairs that asked for the same rows throughout never completed
 
 
 @dataclass(frozen=True)
@@ -596,6 +599,8 @@ class SpecLengthPolicy:
         self._started: set[int] = set()  # the buckets whose first pairs are measured
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
         self._explore_at: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_pair_step`)
+        self._held: dict[int, int] = {}  # per bucket, the step before which no pair starts from plain decoding
+        # (`_start_pair`), after one dropped
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
         self._row_memo: list[tuple] = []  # the same, per row (`_per_row`)
@@ -612,7 +617,7 @@ class SpecLengthPolicy:
         self.steps += 1
         self._asked = (0, [], None)
         if not rows:
-            self._pair = None
+            self._drop_pair()
             return plan
         caps = None  # per row, the most it drafts (None: k for every row)
         if self.spec.mode == "fixed":
@@ -678,9 +683,9 @@ class SpecLengthPolicy:
         bucket = row_bucket(n)
         pair = self._pair
         if pair is not None:
-            if pure and 0 < pair.done < 3 and pair.rows == n:
+            if pure and 0 < pair.done < 3 and self._pair_fits(pair, n):
                 return pair.next_k, None
-            self._pair = None  # the batch changed under it: dropped
+            self._drop_pair()  # the batch changed under it
         source = self.replayed if self.replayed.ready else self.acceptance
         expected = source.expected(kmax)
         # tokens without drafts (`plan.samples` is frozen at commit, after the policies); in a pure
@@ -719,7 +724,9 @@ class SpecLengthPolicy:
                         and self.steps % (8 * self.explore_every)):
                     k = None
             if k is not None:
-                return self._start_pair(plan, bucket, n, k, base, expected)
+                started = self._start_pair(plan, bucket, n, k, base, expected)
+                if started is not None:
+                    return started
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
             return 0, None  # nothing measured yet (a step with prefill in it: no pair to start)
         busy = None
@@ -738,7 +745,9 @@ class SpecLengthPolicy:
         if pure:
             self._best[bucket] = k
             if 0 < k and self.costs.count(bucket, k) < TRUSTED:
-                return self._start_pair(plan, bucket, n, k, base, expected)
+                started = self._start_pair(plan, bucket, n, k, base, expected)
+                if started is not None:
+                    return started
         return k, caps
 
     def _decide(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None, expected: list[float],
@@ -768,19 +777,42 @@ class SpecLengthPolicy:
         return best_k, None
 
     def _start_pair(self, plan: StepPlan, bucket: int, n: int, k: int, base: int,
-                    expected: list[float]) -> tuple[int, None]:
+                    expected: list[float]) -> tuple[int, None] | None:
         """Start an exploration pair at k (`_Pair`) and return this step's
         length. Besides the turns of `_choose`, a length is paired as soon as
         it is chosen while its cell holds fewer than `TRUSTED` pairs: such a
         choice rests on the line through other lengths (or on one pair taken
         while the engine was still cold), and a line laid flat by one cheap
         pair had priced k = 4 at 2.2 steps against 3.2 paid, and drafted it
-        at batch 1 where every length loses."""
-        # where these rows all drafted last step the proposer is current: the pair starts at k
-        primed = self.last_k > 0 and self._last_rows == (n, len(plan.rows))
+        at batch 1 where every length loses.
+
+        None (no pair) when it would start from plain decoding within
+        `explore_every // 4` steps of a pair of the range that was dropped
+        (`_drop_pair`): at a large batch under load, prefill chunks break up
+        the runs of decode steps, and restarting at once paid a step at k = 0
+        for each try (simulated Azure conversations, 8B + 1B H100 profiles, 21
+        req/s: 175 tries at 128-255 rows, none completed). A pair that
+        starts at the length its rows drafted anyway costs nothing when it
+        drops after its first step, so it is not held back."""
+        # where these rows all drafted last step the proposer is current: the pair starts at k; rows may only
+        # have left since (any that joined came through a prefill chunk, in a step where they did not draft)
+        last_drafting, last_rows = self._last_rows
+        primed = (self.last_k > 0 and last_drafting == last_rows and len(plan.rows) == n
+                  and (n == last_rows or n < last_rows and row_bucket(last_rows) == bucket
+                       and (last_rows - n) * PAIR_SLACK <= last_rows and self._rescales()))
+        if not primed and self.steps < self._held.get(bucket, 0):
+            return None
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
         self._pair = _Pair(bucket, n, k, steps=(k, 0, 0) if primed else (0, k, k), rate=rate)
         return self._pair.next_k, None
+
+    def _drop_pair(self) -> None:
+        """The pair in flight, if any, is dropped: its range's next pair
+        from plain decoding waits (`_start_pair`)."""
+        pair = self._pair
+        if pair is not None:
+            self._held[pair.bucket] = self.steps + self.explore_every // 4
+            self._pair = None
 
     def _switch_price(self, rows, bucket: int) -> tuple[float, int]:
         """What starting to draft costs these rows: (S, R), S steps at k = 0,
@@ -1121,34 +1153,38 @@ class SpecLengthPolicy:
         k = pair.next_k
         n = len(plan.rows)
         if k == 0:
-            ok = plan.num_decode == n == pair.rows
-        else:  # every row asked for k (what it got is `fill`, below)
-            ok = n == pair.rows and self._asked[2] == k
+            ok = plan.num_decode == n and self._pair_fits(pair, n)
+        else:  # every row asked for k (what it got is `fill`, below), or at a large batch all but a few, whose
+            # max_tokens capped them short of k
+            asked, _, alike = self._asked
+            ok = self._pair_fits(pair, n) and (alike == k or (
+                n >= PAIR_SLACK and self._rescales() and asked * PAIR_SLACK >= (PAIR_SLACK - 1) * n * k))
         if not ok:
-            self._pair = None
+            self._drop_pair()
             return
-        pair.spent += record.wall_s
+        wall = record.wall_s * self._to_pair_rows(plan, pair.rows)
+        pair.spent += wall
         pair.tokens += emitted
         if pair.done == 1:  # the middle step: priming the proposer, or settling back to plain decoding
             if k:
-                pair.prime = record.wall_s
+                pair.prime = wall
         elif k:
             # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup
             # that found nothing) verified less, so the extra time is scaled to what was asked
             fill = delivered / (n * k)
             if fill < MIN_FILL:
-                self._pair = None
+                self._drop_pair()
                 return
-            pair.at_k = (record.wall_s, fill)
+            pair.at_k = (wall, fill)
         else:
-            pair.ref = record.wall_s
+            pair.ref = wall
         if pair.done == 2:
             unit = max(pair.ref, 1e-12)
-            wall, fill = pair.at_k
-            self.costs.add(pair.bucket, pair.k, 1.0 + (wall / unit - 1.0) / fill)
+            at_k, fill = pair.at_k
+            self.costs.add(pair.bucket, pair.k, 1.0 + (at_k / unit - 1.0) / fill)
             self._warm = pair.bucket
             if pair.prime > 0.0:  # the priming step over the same step primed: what starting to draft costs
-                self.costs.add_switch(pair.bucket, max(pair.prime - wall, 0.0) / unit)
+                self.costs.add_switch(pair.bucket, max(pair.prime - at_k, 0.0) / unit)
             self.pairs += 1
             if pair.rate > 0.0 and self.acceptance.tried[0] >= LEARNED:
                 loss = pair.spent / unit - pair.tokens / pair.rate
@@ -1157,6 +1193,32 @@ class SpecLengthPolicy:
             self._pair = None
             return
         pair.done += 1
+
+    def _rescales(self) -> bool:
+        """Whether the step model can rescale a step to another row count."""
+        return self.target.calibrated
+
+    def _pair_fits(self, pair: _Pair, n: int) -> bool:
+        """Whether a step of n rows may be one of the pair's: its own rows,
+        or (from `PAIR_SLACK` rows up, with a step model to rescale it) rows
+        in the same range within 1/PAIR_SLACK of them."""
+        if n == pair.rows:
+            return True
+        return (row_bucket(n) == pair.bucket and abs(n - pair.rows) * PAIR_SLACK <= pair.rows
+                and self._rescales())
+
+    def _to_pair_rows(self, plan: StepPlan, rows: int) -> float:
+        """What a step of this plan's rows takes, times this, is what it
+        would have taken with `rows` rows of the same mean context (1.0 at
+        the pair's own rows): the step model's decode step at each, without
+        drafts, over the other."""
+        n = len(plan.rows)
+        if n == rows:
+            return 1.0
+        ctx = sum(r.start for r in plan.rows) + n
+        predict = self.target.predict
+        here = predict(n, ctx, n)
+        return predict(rows, ctx * rows / n, rows) / here if here > 0 else 1.0
 
     def stats(self) -> dict:
         alpha = self.acceptance.alpha

@@ -376,6 +376,19 @@ def _decode_plan(n: int, start: int = 100) -> StepPlan:
     return StepPlan(rows=rows)  # as the policies see it: before commit, `samples` not yet frozen
 
 
+def _verify(plan: StepPlan, rng, alpha: float) -> int:
+    """Commit's row order, and each verify row's drafts accepted one by one
+    with probability alpha; the step's k."""
+    plan.sort_decode_first()
+    for r in plan.verify_rows:
+        r.draft = [0] * r.draft_len
+        acc = 0
+        while acc < r.draft_len and rng.random() < alpha:
+            acc += 1
+        r.num_accepted = acc
+    return max(r.draft_len for r in plan.rows)
+
+
 def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, context: int = 100) -> list[int]:
     """`steps` decode steps of `rows` rows through the policy, each timed at
     cost(rows, k, context) (a growing context, +-5% noise), each draft accepted
@@ -385,15 +398,8 @@ def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, c
     ks = []
     for i in range(steps):
         plan = pol.plan(_decode_plan(rows, start=context + i), view)
-        plan.sort_decode_first()
-        k = max(r.draft_len for r in plan.rows)
+        k = _verify(plan, rng, alpha)
         ks.append(k)
-        for r in plan.verify_rows:
-            r.draft = [0] * r.draft_len
-            acc = 0
-            while acc < r.draft_len and rng.random() < alpha:
-                acc += 1
-            r.num_accepted = acc
         wall = cost(rows, k, context + i) * (1 + 0.05 * rng.standard_normal())
         pol.observe(plan, StepRecord(i, rows, plan.num_decode, rows * (context + i), plan.num_new_tokens, wall, wall, 0.0))
     return ks
@@ -1247,15 +1253,7 @@ def _drive_under_load(pol, cost, alpha: float, steps: int, rows: int = 160, run:
                                     fork_children=[], remaining_tokens=50, num_tokens=0)
             plan.rows.append(ScheduledRow(chunk, 0, 512, True))
         view = EngineView(0.0, len(plan.rows), 0, 100_000, 100_000, 8192, 8192)
-        plan = pol.plan(plan, view)
-        plan.sort_decode_first()
-        k = max(r.draft_len for r in plan.rows)
-        for r in plan.verify_rows:
-            r.draft = [0] * r.draft_len
-            acc = 0
-            while acc < r.draft_len and rng.random() < alpha:
-                acc += 1
-            r.num_accepted = acc
+        k = _verify(pol.plan(plan, view), rng, alpha)
         wall = (cost(n, k) + (0.02 if mixed else 0.0)) * (1 + 0.03 * rng.standard_normal())
         pol.observe(plan, StepRecord(i, len(plan.rows), plan.num_decode, n * (300 + i), plan.num_new_tokens, wall,
                                      wall, 0.0))

@@ -798,8 +798,7 @@ class SpecLengthPolicy:
         # have left since (any that joined came through a prefill chunk, in a step where they did not draft)
         last_drafting, last_rows = self._last_rows
         primed = (self.last_k > 0 and last_drafting == last_rows and len(plan.rows) == n
-                  and (n == last_rows or n < last_rows and row_bucket(last_rows) == bucket
-                       and (last_rows - n) * PAIR_SLACK <= last_rows and self._rescales()))
+                  and n <= last_rows and self._near_rows(n, last_rows))
         if not primed and self.steps < self._held.get(bucket, 0):
             return None
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
@@ -1199,13 +1198,16 @@ class SpecLengthPolicy:
         return self.target.calibrated
 
     def _pair_fits(self, pair: _Pair, n: int) -> bool:
-        """Whether a step of n rows may be one of the pair's: its own rows,
-        or (from `PAIR_SLACK` rows up, with a step model to rescale it) rows
-        in the same range within 1/PAIR_SLACK of them."""
-        if n == pair.rows:
+        """Whether a step of n rows may be one of the pair's (`_near_rows`)."""
+        return self._near_rows(n, pair.rows)
+
+    def _near_rows(self, n: int, rows: int) -> bool:
+        """Whether a step of n rows may stand for one of `rows`: the same
+        rows, or (from `PAIR_SLACK` rows up, with a step model to rescale it,
+        `_to_pair_rows`) rows in the same range within 1/PAIR_SLACK of them."""
+        if n == rows:
             return True
-        return (row_bucket(n) == pair.bucket and abs(n - pair.rows) * PAIR_SLACK <= pair.rows
-                and self._rescales())
+        return row_bucket(n) == row_bucket(rows) and abs(n - rows) * PAIR_SLACK <= rows and self._rescales()
 
     def _to_pair_rows(self, plan: StepPlan, rows: int) -> float:
         """What a step of this plan's rows takes, times this, is what it

@@ -61,9 +61,10 @@ ARCH_CONFIGS = {
 
 
 def make_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0,
-                    tie: bool = False, layers: int = 2, head_dim: int | None = None) -> str:
+                    tie: bool = False, layers: int = 2, head_dim: int | None = None, max_positions: int = 512) -> str:
     """`head_dim`: 16 by default (32 for qwen3); GPU kernels want 64 or more,
-    which this gives with hidden size 4 * head_dim (4 query heads, 2 KV heads)."""
+    which this gives with hidden size 4 * head_dim (4 query heads, 2 KV heads).
+    `max_positions`: the model's context (and so the engine's longest request)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(ARCH_CONFIGS[arch])
@@ -81,7 +82,7 @@ def make_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = torch.f
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=tie,
         # a wide init makes logits decisive, so greedy ties (which would make
         # token-for-token comparison meaningless) do not occur

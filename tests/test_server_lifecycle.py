@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from server_util import HOST, free_port
 
@@ -95,19 +96,45 @@ def test_sigterm_finishes_running_requests_and_exits_0(llama_ckpt):
             proc.wait()
 
 
-def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(llama_ckpt):
+@pytest.fixture(scope="module")
+def long_ckpt(ckpt_factory):
+    """A checkpoint whose context holds a request of LONG tokens: one that
+    no machine finishes before the test cuts it. (Requests of 500 tokens, 8
+    branches each, finished inside 0.4 s on a Xeon with AMX, before the
+    cut they were there to see.)"""
+    return ckpt_factory("llama", max_positions=LONG + 64)
+
+
+LONG = 16_000  # tokens one branch of those requests asks for: seconds of steps on any CPU
+
+
+def wait_in_engine(url: str, n: int, headers=None) -> None:
+    """Until the engine holds n requests (running or waiting), from /metrics:
+    so a test acts once its requests are in flight, not after a guessed sleep."""
+    deadline = time.monotonic() + 60
+    while True:
+        got = 0.0
+        for line in httpx.get(url + "/metrics", timeout=10, headers=headers).text.splitlines():
+            if line.startswith(("stepserve:num_requests_running ", "stepserve:num_requests_waiting ")):
+                got += float(line.split()[1])
+        if got >= n:
+            return
+        assert time.monotonic() < deadline, f"{got:.0f} of {n} requests reached the engine"
+        time.sleep(0.02)
+
+
+def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(long_ckpt):
     """Past --shutdown-timeout the running requests are cut: a stream ends
     with an SSE error event and [DONE], a whole response is a 503, each cut
     is one log line (no traceback), and the server exits 0."""
-    # Both requests must still be running when the timeout ends: 8 branches of
-    # 500 tokens each are 4,000 streamed tokens, against 0.2 s of sleep plus a
-    # 0.2 s timeout (1 branch and 0.5 s let a fast run finish before the cut).
-    proc, url = start(llama_ckpt, "--shutdown-timeout", "0.2", "--api-key", "k", "--max-model-len", "512")
+    # Both requests are in the engine (from /metrics) when SIGTERM comes, and neither can finish within
+    # the 0.2 s the timeout gives them: LONG tokens a branch
+    proc, url = start(long_ckpt, "--shutdown-timeout", "0.2", "--api-key", "k", "--kv-slots", str(4 * LONG + 1024))
     auth = {"Authorization": "Bearer k"}
     try:
         assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
         out, started = {}, threading.Event()
-        body = {"prompt": "a long one", "max_tokens": 500, "n": 8, "ignore_eos": True}
+        body = {"prompt": "a long one", "max_tokens": LONG, "n": 2, "ignore_eos": True}
         t = threading.Thread(target=stream_completion, args=(url, body, out, started, auth))
         t.start()
         started.wait(60)
@@ -115,12 +142,12 @@ def test_sigterm_aborts_what_outlives_the_timeout_and_exits_0(llama_ckpt):
 
         def post_whole():
             r = httpx.post(url + "/v1/completions", timeout=120, headers=auth,
-                           json={"prompt": "whole", "max_tokens": 500, "n": 8, "ignore_eos": True})
+                           json={"prompt": "whole", "max_tokens": LONG, "n": 2, "ignore_eos": True})
             whole["status"], whole["body"] = r.status_code, r.json()
 
         t2 = threading.Thread(target=post_whole)
         t2.start()
-        time.sleep(0.2)  # (so that it is in flight; not a timing assertion)
+        wait_in_engine(url, 2, auth)
         proc.send_signal(signal.SIGTERM)
         t.join(120)
         t2.join(120)
@@ -171,12 +198,12 @@ def engine_processes(pid: int) -> list[int]:
     return out
 
 
-def test_engine_death_mid_stream_ends_streams_cleanly_and_the_server_exits_1(llama_ckpt):
+def test_engine_death_mid_stream_ends_streams_cleanly_and_the_server_exits_1(long_ckpt):
     """Kill the engine process while a stream and a whole-response request are
     in flight: the stream gets an SSE error event (OpenAI's error body) and
     [DONE], the other request a 503 in OpenAI's shape, and the server logs
     why and exits 1 by itself, for a supervisor to restart it."""
-    proc, url = start(llama_ckpt, "--max-model-len", "512")
+    proc, url = start(long_ckpt, "--kv-slots", str(2 * LONG + 1024))
     try:
         engine_pid = engine_processes(proc.pid)
         assert len(engine_pid) == 1, engine_pid
@@ -184,12 +211,12 @@ def test_engine_death_mid_stream_ends_streams_cleanly_and_the_server_exits_1(lla
 
         def post_whole():
             r = httpx.post(url + "/v1/completions", timeout=120,
-                           json={"prompt": "whole", "max_tokens": 500, "ignore_eos": True})
+                           json={"prompt": "whole", "max_tokens": LONG, "ignore_eos": True})
             whole["status"], whole["body"] = r.status_code, r.json()
 
         events, done = [], False
         with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          json={"prompt": "x", "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+                          json={"prompt": "x", "max_tokens": LONG, "ignore_eos": True, "stream": True}) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if not line.startswith("data: "):
@@ -198,10 +225,10 @@ def test_engine_death_mid_stream_ends_streams_cleanly_and_the_server_exits_1(lla
                     done = True
                     break
                 events.append(json.loads(line[6:]))
-                if len(events) == 1:  # mid-stream: 500 tokens to go
+                if len(events) == 1:  # mid-stream: LONG tokens to go
                     t = threading.Thread(target=post_whole)
                     t.start()
-                    time.sleep(0.5)  # (only so that the second request is in flight; not a timing assertion)
+                    wait_in_engine(url, 2)
                     os.kill(engine_pid[0], signal.SIGKILL)
         t.join(120)
         code = proc.wait(60)

@@ -195,14 +195,31 @@ def test_logprobs_penalties_bias_and_min_tokens(plain):
     llm = LLM(check_invariants=True, speculative="ngram", spec_length="fixed:4")
     got = llm.generate(PROMPTS, params)
     assert _tokens(got) == _tokens(want)
-    # float32 (CPU): the same up to summation order; bfloat16 (a GPU): a verify position and a decode
-    # row run different kernels, which round differently
-    tol = 1e-4 if llm.engine.dtype == torch.float32 else 2e-2
+    # float32: the same up to summation order. bfloat16 (a GPU, or a CPU with AMX): a verify position and
+    # a decode row run different kernels (and a warm prefix's KV was written by another), which round
+    # differently, and the logits themselves are bf16: this model's top logits are 6-15, where a bf16
+    # value's last bit is 1/32-1/16 (measured on a Xeon with AMX: 0.025 apart)
+    tol = 1e-4 if llm.engine.dtype == torch.float32 else 2.0 ** -4
     for g, w in zip(got, want):
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             assert a.token_id == b.token_id and math.isclose(a.logprob, b.logprob, abs_tol=tol)
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            _same_top(a.top, b.top, tol)
     assert llm.engine.stats().policy["spec_draft_tokens"] > 0
+
+
+def _same_top(a: list, b: list, tol: float) -> None:
+    """Two top-logprob lists agree: a token in both has the same logprob
+    within tol, and a token in only one is there by a near-tie, within tol of
+    the other list's last (in bf16 the 3rd and 4th of a row came 0.03 apart
+    and swapped between a verify position and a decode row)."""
+    da, db = dict(a), dict(b)
+    for mine, other in ((da, db), (db, da)):
+        cut = min(other.values())
+        for t, lp in mine.items():
+            if t in other:
+                assert math.isclose(lp, other[t], abs_tol=tol), (a, b)
+            else:
+                assert lp <= cut + tol, (a, b)
 
 
 def test_branches_and_opt_out(plain):

@@ -515,6 +515,7 @@ class _Pair:
     rate: float = 0.0  # the range's choice: expected tokens per step time at k = 0, when the pair began
     spent: float = 0.0  # wall time of the pair's steps so far
     tokens: int = 0  # tokens they emitted
+    paid: bool = False  # it has run a step at 0 (dropped now, it held plain decoding for nothing)
 
     @property
     def next_k(self) -> int:
@@ -599,8 +600,8 @@ class SpecLengthPolicy:
         self._started: set[int] = set()  # the buckets whose first pairs are measured
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
         self._explore_at: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_pair_step`)
-        self._held: dict[int, int] = {}  # per bucket, the step before which no pair starts from plain decoding
-        # (`_start_pair`), after one dropped
+        self._held: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_start_pair`), after
+        # one dropped
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
         self._row_memo: list[tuple] = []  # the same, per row (`_per_row`)
@@ -684,6 +685,8 @@ class SpecLengthPolicy:
         pair = self._pair
         if pair is not None:
             if pure and 0 < pair.done < 3 and self._pair_fits(pair, n):
+                if not pair.next_k:
+                    pair.paid = True
                 return pair.next_k, None
             self._drop_pair()  # the batch changed under it
         source = self.replayed if self.replayed.ready else self.acceptance
@@ -786,31 +789,37 @@ class SpecLengthPolicy:
         pair had priced k = 4 at 2.2 steps against 3.2 paid, and drafted it
         at batch 1 where every length loses.
 
-        None (no pair) when it would start from plain decoding within
-        `explore_every // 4` steps of a pair of the range that was dropped
-        (`_drop_pair`): at a large batch under load, prefill chunks break up
-        the runs of decode steps, and restarting at once paid a step at k = 0
-        for each try (simulated Azure conversations, 8B + 1B H100 profiles, 21
-        req/s: 175 tries at 128-255 rows, none completed). A pair that
-        starts at the length its rows drafted anyway costs nothing when it
-        drops after its first step, so it is not held back."""
+        None (no pair) within `explore_every // 4` steps of a pair of the
+        range that was dropped after it had run a step at 0 (`_drop_pair`):
+        at a large batch under load, prefill chunks break up the runs of
+        decode steps, and restarting at once paid a step at k = 0 for each
+        try (simulated Azure conversations, 8B + 1B H100 profiles, 21 req/s:
+        175 tries at 128-255 rows, none completed). That holds for a pair
+        that starts at the length its rows drafted anyway, (k, 0, 0), too:
+        in runs of 3 decode steps, one started on a run's second step ran its
+        step at 0 on the third and was dropped by the chunk after, run after
+        run, so a third of the decode steps ran plain and its length was never
+        priced. One dropped after its first step (at k) cost nothing, and
+        holds nothing back."""
         # where these rows all drafted last step the proposer is current: the pair starts at k; rows may only
         # have left since (any that joined came through a prefill chunk, in a step where they did not draft)
         last_drafting, last_rows = self._last_rows
         primed = (self.last_k > 0 and last_drafting == last_rows and len(plan.rows) == n
                   and n <= last_rows and self._near_rows(n, last_rows))
-        if not primed and self.steps < self._held.get(bucket, 0):
+        if self.steps < self._held.get(bucket, 0):
             return None
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
-        self._pair = _Pair(bucket, n, k, steps=(k, 0, 0) if primed else (0, k, k), rate=rate)
-        return self._pair.next_k, None
+        self._pair = pair = _Pair(bucket, n, k, steps=(k, 0, 0) if primed else (0, k, k), rate=rate)
+        pair.paid = not pair.next_k
+        return pair.next_k, None
 
     def _drop_pair(self) -> None:
-        """The pair in flight, if any, is dropped: its range's next pair
-        from plain decoding waits (`_start_pair`)."""
+        """The pair in flight, if any, is dropped: if it has run a step at 0,
+        its range's next pair waits (`_start_pair`)."""
         pair = self._pair
         if pair is not None:
-            self._held[pair.bucket] = self.steps + self.explore_every // 4
+            if pair.paid:
+                self._held[pair.bucket] = self.steps + self.explore_every // 4
             self._pair = None
 
     def _switch_price(self, rows, bucket: int) -> tuple[float, int]:

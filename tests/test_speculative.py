@@ -18,7 +18,7 @@ from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 from stepserve.scheduler.speculation import (AcceptanceEstimate, DraftCostTable, ReplayedLength, SpecLengthPolicy,
-                                             SpecLengthSpec, row_bucket, row_spread)
+                                             SpecLengthSpec, TRUSTED, row_bucket, row_spread)
 
 PROMPTS = [
     "In the beginning God created the heaven and the earth.",
@@ -1311,3 +1311,29 @@ def test_pairs_complete_at_a_large_batch_whose_rows_change_every_step():
     late = ks[len(ks) // 2:]
     good = [k for k in late if rate(k) >= 0.97 * best]
     assert len(good) >= 0.8 * len(late), {k: late.count(k) for k in set(late)}
+
+
+def test_a_pair_from_drafting_that_a_chunk_always_breaks_is_held_back():
+    """Runs of 3 decode steps between prefill chunks, and the best length
+    (5) not yet measured: a pair that starts at the length its rows drafted,
+    (5, 0, 0), on a run's second step runs its step at 0 on the third and is
+    dropped by the chunk; then the range is held back for a few steps, which
+    kept the next run's first step from starting a pair from plain decoding
+    but not its second step from starting (5, 0, 0) again. Run after run a
+    third of the decode steps ran plain and 5 was never priced. A pair
+    dropped after its step at 0 now holds back every pair of the range, so
+    pairs start on a run's first step and complete."""
+    def cost(rows, k):
+        return 2e-3 + rows * 1e-4 * (1 + 0.15 * k)  # k = 5 is best, 4 and 6 within 1%
+
+    model = LinearLatencyModel("linear", [2e-3, 1e-4, 0.0, 0.0])
+    pol = SpecLengthPolicy("adaptive:kmax=6", latency_model=model)
+    bucket = row_bucket(150)
+    for k in (1, 2, 3, 4, 6):  # every length but the best one measured
+        for _ in range(TRUSTED):
+            pol.costs.add(bucket, k, cost(150, k) / cost(150, 0))
+    pol._started.add(bucket)
+    ks = _drive_under_load(pol, cost, 0.8, steps=600)
+    late = ks[len(ks) // 2:]
+    assert late.count(0) <= 0.05 * len(late), {k: late.count(k) for k in set(late)}
+    assert pol.costs.count(bucket, 5) >= TRUSTED

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from server_util import HOST, free_port
+from server_util import HOST, free_port, parse_metrics
 
 
 def start(ckpt, *extra):
@@ -96,6 +96,9 @@ def test_sigterm_finishes_running_requests_and_exits_0(llama_ckpt):
             proc.wait()
 
 
+LONG = 16_000  # tokens one branch of the cut tests' requests asks for: seconds of steps on any CPU
+
+
 @pytest.fixture(scope="module")
 def long_ckpt(ckpt_factory):
     """A checkpoint whose context holds a request of LONG tokens: one that
@@ -105,18 +108,13 @@ def long_ckpt(ckpt_factory):
     return ckpt_factory("llama", max_positions=LONG + 64)
 
 
-LONG = 16_000  # tokens one branch of those requests asks for: seconds of steps on any CPU
-
-
 def wait_in_engine(url: str, n: int, headers=None) -> None:
     """Until the engine holds n requests (running or waiting), from /metrics:
     so a test acts once its requests are in flight, not after a guessed sleep."""
     deadline = time.monotonic() + 60
     while True:
-        got = 0.0
-        for line in httpx.get(url + "/metrics", timeout=10, headers=headers).text.splitlines():
-            if line.startswith(("stepserve:num_requests_running ", "stepserve:num_requests_waiting ")):
-                got += float(line.split()[1])
+        m = parse_metrics(httpx.get(url + "/metrics", timeout=10, headers=headers).text)
+        got = m["stepserve:num_requests_running"] + m["stepserve:num_requests_waiting"]
         if got >= n:
             return
         assert time.monotonic() < deadline, f"{got:.0f} of {n} requests reached the engine"

@@ -399,11 +399,17 @@ def _verify(plan: StepPlan, rng, alpha: float) -> int:
     plan.sort_decode_first()
     for r in plan.verify_rows:
         r.draft = [0] * r.draft_len
-        acc = 0
-        while acc < r.draft_len and rng.random() < alpha:
-            acc += 1
-        r.num_accepted = acc
+        r.num_accepted = _accepted_run(rng, alpha, r.draft_len)
     return max(r.draft_len for r in plan.rows)
+
+
+def _accepted_run(rng, a: float, k: int) -> int:
+    """Of k drafts, how many are accepted, each at rate a while the ones
+    before it were."""
+    acc = 0
+    while acc < k and rng.random() < a:
+        acc += 1
+    return acc
 
 
 def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, context: int = 100) -> list[int]:
@@ -1164,13 +1170,7 @@ def test_per_row_choice_in_plain_floats_equals_numpys(monkeypatch):
 def _accepted_runs(rng, rates, kmax: int) -> list[int]:
     """Per request, the drafts accepted of kmax, each at the request's rate
     while the ones before it were."""
-    accepted = []
-    for a in rates:
-        acc = 0
-        while acc < kmax and rng.random() < a:
-            acc += 1
-        accepted.append(acc)
-    return accepted
+    return [_accepted_run(rng, a, kmax) for a in rates]
 
 
 def _spread_estimate(r1: float, w: float, rows: int, kmax: int = 4, seed: int = 0) -> AcceptanceEstimate:

@@ -7,7 +7,11 @@ speculation, fixed:K for each K of `--fixed`, and adaptive. One engine per
 configuration lives through the whole run (adaptive learns its acceptance and
 step costs online, as in a server). Repeats are interleaved (every
 configuration once, then again) and the median is reported; a warm-up pass
-per batch size is not counted.
+per batch size is not counted. Each pass decodes B prompts of its own (the
+same ones under every configuration): a greedy request decodes the same text
+each time, so with one set of prompts the small batches would measure the
+acceptance of one or two texts, at the positions each length happens to
+draft at.
 
 Two rates per configuration: full batch, the output tokens of the steps in
 which all B requests decode over those steps' time (what a batch of B
@@ -100,15 +104,18 @@ def main(argv=None) -> int:
         return report(args, rows, configs)
     engines = {c: LLM(speculative="none" if c == "none" else args.proposer, spec_length=None if c == "none" else c)
                for c in configs}
-    prompts_all = make_prompts(engines["none"], max(sizes), args.workload, args.seed)
+    passes = args.repeats + 1  # a warm-up pass and the repeats, each with prompts of its own
+    # sampled by an engine of their own: one that sampled them holds them in its prefix cache, and would
+    # skip their prefill that the others pay
+    prompts_all = make_prompts(LLM(), max(sizes) * passes, args.workload, args.seed)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     for b in sizes:
-        prompts = prompts_all[:b]
         tput = {c: [] for c in configs}
         full = {c: [] for c in configs}
         spec = {}
-        for rep in range(args.repeats + 1):
+        for rep in range(passes):
+            prompts = prompts_all[rep * b:(rep + 1) * b]
             for c, llm in engines.items():
                 before = llm.engine.stats().policy
                 core = llm.engine.core

@@ -188,13 +188,20 @@ class AcceptanceEstimate:
     position seldom tried (drafts rarely run that long) reads like the
     positions before it rather than like a fixed prior.
 
+    `priced` (and `expected(priced=True)`) takes the first position's rate
+    at its mean plus `optimism` standard errors, the others at their means:
+    the price at which the policy asks, where plain decoding wins at the
+    mean rates, whether drafting would win on a read that is not yet sure
+    (`SpecLengthPolicy._choose`). The optimism fades as the tries come:
+    0.04 at 100 tries of a rate of 0.8.
+
     `version` counts the changes worth a new decision: an update that moves
     some expected token count by more than `tolerance` (relative) since the
     last change. A verification every step nudges the estimate a little each
     time; the policy re-scores its choice only when it moved."""
 
     def __init__(self, kmax: int, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.995,
-                 tolerance: float = 0.005):
+                 tolerance: float = 0.005, optimism: float = 1.0):
         self.kmax = kmax
         self.tried = [0.0] * kmax
         self.accepted = [0.0] * kmax
@@ -202,9 +209,11 @@ class AcceptanceEstimate:
         self.prior_weight = prior_weight
         self.decay = decay
         self.tolerance = tolerance
+        self.optimism = optimism
         self.version = 0
         self._expected: list[float] | None = None
         self._rates: list[float] | None = None
+        self._priced: list[float] | None = None
         self._published = self.expected(kmax)  # the expected counts at the last version
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
@@ -222,7 +231,7 @@ class AcceptanceEstimate:
             for j in range(a):
                 acc[j] += 1.0
         self.tried, self.accepted = tried, acc
-        self._expected = self._rates = None
+        self._expected = self._rates = self._priced = None
         new = self.expected(kmax)
         tol = self.tolerance
         if any(abs(x - y) > tol * y for x, y in zip(new, self._published)):
@@ -244,21 +253,46 @@ class AcceptanceEstimate:
             self._rates = out
         return self._rates
 
+    def priced(self) -> list[float]:
+        """The rates lengths are priced at: the first position's mean rate
+        plus `optimism` standard errors of it (its tries and its prior's
+        weight counted, at most 1), the others' means (kept until the next
+        update)."""
+        if self._priced is None:
+            rates = list(self._alpha())
+            if rates:
+                a = rates[0]
+                rates[0] = min(a + self.optimism * math.sqrt(a * (1.0 - a) / (self.tried[0] + self.prior_weight)), 1.0)
+            self._priced = rates
+        return self._priced
+
+    def unsure(self) -> bool:
+        """Whether the optimism moves the first rate by more than `tolerance`
+        (relative)."""
+        return self.priced()[0] > self._alpha()[0] * (1.0 + self.tolerance)
+
     def expected_tokens(self, k: int) -> float:
         """E[tokens a verify row emits] with k drafts: 1 + the expected accepted prefix."""
         return float(self.expected(k)[k]) if k > 0 else 1.0
 
-    def expected(self, kmax: int) -> list[float]:
-        """`expected_tokens(k)` for every k in [0, kmax], in one pass (kept
-        until the next update, in plain floats)."""
+    def expected(self, kmax: int, priced: bool = True) -> list[float]:
+        """`expected_tokens(k)` for every k in [0, kmax] at the `priced`
+        rates (or at the mean rates), in one pass (kept until the next
+        update, in plain floats)."""
+        if not priced:
+            return self._expected_at(self._alpha())[: kmax + 1]
         if self._expected is None:
-            out, run, total = [1.0], 1.0, 1.0
-            for a in self._alpha():
-                run *= a
-                total += run
-                out.append(total)
-            self._expected = out
+            self._expected = self._expected_at(self.priced())
         return self._expected[: kmax + 1]
+
+    @staticmethod
+    def _expected_at(rates: list[float]) -> list[float]:
+        out, run, total = [1.0], 1.0, 1.0
+        for a in rates:
+            run *= a
+            total += run
+            out.append(total)
+        return out
 
 
 class ReplayedLength:
@@ -305,8 +339,9 @@ class ReplayedLength:
         self.version += 1
         self._expected = None
 
-    def expected(self, kmax: int) -> list[float]:
-        """E[tokens a verify row emits] for every k in [0, kmax]."""
+    def expected(self, kmax: int, priced: bool = True) -> list[float]:
+        """E[tokens a verify row emits] for every k in [0, kmax] (counted, not
+        estimated per position: priced as measured)."""
         if self._expected is None:
             self._expected = (self.positions / np.maximum(self.steps, 1e-12)).tolist()
         return self._expected[: kmax + 1]
@@ -522,6 +557,11 @@ class _Pair:
         return self.steps[self.done]
 
 
+def _remember(memo: list[tuple], key: tuple, out) -> list[tuple]:
+    """A memo of the last 4 choices, with (key, out) the newest."""
+    return memo[-3:] + [(key, out)]
+
+
 def row_spread(est: "AcceptanceEstimate") -> float | None:
     """How much requests differ in acceptance, as the weight w of a Beta
     distribution of their own rates (w tries' worth: the smaller, the more
@@ -603,7 +643,7 @@ class SpecLengthPolicy:
         self._held: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_start_pair`), after
         # one dropped
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
-        self._memo: tuple | None = None  # (what a pure decode step's choice depends on, the choice)
+        self._memo: list[tuple] = []  # the last few (what a pure decode step's choice depends on, the choice)
         self._row_memo: list[tuple] = []  # the same, per row (`_per_row`)
         self._records = 0  # counts the steps that moved some row's own record
         self._warm: int | None = None  # the range whose prices a pair has just moved
@@ -689,8 +729,8 @@ class SpecLengthPolicy:
                     pair.paid = True
                 return pair.next_k, None
             self._drop_pair()  # the batch changed under it
-        source = self.replayed if self.replayed.ready else self.acceptance
-        expected = source.expected(kmax)
+        source = self._source()
+        expected = source.expected(kmax, priced=False)
         # tokens without drafts (`plan.samples` is frozen at commit, after the policies); in a pure
         # step every row samples one
         base = n if pure else len(plan.sampling())
@@ -727,7 +767,7 @@ class SpecLengthPolicy:
                         and self.steps % (8 * self.explore_every)):
                     k = None
             if k is not None:
-                started = self._start_pair(plan, bucket, n, k, base, expected)
+                started = self._start_pair(plan, bucket, n, k, base)
                 if started is not None:
                     return started
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
@@ -738,33 +778,51 @@ class SpecLengthPolicy:
             # the next steps run for it too
             busy = view.num_waiting > 0 or any(r.num_new > 1 and not r.sample for r in plan.rows)
         per_row = self.spec.per_row and source is self.acceptance and (pure or busy is not None)
-        k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, (0.0, 1))
+        k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, (0.0, 1), False)
+        optimistic = False
+        if not k and source is self.acceptance and self.acceptance.unsure():
+            # plain decoding wins at the mean acceptance, but its first rate rests on few tries: priced one
+            # standard error up (`AcceptanceEstimate.priced`), does drafting win? Acceptance is learned only
+            # by drafting: a first rate read low on a few tries priced drafting out, and from there only the
+            # exploration pairs drafted, a try or two every 32 steps (at batch 1 on the 2-core Xeon: 0.58-0.63
+            # on the first 9-10 tries against about 0.8 over a run; whole 64-token requests decoded plainly,
+            # where drafting one token a step was 1.15x faster). Only here: among the lengths that draft, the
+            # choice at an optimistic first rate leans long (E[k] - 1 scales with it), and in steps that draft
+            # the tries come anyway. (A row's own rate is not taken up too: a request with no record would be
+            # priced up by the rows' whole spread, step after step, in a batch whose pooled rate is known.)
+            optimistic = True
+            expected = source.expected(kmax)
+            k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, (0.0, 1), True)
         if k and pure:
             # rows that did not draft last step pay the draft model's catch-up first (`_switch_price`):
             # looked at only when drafting wins without it, so a batch that stays at k = 0 never does
             switch = self._switch_price(rows, bucket)
             if switch[0]:
-                k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, switch)
+                k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, switch, optimistic)
         if pure:
             self._best[bucket] = k
             if 0 < k and self.costs.count(bucket, k) < TRUSTED:
-                started = self._start_pair(plan, bucket, n, k, base, expected)
+                started = self._start_pair(plan, bucket, n, k, base)
                 if started is not None:
                     return started
         return k, caps
 
     def _decide(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None, expected: list[float],
-                per_row: bool, switch: tuple[float, int]) -> tuple[int, list[int] | None]:
+                per_row: bool, switch: tuple[float, int], optimistic: bool) -> tuple[int, list[int] | None]:
         """The step's k (and each row's cap, or None) from the prices as they
-        stand: per row (`_per_row`) or with one pooled E[k] for every row."""
+        stand: per row (`_per_row`) or with one pooled E[k] for every row.
+        `optimistic`: `expected` is at the optimistic first rate, and so is a
+        row's prior (`AcceptanceEstimate.priced`)."""
         if per_row:
-            return self._per_row(plan, rows, base, bucket, busy, switch)
+            return self._per_row(plan, rows, base, bucket, busy, switch, optimistic)
         n = len(rows)
         pure = n == len(plan.rows)
         memo = (bucket, n, base, self.replayed.ready, self.acceptance.version, self.replayed.version,
-                self.costs.version, self.fill.version, switch)
-        if pure and self._memo is not None and self._memo[0] == memo:
-            return self._memo[1], None  # nothing it depends on changed since the last such step
+                self.costs.version, self.fill.version, switch, optimistic)
+        if pure:
+            for key, out in self._memo:
+                if key == memo:
+                    return out, None  # nothing it depends on changed since the last such step
         if busy is None:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
             score = lambda k: self._rate(base, n, expected, bucket, k, switch)  # noqa: E731
@@ -776,11 +834,10 @@ class SpecLengthPolicy:
             if v > best + 1e-9 * abs(best):
                 best_k, best = k, v
         if pure:
-            self._memo = (memo, best_k)
+            self._memo = _remember(self._memo, memo, best_k)
         return best_k, None
 
-    def _start_pair(self, plan: StepPlan, bucket: int, n: int, k: int, base: int,
-                    expected: list[float]) -> tuple[int, None] | None:
+    def _start_pair(self, plan: StepPlan, bucket: int, n: int, k: int, base: int) -> tuple[int, None] | None:
         """Start an exploration pair at k (`_Pair`) and return this step's
         length. Besides the turns of `_choose`, a length is paired as soon as
         it is chosen while its cell holds fewer than `TRUSTED` pairs: such a
@@ -808,6 +865,9 @@ class SpecLengthPolicy:
                   and n <= last_rows and self._near_rows(n, last_rows))
         if self.steps < self._held.get(bucket, 0):
             return None
+        # what the choice would emit in the pair's steps, at the mean acceptance (not the optimistic price):
+        # the pair's loss against it spaces the range's next pair (`_pair_step`)
+        expected = self._source().expected(self.spec.kmax, priced=False)
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
         self._pair = pair = _Pair(bucket, n, k, steps=(k, 0, 0) if primed else (0, k, k), rate=rate)
         pair.paid = not pair.next_k
@@ -821,6 +881,11 @@ class SpecLengthPolicy:
             if pair.paid:
                 self._held[pair.bucket] = self.steps + self.explore_every // 4
             self._pair = None
+
+    def _source(self):
+        """Where E[k] comes from: the replayed proposals once there are
+        enough of them (a deterministic proposer), else the verifications."""
+        return self.replayed if self.replayed.ready else self.acceptance
 
     def _switch_price(self, rows, bucket: int) -> tuple[float, int]:
         """What starting to draft costs these rows: (S, R), S steps at k = 0,
@@ -861,8 +926,8 @@ class SpecLengthPolicy:
         price, left = switch
         return price * max(tokens / (n * left), 1.0 / self.explore_every)
 
-    def _per_row(self, plan: StepPlan, rows, base: int, bucket: int,
-                 busy: bool | None, switch: tuple[float, int] = (0.0, 1)) -> tuple[int, list[int] | None]:
+    def _per_row(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None,
+                 switch: tuple[float, int] = (0.0, 1), optimistic: bool = False) -> tuple[int, list[int] | None]:
         """The step's k (the draft model runs k steps) and each row's own
         length (at most k).
 
@@ -900,6 +965,10 @@ class SpecLengthPolicy:
         better in the simulator (Azure conversations, 16 and 20 req/s: goodput
         within 1% either way) at 2-10x the planning time.
 
+        `optimistic` (where plain decoding wins at the means, `_choose`): the
+        rows' prior is the pooled first rate one standard error up
+        (`AcceptanceEstimate.priced`).
+
         Only for a proposer priced by its verifications (a draft model): a
         prompt lookup's drafts are right in runs (one right guess tends to be
         followed by more), which no per-row constant rate describes; its rows
@@ -912,13 +981,14 @@ class SpecLengthPolicy:
         if busy is None:  # a decode step: the same rows, records, estimate, costs and fill give the same choice
             # (the step model's token price, which moves only with the contexts and its online rescale, is
             # read again whenever one of those changes; a row's record moves only in `observe`)
-            memo = (bucket, base, seqs, self._records, est.version, self.costs.version, self.fill.version, switch)
+            memo = (bucket, base, seqs, self._records, est.version, self.costs.version, self.fill.version, switch,
+                    optimistic)
             for key, out in self._row_memo:
                 if key == memo:
                     return out
         tried = [q.spec_tried for q in seqs]
         accepted = [q.spec_accepted for q in seqs]
-        first = est._alpha()[0]
+        first = est.priced()[0] if optimistic else est._alpha()[0]
         prior = ROW_PRIOR * first
         spread = row_spread(est)
         # each row's worth of its j-th draft, E[a^j] for its own rate a: the mean of a is its record with
@@ -995,8 +1065,8 @@ class SpecLengthPolicy:
                     k = 0  # no row's first draft is worth its token: plain decoding
                 caps = None if not k or low >= k else list(map(int, caps))
             out = (k, caps)
-        if memo is not None:  # the last two (with and without the price of starting to draft)
-            self._row_memo = [self._row_memo[-1], (memo, out)] if self._row_memo else [(memo, out)]
+        if memo is not None:  # the last few (with and without the price of starting to draft, optimistic or not)
+            self._row_memo = _remember(self._row_memo, memo, out)
         return out
 
     def _costs_of(self, bucket: int) -> list[float]:

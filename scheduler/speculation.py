@@ -211,7 +211,8 @@ class AcceptanceEstimate:
         self.tolerance = tolerance
         self.optimism = optimism
         self.version = 0
-        self._expected: list[float] | None = None
+        self._expected: list[float] | None = None  # `expected` at the priced rates
+        self._expected_mean: list[float] | None = None  # ... and at the mean rates
         self._rates: list[float] | None = None
         self._priced: list[float] | None = None
         self._published = self.expected(kmax)  # the expected counts at the last version
@@ -231,7 +232,7 @@ class AcceptanceEstimate:
             for j in range(a):
                 acc[j] += 1.0
         self.tried, self.accepted = tried, acc
-        self._expected = self._rates = self._priced = None
+        self._expected = self._expected_mean = self._rates = self._priced = None
         new = self.expected(kmax)
         tol = self.tolerance
         if any(abs(x - y) > tol * y for x, y in zip(new, self._published)):
@@ -280,7 +281,9 @@ class AcceptanceEstimate:
         rates (or at the mean rates), in one pass (kept until the next
         update, in plain floats)."""
         if not priced:
-            return self._expected_at(self._alpha())[: kmax + 1]
+            if self._expected_mean is None:
+                self._expected_mean = self._expected_at(self._alpha())
+            return self._expected_mean[: kmax + 1]
         if self._expected is None:
             self._expected = self._expected_at(self.priced())
         return self._expected[: kmax + 1]

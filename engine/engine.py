@@ -198,7 +198,7 @@ def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
     if config.speculative != "none":
         ngram = isinstance(proposer, NgramProposer)
         spec = speculation_policy(config.spec_length or "adaptive", latency_model=model,
-                                  replay=proposer.matches if ngram else None, propose=proposer.lookup if ngram else None)
+                                  replay=proposer.matches if ngram else None, propose=proposer.propose_for if ngram else None)
         if spec is not None:
             out.append(spec)
     return out

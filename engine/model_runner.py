@@ -43,6 +43,7 @@ class StepOutput:
     # verify rows that asked for logprobs: id(seq) -> (logprob, top) per token emitted this step
     verify_logprobs: dict = field(default_factory=dict)
     draft_s: float = 0.0  # of the run's time, the proposer's
+    cold: bool = False  # the target's forward ran a shape it had not run before (`ModelRunner.run`)
 
 
 # prompt positions whose full-vocabulary logits are materialised at once
@@ -74,6 +75,11 @@ class ModelRunner:
         # has no such cost, and CUDA graphs bring their own buckets.
         dtype = next(model.parameters()).dtype
         self.pad_tokens = device.type == "cpu" and dtype == torch.bfloat16
+        # the forward shapes run so far, (tokens, logits rows): a step whose shape is new pays one-off work
+        # on top (oneDNN's kernel builds for each new row count of a matmul, the lm_head's logits rows
+        # included: 0.4-0.5 ms per shape against 0.04 ms warm, measured on the 2-core Xeon with AMX), and says
+        # so (`StepOutput.cold`), so that what is priced from step times leaves it out
+        self._shapes: set[tuple[int, int]] = set()
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
         """The flat batch of `plan`, and for the rows that want prompt logprobs
@@ -169,6 +175,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         fb, prompt_rows = self.build_batch(plan)
         prep = time.perf_counter() - t0
+        shape = (fb.input_ids.numel(), fb.logits_indices.numel())
+        cold = shape not in self._shapes
+        if cold:
+            self._shapes.add(shape)
         if self.graphs is not None and self.graphs.fits(fb):
             logits, hidden = self.graphs.run(fb), None
         else:
@@ -177,7 +187,7 @@ class ModelRunner:
         a, b = plan.verify_samples() if nv else (0, 0)
         seqs = [s for _, s in plan.samples[:a] + plan.samples[b:]]
         if not seqs and not nv:  # prefill chunks that sample nothing still wrote their KV
-            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps)
+            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps, cold=cold)
         if seqs:
             for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
                 if s.logits_processor is not None:
@@ -194,14 +204,14 @@ class ModelRunner:
         else:
             out, tokens = SamplerOutput(torch.empty(0, dtype=torch.long)), []
         if not nv:
-            return StepOutput(seqs, tokens, out, prep, prompt_lps)
+            return StepOutput(seqs, tokens, out, prep, prompt_lps, cold=cold)
         ver = verify_rows(plan.verify_rows, logits[len(seqs) :], self.vocab_size)
         # every sampled token in `plan.samples` order: the verify rows' sit between the decode rows' and the rest
         all_tokens = tokens[:a] + ver.tokens + tokens[a:]
         return StepOutput([s for _, s in plan.samples], all_tokens, out, prep, prompt_lps, sampler_seqs=seqs,
                           verify_logprobs={id(r.seq): lp for r, lp in zip(plan.verify_rows, ver.logprobs)
                                            if lp is not None},
-                          draft_s=draft_s)
+                          draft_s=draft_s, cold=cold)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows) -> list[PromptLogprobs]:
         """Log-softmax over the vocabulary at each scored prompt position, a

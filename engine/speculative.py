@@ -92,7 +92,9 @@ class Proposer(Protocol):
 class NgramProposer:
     """Prompt lookup: finds the latest earlier occurrence of the sequence's last
     n tokens (n from `max_n` down to `min_n`; the longest match wins, then the
-    most recent) and proposes the tokens that followed it. No model, no KV."""
+    most recent) and proposes the tokens that followed it, as many as asked
+    for: a match closer to the end than that (a loop) is taken to go on
+    repeating. No model, no KV."""
 
     name = "ngram"
 
@@ -106,12 +108,40 @@ class NgramProposer:
 
     def propose(self, plan: StepPlan) -> None:
         for r in plan.verify_rows:
-            if r.draft is None:  # (set already when the speculation-length policy drafted, given `lookup`)
-                r.draft = self.lookup(r.seq.token_ids, r.draft_len)
+            if r.draft is None:  # (set already when the speculation-length policy drafted, given `propose_for`)
+                r.draft = self.propose_for(r.seq, r.draft_len)
                 r.draft_probs = None
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
+        """The proposal after `ids`, searched afresh (`propose_for` keeps an
+        index per sequence instead, and proposes the same)."""
         return self._lookup(np.asarray(ids, dtype=np.int64), len(ids), k)
+
+    def propose_for(self, seq, k: int) -> list[int]:
+        """`lookup` of the sequence's tokens, from an index of its n-grams
+        that it keeps (`seq.ngram_index`) and extends by the tokens added
+        since: a few dict reads per step instead of a scan of the whole
+        history (58 us a row at 170 tokens on the 2-core Xeon, against a
+        2 ms batch-1 step)."""
+        ids = seq.token_ids
+        last = len(ids) - 1
+        if k <= 0 or last < self.min_n:
+            return []
+        index = seq.ngram_index
+        if index is None or index[0] > last:  # (a history cut short: built again)
+            index = seq.ngram_index = [0] + [{} for _ in range(self.max_n)]
+        tables = index[1:]
+        lo, hi = self.min_n, self.max_n
+        for i in range(index[0], last):  # every n-gram ending before the last token; a later end overwrites
+            for n in range(lo, min(hi, i + 1) + 1):
+                tables[n - 1][tuple(ids[i - n + 1 : i + 1])] = i
+        index[0] = last
+        for n in range(min(hi, last + 1), lo - 1, -1):  # the longest match, its latest occurrence
+            i = tables[n - 1].get(tuple(ids[last - n + 1 :]))
+            if i is not None:
+                period = last - i
+                return [ids[i + 1 + j % period] for j in range(k)]
+        return []
 
     def matches(self, ids: list[int], start: int, stop: int, k: int) -> list[int]:
         """For each position p in [start, stop): how many of the k tokens
@@ -147,9 +177,10 @@ class NgramProposer:
         best, i = key // (width + 1), key % (width + 1)
         p = pos[rows]
         j = np.arange(k)
-        src = (i + 1)[:, None] + j[None, :]  # the proposal: what followed the match, within ids[:p]
+        period = (p - 1 - i)[:, None]  # the match's distance back: the proposal repeats with it (`_lookup`)
+        src = (i + 1)[:, None] + j[None, :] % period  # the proposal: what followed the match
         dst = p[:, None] + j[None, :]  # the tokens that came
-        ok = (src < p[:, None]) & (dst < arr.size) & (best >= self.min_n)[:, None]
+        ok = (dst < arr.size) & (best >= self.min_n)[:, None]
         ok &= arr[np.minimum(src, arr.size - 1)] == arr[np.minimum(dst, arr.size - 1)]
         out[rows] = np.cumprod(ok, axis=1).sum(axis=1)
         return out.tolist()
@@ -179,7 +210,12 @@ class NgramProposer:
         if best < self.min_n:
             return []
         i = int(cand[np.flatnonzero(length == best)[-1]])  # the most recent of the longest
-        return arr[i + 1 : min(i + 1 + k, n_ids)].tolist()
+        # what followed it; where that runs into the end of the history (a match `period` tokens back,
+        # fewer than k), the history is taken to go on repeating with that period: a proposal that
+        # stopped there would leave a loop shorter than k (a repeated phrase, a list's pattern)
+        # drafting its period and no more, and each row's drafts short of what the policy asked for
+        period = last - i
+        return arr[i + 1 + np.arange(k) % period].tolist()
 
 
 # ---------------------------------------------------------------------------

@@ -241,7 +241,8 @@ class EngineCore:
         rec = StepRecord(step=self.step_id, rows=features.rows, decode_rows=plan.num_decode,
                          context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=t3 - t0,
                          forward_s=t2 - t1 - out.prep_s, schedule_s=(t1 - t0) + (t3 - t2), prep_s=out.prep_s,
-                         prefill_pairs=features.prefill_pairs, extend_rows=features.extend_rows)
+                         prefill_pairs=features.prefill_pairs, extend_rows=features.extend_rows,
+                         cold=getattr(out, "cold", False))
         if plan.num_verify:
             vr = plan.verify_rows
             rec.verify_rows = len(vr)

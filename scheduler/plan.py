@@ -123,3 +123,6 @@ class StepRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     draft_s: float = 0.0
+    # the forward ran a shape the runner had not run before (`StepOutput.cold`): one-off work (kernels built
+    # for it) is in its time, so it is no steady-state price
+    cold: bool = False

@@ -29,7 +29,7 @@ def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay
     """The speculation-length policy of `spec`, or None for `none`. `replay`:
     a deterministic proposer's `matches` (`NgramProposer.matches`), which
     the adaptive length replays on the sequences' history; `propose`: its
-    `lookup`, which drafts in the policy, before the step's slots are
+    `propose_for`, which drafts in the policy, before the step's slots are
     reserved."""
     spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
     if spec.mode == "none":

@@ -550,6 +550,7 @@ class _Pair:
     ref: float = 0.0  # wall time of the measured step at 0
     at_k: tuple[float, float] = (0.0, 1.0)  # ... and of the one at k, with the share of its drafts delivered
     prime: float = 0.0  # wall time of its priming step (0: it started drafting)
+    cold: bool = False  # a measured step ran a shape the engine had not run before (`StepRecord.cold`)
     rate: float = 0.0  # the range's choice: expected tokens per step time at k = 0, when the pair began
     spent: float = 0.0  # wall time of the pair's steps so far
     tokens: int = 0  # tokens they emitted
@@ -601,9 +602,9 @@ class SpecLengthPolicy:
         [start, stop), how many of the k tokens a deterministic proposer
         proposes after token_ids[:p] agree with token_ids[p:]
         (`NgramProposer.matches`), or None; one step in `replay_every`, one
-        decode row is replayed (see the module docstring). `propose(token_ids,
-        k)`: that proposer's proposal (`NgramProposer.lookup`), or None: with
-        it the rows draft here, before the step's slots are reserved, and a
+        decode row is replayed (see the module docstring). `propose(seq, k)`:
+        that proposer's proposal for a sequence (`NgramProposer.propose_for`),
+        or None: with it the rows draft here, before the step's slots are reserved, and a
         row it proposes nothing for stays a plain decode row (a verify row
         with nothing to verify costs more than a decode row: measured +19%
         on a batch-1 step)."""
@@ -696,7 +697,7 @@ class SpecLengthPolicy:
             asked += kr
             r.draft_asked = kr
             if propose is not None:
-                draft = propose(seq.token_ids, kr)
+                draft = propose(seq, kr)
                 if not draft:
                     empty.append((kr, seq))
                     continue  # nothing to verify: the row decodes as it is
@@ -1180,7 +1181,8 @@ class SpecLengthPolicy:
             self._replay(self._replay_rows)
             self._replay_rows = None
         if not plan.num_verify and self.target is not None:
-            self.target.add(record_features(record), record.wall_s)  # a step without drafts, whatever its shape
+            if not record.cold:  # a step without drafts, whatever its shape, once the shape is warm
+                self.target.add(record_features(record), record.wall_s)
             if self._pair is None and not self._asked[0]:
                 return  # nothing drafted, asked for or measured
         asked, empty, _ = self._asked
@@ -1219,7 +1221,15 @@ class SpecLengthPolicy:
         """One step of the exploration pair: kept when every row ran at the
         pair's k for this step (no row capped, none left out), else the pair
         is dropped. `delivered`: the drafts the step's verify rows got;
-        `emitted`: the tokens the step emitted.
+        `emitted`: the tokens the step emitted. A pair whose measured step
+        ran a shape the engine had not run before (`StepRecord.cold`: one-off
+        work on top of the step) runs to its end but prices nothing: its
+        range's next pair is not held back by it, and a length's first pair
+        is taken again (at batch 1 with the n-gram proposer on the 2-core Xeon,
+        the first pair at k = 4, its step the first of its shape, priced k = 4
+        at 1.53 plain steps where warm steps put it at 1.1-1.15; with one or
+        two pairs in the cell, k = 2 was chosen where fixed:4 ran 1.15x
+        faster).
 
         A whole pair also prices itself: its steps' time against what the
         range's choice would have emitted in it (`_Pair.rate`), in steps at
@@ -1257,9 +1267,14 @@ class SpecLengthPolicy:
                 self._drop_pair()
                 return
             pair.at_k = (wall, fill)
+            pair.cold |= record.cold
         else:
             pair.ref = wall
+            pair.cold |= record.cold
         if pair.done == 2:
+            if pair.cold:
+                self._pair = None
+                return
             unit = max(pair.ref, 1e-12)
             at_k, fill = pair.at_k
             self.costs.add(pair.bucket, pair.k, 1.0 + (at_k / unit - 1.0) / fill)

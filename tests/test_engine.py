@@ -230,3 +230,23 @@ def test_step_policy_hook_sees_every_step(llama_ckpt):
     assert [r.output(delta=False).outputs[0].token_ids for r in reqs] == [
         o.outputs[0].token_ids for o in ref.generate(prompts, p)]
     assert_idle(eng)
+
+
+def test_step_records_say_which_steps_ran_a_new_shape(llama_ckpt):
+    """A step whose forward has a shape (tokens, logits rows) the engine had
+    not run before is marked cold in its StepRecord (its time holds one-off
+    work); the same shape again is not."""
+    llm = LLM(llama_ckpt)
+    p = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm.generate(["In the beginning"], p)
+    first = list(llm.engine.records)
+    assert first[0].cold  # the prefill
+    assert first[1].cold and first[1].decode_rows == 1  # the first decode step
+    assert not any(r.cold for r in first[2:])  # more decode steps of one row: the same shape
+    n = len(llm.engine.records)
+    llm.generate(["In the beginning"], p)  # a prefix-cache hit: a 1-token prefill, then the same decode steps
+    again = list(llm.engine.records)[n:]
+    assert not any(r.cold for r in again[1:])
+    two = len(llm.engine.records)
+    llm.generate(["In the beginning", "And God said"], p)
+    assert any(r.cold and r.decode_rows == 2 for r in list(llm.engine.records)[two:])

@@ -362,8 +362,30 @@ def test_ngram_lookup():
     assert ng.lookup([7, 8, 1, 2, 3, 8, 5, 7, 8], 3) == [1, 2, 3]
     assert ng.lookup([1, 2, 3, 4], 2) == []  # the last token never occurred before
     assert ng.lookup([4, 9, 4, 6, 4], 2) == [6, 4]  # the most recent of equal matches
-    assert ng.lookup([1, 1], 5) == [1]
+    # a match nearer the end than k: the history goes on repeating with the match's period
+    assert ng.lookup([1, 1], 5) == [1] * 5
+    assert ng.lookup([3, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]
+    assert ng.lookup([5, 1, 2, 5, 1, 2, 6, 1, 2], 4) == [6, 1, 2, 6]  # (1, 2) is the longest, then the latest
     assert NgramProposer(min_n=2, max_n=3).lookup([5, 1, 2, 1], 2) == []
+
+
+def test_ngram_index_proposes_what_a_fresh_lookup_does():
+    """`propose_for` keeps an index of each sequence's n-grams and extends it
+    as tokens come (one, or a run of accepted drafts, at a time); at every
+    step it proposes what `lookup` finds by scanning the whole history:
+    random histories over small vocabularies (many ties), n-gram sizes and k."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        min_n = int(rng.integers(1, 3))
+        ng = NgramProposer(min_n, int(rng.integers(min_n, 5)))
+        vocab = int(rng.integers(2, 8))
+        seq = SimpleNamespace(token_ids=rng.integers(0, vocab, int(rng.integers(1, 20))).tolist(), ngram_index=None)
+        for _ in range(int(rng.integers(1, 40))):
+            k = int(rng.integers(0, 9))
+            assert ng.propose_for(seq, k) == ng.lookup(seq.token_ids, k), (seq.token_ids, k)
+            seq.token_ids.extend(rng.integers(0, vocab, int(rng.integers(1, 4))).tolist())
+        del seq.token_ids[int(rng.integers(1, len(seq.token_ids) + 1)):]  # cut short (a stop string)
+        assert ng.propose_for(seq, 3) == ng.lookup(seq.token_ids, 3)
 
 
 def test_spec_length_spec():
@@ -933,9 +955,9 @@ def _lookup_plan(lasts: list[int]) -> StepPlan:
     return StepPlan(rows=rows)
 
 
-def _odd_finds_nothing(ids, k):
+def _odd_finds_nothing(seq, k):
     """A lookup that finds nothing after an odd token and two tokens after an even one."""
-    return [] if ids[-1] % 2 else [7] * min(k, 2)
+    return [] if seq.token_ids[-1] % 2 else [7] * min(k, 2)
 
 
 def test_early_proposals_leave_rows_without_a_proposal_decoding():
@@ -971,7 +993,7 @@ def test_pairs_price_the_drafts_delivered_and_asking_pays_for_the_share_delivere
     proposer delivers (`DraftFill`). Pricing the asked length at a pair's
     raw ratio would make it look half as dear."""
     full = lambda k: 1.0 + 0.2 * k  # noqa: E731 (time of a step with k drafts on every row)
-    pol = SpecLengthPolicy("adaptive:kmax=4", propose=lambda ids, k: [] if ids[-1] % 2 else [7] * k)
+    pol = SpecLengthPolicy("adaptive:kmax=4", propose=lambda seq, k: [] if seq.token_ids[-1] % 2 else [7] * k)
     view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
     for i in range(200):
         plan = pol.plan(_lookup_plan([1, 2, 3, 4]), view)
@@ -1175,6 +1197,41 @@ def test_a_length_chosen_on_a_cheap_extrapolation_is_paired_at_once():
     ks, _, _ = _drive_switching(pol, lambda k: _tie(k) * (1.05 if k else 1.0), alpha=0.6, steps=200)
     assert pol.costs.count(0, 4) >= 2 and pol.costs._median(0, 4) > 1.7
     assert ks.index(4) < 3 and ks[10:].count(0) >= 0.9 * len(ks[10:]), ks[:60]
+
+
+@pytest.mark.parametrize("flagged", [True, False])
+def test_a_pair_whose_step_ran_a_new_shape_prices_nothing(flagged):
+    """The first step at each draft length runs a shape the engine had not
+    run before and takes twice its time (on the CPU, kernels built for the new
+    shape). The engine says so (`StepRecord.cold`), and a pair with such a
+    step prices nothing: every pair kept is within 10% of the warm price, and
+    each length's first pair is taken again. Unflagged, those first pairs are
+    kept at about twice the price."""
+    def cost(k):
+        return 1e-3 * (1.0 + 0.04 * k)  # a verify token costs 4% of a step: k = 6 wins at alpha 0.8
+
+    rng = np.random.default_rng(0)
+    pol = SpecLengthPolicy("adaptive:kmax=6")
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    seen: set[int] = set()
+    ks = []
+    for i in range(600):
+        plan = pol.plan(_decode_plan(1, start=100 + i), view)
+        k = _verify(plan, rng, 0.8)
+        ks.append(k)
+        cold = k not in seen
+        seen.add(k)
+        wall = cost(k) * (2.0 if cold else 1.0) * (1 + 0.02 * rng.standard_normal())
+        pol.observe(plan, StepRecord(i, 1, plan.num_decode, 100 + i, plan.num_new_tokens, wall, wall, 0.0,
+                                     cold=cold and flagged))
+    kept = {k: pol.costs.cells[0][k] for k in pol.costs.measured(0)}
+    assert 1 in kept and 4 in kept
+    off = [r / (cost(k) / cost(0)) for k, cell in kept.items() for r in cell]
+    if flagged:
+        assert all(abs(x - 1.0) < 0.1 for x in off), kept
+        assert sum(k >= 5 for k in ks[300:]) >= 0.8 * 300, {k: ks[300:].count(k) for k in set(ks[300:])}
+    else:
+        assert max(off) > 1.5, kept
 
 
 def test_cost_line_is_the_nonnegative_least_squares_fit():

@@ -89,6 +89,18 @@ class Proposer(Protocol):
 # ---------------------------------------------------------------------------
 
 
+class _NgramIndex:
+    """A sequence's n-grams (`NgramProposer.propose_for`): `tables[n - 1]`
+    maps each n-gram ending before position `upto` to the latest position it
+    ends at."""
+
+    __slots__ = ("upto", "tables")
+
+    def __init__(self, max_n: int):
+        self.upto = 0
+        self.tables: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n)]
+
+
 class NgramProposer:
     """Prompt lookup: finds the latest earlier occurrence of the sequence's last
     n tokens (n from `max_n` down to `min_n`; the longest match wins, then the
@@ -128,14 +140,14 @@ class NgramProposer:
         if k <= 0 or last < self.min_n:
             return []
         index = seq.ngram_index
-        if index is None or index[0] > last:  # (a history cut short: built again)
-            index = seq.ngram_index = [0] + [{} for _ in range(self.max_n)]
-        tables = index[1:]
+        if index is None or index.upto > last:  # (a history cut short: built again)
+            index = seq.ngram_index = _NgramIndex(self.max_n)
+        tables = index.tables
         lo, hi = self.min_n, self.max_n
-        for i in range(index[0], last):  # every n-gram ending before the last token; a later end overwrites
+        for i in range(index.upto, last):  # every n-gram ending before the last token; a later end overwrites
             for n in range(lo, min(hi, i + 1) + 1):
                 tables[n - 1][tuple(ids[i - n + 1 : i + 1])] = i
-        index[0] = last
+        index.upto = last
         for n in range(min(hi, last + 1), lo - 1, -1):  # the longest match, its latest occurrence
             i = tables[n - 1].get(tuple(ids[last - n + 1 :]))
             if i is not None:

@@ -80,6 +80,7 @@ def stage_context(current: list[Seq]) -> list[int]:
 class RunOutput(Protocol):
     token_ids: list[int]  # one per `plan.samples` entry
     prep_s: float  # of the run's time, building its inputs
+    cold: bool  # the forward ran a shape it had not run before (one-off work in its time: `StepRecord.cold`)
 
 
 class StepRunner(Protocol):
@@ -242,7 +243,7 @@ class EngineCore:
                          context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=t3 - t0,
                          forward_s=t2 - t1 - out.prep_s, schedule_s=(t1 - t0) + (t3 - t2), prep_s=out.prep_s,
                          prefill_pairs=features.prefill_pairs, extend_rows=features.extend_rows,
-                         cold=getattr(out, "cold", False))
+                         cold=out.cold)
         if plan.num_verify:
             vr = plan.verify_rows
             rec.verify_rows = len(vr)

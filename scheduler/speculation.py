@@ -1267,9 +1267,9 @@ class SpecLengthPolicy:
                 self._drop_pair()
                 return
             pair.at_k = (wall, fill)
-            pair.cold |= record.cold
         else:
             pair.ref = wall
+        if pair.done != 1:  # a measured step
             pair.cold |= record.cold
         if pair.done == 2:
             if pair.cold:

@@ -121,6 +121,7 @@ class SimOutput:
     token_ids: list[int]
     prep_s: float = 0.0
     draft_s: float = 0.0  # of the step, the proposer's time
+    cold: bool = False  # (a simulated step has no one-off work: its time is the latency model's)
 
 
 def shifted_rates(rates: list[float], shift: float) -> list[float]:

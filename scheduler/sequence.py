@@ -76,6 +76,7 @@ class Seq:
     spec_accepted: int = 0
     spec_last: int = -1  # the policy's step in which it last drafted (a draft model is current only after one)
     ngram_index: Any = None  # the n-gram proposer's index of its history (`NgramProposer.propose_for`)
+    spec_replayed: int = 0  # positions before this one have been replayed (`SpecLengthPolicy._replay`)
     # siblings created by fork when this sequence's prefill completes
     fork_children: list["Seq"] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING

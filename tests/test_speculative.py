@@ -751,8 +751,10 @@ class _History:
     """A decode sequence as the policy reads it: its tokens so far."""
 
     speculative = True
+    finished = False
     fork_children: list = []
     remaining_tokens = 1 << 20
+    spec_replayed = 0
 
     def __init__(self, prompt: list[int]):
         self.token_ids = list(prompt)
@@ -831,7 +833,34 @@ def test_replay_runs_after_the_step_is_timed():
     for r in plan.verify_rows:
         r.draft, r.num_accepted = [0] * r.draft_len, 0
     pol.observe(plan, StepRecord(0, 1, plan.num_decode, 40, plan.num_new_tokens, 1e-3, 1e-3, 0.0))
-    assert pol.replayed.total == 26  # output 30 tokens: a window of 30 - kmax positions
+    assert pol.replayed.total == 25  # output 30 tokens: all but the first (no step drafts it) and the last kmax
+
+
+def test_every_position_of_a_request_is_replayed_once():
+    """The running replay leaves a row's last kmax positions (their
+    proposals are still being answered) and whatever came since its last
+    turn; as the row finishes they are replayed too, and no position twice:
+    E[k] is priced over whole requests, loops at their ends included."""
+    seen = []
+
+    def replay(ids, start, stop, k):
+        seen.extend(range(start, stop))
+        return _counting_matches(ids, start, stop, k)
+
+    pol = SpecLengthPolicy("adaptive:kmax=4", replay=replay, replay_every=3)
+    seq = _History(list(range(10)))
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    for i in range(40):
+        plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
+        plan.sort_decode_first()
+        for r in plan.verify_rows:
+            r.draft, r.num_accepted = [0] * r.draft_len, 0
+        seq.token_ids.append(100 + i)
+        if i == 39:
+            seq.finished = True
+        pol.observe(plan, StepRecord(i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, 1e-3, 1e-3, 0.0))
+    assert sorted(seen) == list(range(11, 50))  # the output's positions but its first, each once
+    assert pol.replayed.total == 39
 
 
 def _regime_stream(rng, length: int, runs: tuple[int, int]) -> list[int]:

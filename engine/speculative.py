@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.cpu_kernels import paged_decode_module
-from stepserve.engine.forward_batch import ForwardBatch, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, logits_rows, token_bucket
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -265,6 +265,9 @@ class DraftModelProposer:
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
         self.pad_tokens = pad_tokens
         self.forwards = 0  # draft forward passes run
+        # the forward shapes run so far (as `ModelRunner`'s): `cold`, whether the last `propose` ran a new one
+        self._shapes: set[tuple[int, int]] = set()
+        self.cold = False
         native = paged_decode_module() if device.type == "cpu" else None
         self._native = native if hasattr(native, "first_unmarked") else None
 
@@ -296,6 +299,7 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, plan: StepPlan) -> None:
         self._clear_stale()
+        self.cold = False
         rows = plan.verify_rows
         for r in rows:
             r.draft, r.draft_probs = [], None
@@ -402,8 +406,13 @@ class DraftModelProposer:
             extend_rows=extend_meta,
             logits_indices=flat[3 * t :],
             num_padding=pad,
+            pad_logits=self.pad_tokens,
             decode_kv_lens_host=kv_lens_host,
         )
+        shape = (t, logits_rows(len(last), self.pad_tokens))
+        if shape not in self._shapes:
+            self._shapes.add(shape)
+            self.cold = True
         logits, _ = self.model(fb, self.backend)
         self.forwards += 1
         return logits

@@ -345,3 +345,41 @@ def _fast_matches_torch_path(path, prompts, params, fast, plain):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert [x.logprob for x in a.outputs[0].logprobs] == pytest.approx(
             [x.logprob for x in b.outputs[0].logprobs], abs=1e-4)
+
+
+def test_padded_output_head_rows_change_no_logits(ckpt_factory):
+    """On CPU in bfloat16 the output head runs on the logits rows rounded up
+    to a shape bucket (oneDNN builds a kernel per new row count, and verify
+    rows have k + 1 each): every step's logits are those of the same forward
+    with the head on the real rows alone, within bfloat16 rounding."""
+    import dataclasses
+
+    from stepserve.engine.forward_batch import logits_rows
+
+    assert [logits_rows(m, True) for m in (1, 2, 3, 5, 8, 9, 17, 70)] == [1, 2, 4, 8, 8, 16, 24, 80]
+    assert logits_rows(9, False) == 9
+    path = ckpt_factory("qwen3", dtype=torch.bfloat16)
+    llm = LLM(path, dtype="bfloat16", device="cpu", speculative="ngram", spec_length="fixed:3")
+    model = llm.engine.model
+    assert llm.engine.runner.pad_tokens
+    forward, head = model.forward_planned, model.compute_logits
+    head_rows, steps = [], []
+
+    def spy_head(hidden):
+        head_rows.append(hidden.shape[0])
+        return head(hidden)
+
+    def spy(fb, backend):
+        logits, hidden = forward(fb, backend)
+        assert fb.pad_logits
+        again, _ = forward(dataclasses.replace(fb, pad_logits=False), backend)  # the same KV written again
+        steps.append((fb.logits_indices.numel(), head_rows[-2], head_rows[-1]))
+        assert logits.shape == again.shape  # (equal here; a GEMM may pick another kernel for another row count)
+        torch.testing.assert_close(logits, again, rtol=1.6e-2, atol=1.6e-2)
+        return logits, hidden
+
+    model.forward_planned, model.compute_logits = spy, spy_head
+    prompts = [[5, 6, 7, 8] * 6, prompts_of([19], seed=3)[0]] + prompts_of([40, 7], seed=5)
+    llm.generate(prompts, SamplingParams(max_tokens=24, **GREEDY))
+    assert steps and all(padded == logits_rows(m, True) >= m and real == m for m, padded, real in steps)
+    assert any(padded > real for _, padded, real in steps)  # some steps padded (verify rows of k + 1)

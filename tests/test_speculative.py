@@ -1228,6 +1228,25 @@ def test_a_length_chosen_on_a_cheap_extrapolation_is_paired_at_once():
     assert ks.index(4) < 3 and ks[10:].count(0) >= 0.9 * len(ks[10:]), ks[:60]
 
 
+def test_a_step_whose_draft_forwards_ran_a_new_shape_is_cold():
+    """A verify step's time holds the draft model's forwards: one of a shape
+    the draft had not run is one-off work too, and marks the step cold
+    (`StepRecord.cold`) though the target's own shape is warm."""
+    llm = LLM(speculative="draft", spec_length="fixed:2")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(["And the earth was without form"], params)
+    records = llm.engine.records
+    warm = [r for r in records if r.verify_rows]
+    assert warm and warm[0].cold and not all(r.cold for r in warm)
+    prop = llm.engine.runner.proposer
+    prop._shapes.clear()  # as if the draft had run nothing yet; the target's shapes stay warm
+    n = len(records)
+    llm.generate(["And the earth was without form"], params)  # the same steps again
+    verify = [r for r in list(records)[n:] if r.verify_rows]
+    assert verify and verify[0].cold
+    assert not all(r.cold for r in verify)
+
+
 @pytest.mark.parametrize("flagged", [True, False])
 def test_a_pair_whose_step_ran_a_new_shape_prices_nothing(flagged):
     """The first step at each draft length runs a shape the engine had not

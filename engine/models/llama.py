@@ -26,7 +26,7 @@ from torch import nn
 
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.config import ModelConfig
-from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.engine.forward_batch import ForwardBatch, logits_rows
 
 
 class PackedLinear(nn.Module):
@@ -481,7 +481,12 @@ class LlamaForCausalLM(nn.Module):
             return kern.rmsnorm(residual[idx] + x[idx], norm.weight, norm.eps)
 
         hidden = final(fb.hidden_indices) if fb.hidden_indices is not None else None
-        return self.compute_logits(final(fb.logits_indices)), hidden
+        idx = fb.logits_indices
+        m = idx.numel()
+        rows = logits_rows(m, fb.pad_logits)
+        if rows > m:
+            return self.compute_logits(final(torch.cat([idx, idx[-1:].expand(rows - m)])))[:m], hidden
+        return self.compute_logits(final(idx)), hidden
 
     def use_kernels(self, flashinfer) -> None:
         """Runs the small per-layer ops as flashinfer's fused kernels (CUDA)."""

@@ -7,11 +7,13 @@ speculation, fixed:K for each K of `--fixed`, and adaptive. One engine per
 configuration lives through the whole run (adaptive learns its acceptance and
 step costs online, as in a server). Repeats are interleaved (every
 configuration once, then again) and the median is reported; a warm-up pass
-per batch size is not counted. Each pass decodes B prompts of its own (the
-same ones under every configuration): a greedy request decodes the same text
-each time, so with one set of prompts the small batches would measure the
-acceptance of one or two texts, at the positions each length happens to
-draft at.
+per batch size is not counted. Each pass decodes prompts of its own (the
+same ones under every configuration), in batches of B one after another, at
+least `--pass-requests` of them: a greedy request decodes the same text each
+time, so with one set of prompts the small batches would measure the
+acceptance of one or two texts, at the positions each length happens to draft
+at; and with one request a pass at batch 1, passes differed by 20% in one
+length's speed over another with the text alone.
 
 Two rates per configuration: full batch, the output tokens of the steps in
 which all B requests decode over those steps' time (what a batch of B
@@ -81,6 +83,8 @@ def main(argv=None) -> int:
                    help="another speculation length to compare (repeatable), e.g. adaptive:per_row=0")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pass-requests", type=int, default=8,
+                   help="each pass decodes at least this many requests, in batches of B one after another")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     p.add_argument("--acceptance-spread-of-engine", type=int, default=0, metavar="N",
@@ -107,7 +111,8 @@ def main(argv=None) -> int:
     passes = args.repeats + 1  # a warm-up pass and the repeats, each with prompts of its own
     # sampled by an engine of their own: one that sampled them holds them in its prefix cache, and would
     # skip their prefill that the others pay
-    prompts_all = make_prompts(LLM(), max(sizes) * passes, args.workload, args.seed)
+    per_pass = {b: b * max(-(-args.pass_requests // b), 1) for b in sizes}
+    prompts_all = make_prompts(LLM(), max(per_pass.values()) * passes, args.workload, args.seed)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows = []
     for b in sizes:
@@ -115,13 +120,14 @@ def main(argv=None) -> int:
         full = {c: [] for c in configs}
         spec = {}
         for rep in range(passes):
-            prompts = prompts_all[rep * b:(rep + 1) * b]
+            m = per_pass[b]
+            prompts = prompts_all[rep * m:(rep + 1) * m]
             for c, llm in engines.items():
                 before = llm.engine.stats().policy
                 core = llm.engine.core
                 first = core.step_id  # (by step id: the record list is trimmed as it grows)
                 t = time.perf_counter()
-                outs = llm.generate(prompts, sp)
+                outs = [o for i in range(0, m, b) for o in llm.generate(prompts[i:i + b], sp)]
                 dt = time.perf_counter() - t
                 after = llm.engine.stats().policy
                 if rep == 0:
@@ -133,6 +139,9 @@ def main(argv=None) -> int:
                 if c != "none":
                     count_spec(spec.setdefault(c, {"draft": 0, "accepted": 0, "rows": 0, "k": {}}), before, after)
         rows.append(batch_row(b, tput, full, spec))
+        pol = engines["adaptive"].engine.stats().policy  # what adaptive priced with, at the end of this size
+        rows[-1]["adaptive_state"] = {key: pol[key] for key in ("spec_cost_ratio", "spec_acceptance",
+                                                                "spec_draft_fill", "spec_cost_pairs")}
     return report(args, rows, configs)
 
 

@@ -551,7 +551,7 @@ class _Pair:
     done: int = 0  # steps of the pair observed
     ref: float = 0.0  # wall time of the measured step at 0
     at_k: tuple[float, float] = (0.0, 1.0)  # ... and of the one at k, with the share of its drafts delivered
-    prime: float = 0.0  # wall time of its priming step (0: it started drafting)
+    prime: float = 0.0  # wall time of its priming step (0: it started drafting, or the step was cold)
     cold: bool = False  # a measured step ran a shape the engine had not run before (`StepRecord.cold`)
     rate: float = 0.0  # the range's choice: expected tokens per step time at k = 0, when the pair began
     spent: float = 0.0  # wall time of the pair's steps so far
@@ -1281,7 +1281,9 @@ class SpecLengthPolicy:
         pair.spent += wall
         pair.tokens += emitted
         if pair.done == 1:  # the middle step: priming the proposer, or settling back to plain decoding
-            if k:
+            if k and not record.cold:  # (a cold one prices no switch: the draft model's catch-up on a whole
+                # prompt runs shapes of its own, and at batch 2 such steps had priced starting to draft at 1.5
+                # plain steps, where warm ones put it at 0.15, and held k = 0 on most steps)
                 pair.prime = wall
         elif k:
             # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup

@@ -1253,8 +1253,9 @@ def test_a_pair_whose_step_ran_a_new_shape_prices_nothing(flagged):
     run before and takes twice its time (on the CPU, kernels built for the new
     shape). The engine says so (`StepRecord.cold`), and a pair with such a
     step prices nothing: every pair kept is within 10% of the warm price, and
-    each length's first pair is taken again. Unflagged, those first pairs are
-    kept at about twice the price."""
+    each length's first pair is taken again; a cold priming step prices no
+    cost of starting to draft. Unflagged, those first pairs are kept at
+    about twice the price."""
     def cost(k):
         return 1e-3 * (1.0 + 0.04 * k)  # a verify token costs 4% of a step: k = 6 wins at alpha 0.8
 
@@ -1275,11 +1276,15 @@ def test_a_pair_whose_step_ran_a_new_shape_prices_nothing(flagged):
     kept = {k: pol.costs.cells[0][k] for k in pol.costs.measured(0)}
     assert 1 in kept and 4 in kept
     off = [r / (cost(k) / cost(0)) for k, cell in kept.items() for r in cell]
+    # a cold priming step prices no switch either: here priming costs nothing over a primed step
+    switch = max(pol.costs._switches.get(0, [0.0]))
     if flagged:
         assert all(abs(x - 1.0) < 0.1 for x in off), kept
         assert sum(k >= 5 for k in ks[300:]) >= 0.8 * 300, {k: ks[300:].count(k) for k in set(ks[300:])}
+        assert switch < 0.1, pol.costs._switches
     else:
         assert max(off) > 1.5, kept
+        assert switch > 0.5, pol.costs._switches
 
 
 def test_cost_line_is_the_nonnegative_least_squares_fit():

@@ -169,8 +169,10 @@ def _cpu_seconds(pid: int) -> float:
 def _server_cpu(pid: int) -> dict[str, float]:
     """CPU seconds of the server (front end) and of its child processes (the engine)."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            children = [int(c) for c in f.read().split()]
+        children = set()
+        for tid in os.listdir(f"/proc/{pid}/task"):  # a child is listed under the thread that started it
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                children.update(int(c) for c in f.read().split())
         return {"frontend": _cpu_seconds(pid), "engine": sum(_cpu_seconds(c) for c in children)}
     except (OSError, ValueError):
         return {}

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.attention import AttentionBackend
-from stepserve.engine.forward_batch import ForwardBatch, logits_rows, long_tensor, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, long_tensor, token_bucket
 from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_rows, row_input
 from stepserve.engine.speculative import verify_rows
@@ -75,12 +75,10 @@ class ModelRunner:
         # has no such cost, and CUDA graphs bring their own buckets.
         dtype = next(model.parameters()).dtype
         self.pad_tokens = device.type == "cpu" and dtype == torch.bfloat16
-        # the forward shapes run so far, (tokens, output head rows): a step whose shape is new pays one-off
-        # work on top (oneDNN's kernel builds for each new row count of a matmul: 0.4-0.5 ms per shape against
-        # 0.04 ms warm, measured on the 2-core Xeon with AMX; both counts are padded to buckets where that
-        # applies), and says so (`StepOutput.cold`), and so does a step whose draft forwards ran a new shape
-        # (`DraftModelProposer.cold`), so that what is priced from step times leaves it out
-        self._shapes: set[tuple[int, int]] = set()
+        # a step whose forward shape is new pays one-off work on top, and says so (`StepOutput.cold`), and so
+        # does a step whose draft forwards ran a new shape (`Proposer.cold`), so that what is priced from step
+        # times leaves it out
+        self.shapes = ShapeLog()
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
         """The flat batch of `plan`, and for the rows that want prompt logprobs
@@ -177,12 +175,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         fb, prompt_rows = self.build_batch(plan)
         prep = time.perf_counter() - t0
-        shape = (fb.input_ids.numel(), logits_rows(fb.logits_indices.numel(), fb.pad_logits))
-        cold = shape not in self._shapes
-        if cold:
-            self._shapes.add(shape)
+        cold = self.shapes.first_run(fb)
         if nv:
-            cold |= getattr(self.proposer, "cold", False)  # the draft model's forwards, run above
+            cold |= self.proposer.cold  # the draft model's forwards, run above
         if self.graphs is not None and self.graphs.fits(fb):
             logits, hidden = self.graphs.run(fb), None
         else:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.cpu_kernels import paged_decode_module
-from stepserve.engine.forward_batch import ForwardBatch, logits_rows, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, token_bucket
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -73,6 +73,7 @@ DECODE_SHAPED_MAX = 16
 
 class Proposer(Protocol):
     name: str
+    cold: bool  # the last `propose` ran a forward of a shape it had not run before (`ShapeLog`)
 
     def handed_out(self, slots) -> None:
         """The KV slots every step hands out (`StepPlan.slots`), drafting or
@@ -109,6 +110,7 @@ class NgramProposer:
     repeating. No model, no KV."""
 
     name = "ngram"
+    cold = False  # no forwards
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
@@ -265,8 +267,7 @@ class DraftModelProposer:
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
         self.pad_tokens = pad_tokens
         self.forwards = 0  # draft forward passes run
-        # the forward shapes run so far (as `ModelRunner`'s): `cold`, whether the last `propose` ran a new one
-        self._shapes: set[tuple[int, int]] = set()
+        self.shapes = ShapeLog()  # the draft's forward shapes (`cold`: the last `propose` ran a new one)
         self.cold = False
         native = paged_decode_module() if device.type == "cpu" else None
         self._native = native if hasattr(native, "first_unmarked") else None
@@ -409,10 +410,7 @@ class DraftModelProposer:
             pad_logits=self.pad_tokens,
             decode_kv_lens_host=kv_lens_host,
         )
-        shape = (t, logits_rows(len(last), self.pad_tokens))
-        if shape not in self._shapes:
-            self._shapes.add(shape)
-            self.cold = True
+        self.cold |= self.shapes.first_run(fb)
         logits, _ = self.model(fb, self.backend)
         self.forwards += 1
         return logits

@@ -78,8 +78,8 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              (`ReplayedLength`): one step in `replay_every`, after the step
              (outside its timed work), one decode row's output tokens not
              replayed yet, and as a row finishes its last ones, are replayed
-             as speculation at every k would have run over them (so each
-             request's every position once) (a step at k proposes after the tokens so far, emits the
+             (each position of a request once) as speculation at every k
+             would have run over them (a step at k proposes after the tokens so far, emits the
              agreeing prefix of its proposal and one token more, and the
              next step starts there), and E[k] is tokens per
              replayed step. The tokens that came are what verification would
@@ -1107,13 +1107,11 @@ class SpecLengthPolicy:
         n = len(rows)
         for i in range(n):
             seq = rows[(self._replay_turn + i) % n].seq
-            stop = seq.num_tokens - kmax
-            if stop - max(seq.spec_replayed, seq.prompt_len + 1) >= MIN_REPLAY:
-                self._replay_seq(seq, stop)
+            if self._replay_seq(seq, seq.num_tokens - kmax, MIN_REPLAY):
                 self._replay_turn += i + 1
                 return
 
-    def _replay_seq(self, seq, stop: int) -> None:
+    def _replay_seq(self, seq, stop: int, least: int = 1) -> bool:
         """Replay one sequence's positions from where it was last replayed
         (from its second output token, the first a step could have drafted)
         to `stop`. Every position of a request is replayed once: its last
@@ -1124,11 +1122,13 @@ class SpecLengthPolicy:
         `replay_every` steps), they read E[8] at 1.5-1.6 where whole
         requests gave 1.9 (the n-gram proposer on the repetitive workload,
         64-token requests), and k = 4 was chosen at batch 1 where fixed:8
-        ran 1.16x faster."""
+        ran 1.16x faster. Nothing (False) if fewer than `least` are new."""
         start = max(seq.spec_replayed, seq.prompt_len + 1)
-        if stop > start:
-            self.replayed.add(self.replay(seq.token_ids, start, stop, self.spec.kmax))
-            seq.spec_replayed = stop
+        if stop - start < least:
+            return False
+        self.replayed.add(self.replay(seq.token_ids, start, stop, self.spec.kmax))
+        seq.spec_replayed = stop
+        return True
 
     def _rate(self, base_tokens: int, n: int, expected: list[float], bucket: int, k: int,
               switch: tuple[float, int] = (0.0, 1)) -> float:

@@ -1239,7 +1239,7 @@ def test_a_step_whose_draft_forwards_ran_a_new_shape_is_cold():
     warm = [r for r in records if r.verify_rows]
     assert warm and warm[0].cold and not all(r.cold for r in warm)
     prop = llm.engine.runner.proposer
-    prop._shapes.clear()  # as if the draft had run nothing yet; the target's shapes stay warm
+    prop.shapes.clear()  # as if the draft had run nothing yet; the target's shapes stay warm
     n = len(records)
     llm.generate(["And the earth was without form"], params)  # the same steps again
     verify = [r for r in list(records)[n:] if r.verify_rows]

@@ -74,6 +74,8 @@ class Seq:
     # rejected, as `AcceptanceEstimate` counts them) and accepted, over every verification it had
     spec_tried: int = 0
     spec_accepted: int = 0
+    spec_block: tuple[int, int] = (0, 0)  # (tried, accepted) where its current block of tries began (`RowSpread`)
+    spec_prev_rate: float = -1.0  # its last whole block's acceptance rate (-1: none yet)
     spec_last: int = -1  # the policy's step in which it last drafted (a draft model is current only after one)
     ngram_index: Any = None  # the n-gram proposer's index of its history (`NgramProposer.propose_for`)
     spec_replayed: int = 0  # positions before this one have been replayed (`SpecLengthPolicy._replay`)

@@ -132,8 +132,7 @@ TRUSTED = 3  # ... once its cost cell holds this many pairs
 EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range's step time to the choice
 LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
-ROW_PRIOR = 8.0  # a row's own acceptance leans on the pooled rate with the weight of this many tries
-MIN_SPREAD = 2.0  # the least weight `row_spread` gives the rows' spread
+MIN_SPREAD = 2.0  # the least weight `RowSpread` gives the rows' spread
 SMALL_BATCH = 16  # up to this many rows, the per-row choice is worked out in plain floats
 PAIR_SLACK = 16  # a pair's steps may differ in rows by 1/PAIR_SLACK of its own (and its step at k may have as
 # many rows capped short of k) once the step model can rescale a step to the pair's rows: at large batches
@@ -568,28 +567,84 @@ def _remember(memo: list[tuple], key: tuple, out) -> list[tuple]:
     return memo[-3:] + [(key, out)]
 
 
-def row_spread(est: "AcceptanceEstimate") -> float | None:
+class RowSpread:
     """How much requests differ in acceptance, as the weight w of a Beta
     distribution of their own rates (w tries' worth: the smaller, the more
-    they differ), read off the pooled rates r1 and r2 of the first two
-    positions; None where they do not tell the rows apart.
+    they differ), measured as what it is used for: how far a row's past
+    tries predict its next ones.
 
-    Where rows differ, the pooled rate rises with the position: the second
-    position is reached mostly by the rows that accept most. For rates
-    a ~ Beta(w r1, w (1 - r1)), the pooled second-position rate is
-    E[a^2] / E[a] = (w r1 + 1) / (w + 1) = r2, so w = (1 - r2) / (r2 - r1).
-    The rise is taken net of one standard error of the two rates (their
-    tries), so that noise in rows that are alike reads as no spread;
-    w is at least `MIN_SPREAD`."""
-    rates, tried = est._alpha(), est.tried
-    if len(rates) < 2:
-        return None
-    r1, r2 = rates[0], rates[1]
-    n1, n2 = tried[0] + est.prior_weight, tried[1] + est.prior_weight
-    rise = r2 - r1 - math.sqrt(r1 * (1.0 - r1) / n1 + r2 * (1.0 - r2) / n2)
-    if rise <= 0.0:
-        return None
-    return max((1.0 - r2) / rise, MIN_SPREAD)
+    Each row's tries are cut into blocks of `block` (`add_row`, after each
+    verification), and every two consecutive blocks of a row are a pair
+    (x, y) of rates. Across rows, cov(x, y) is the variance of the rows' own
+    rates: a block's own noise (a binomial count's, and whatever runs of
+    easy and hard tokens add inside it) is shared by neither neighbour. For
+    rates a ~ Beta(w r, w (1 - r)), var a = r (1 - r) / (w + 1). The
+    covariance is taken net of one standard error of it, so that rows that
+    are alike read as such (None) rather than as a spread from noise, and w
+    is at least `MIN_SPREAD`; None also until `min_pairs` (decayed) pairs.
+
+    (The former reading, from how much the pooled second-position rate rises
+    over the first, takes position effects for rows that differ: on the
+    embedded pair's text the draft's hits follow the text's own pattern, so
+    the second position's rate is not the first's even for one row, and
+    under per-row lengths which rows reach it is the policy's choice. It read
+    w = 2 where consecutive halves of 64-token requests showed w = 25-60,
+    and rows whose first 7 tries went badly (a correlation of 0.08 with
+    their later rate) were priced out of drafting for the rest of their
+    request.)"""
+
+    def __init__(self, block: int = 8, decay: float = 0.998, min_pairs: float = 32.0):
+        self.block = block
+        self.decay = decay
+        self.min_pairs = min_pairs
+        self.n = self.sx = self.sy = self.sxx = self.syy = self.sxy = 0.0
+        self.version = 0  # counts pairs added
+        self._weight: float | None = None
+        self._fresh = True
+
+    def add_row(self, seq) -> None:
+        """A row's record moved: if its current block is full, it becomes the
+        row's last block, and a pair with the one before it."""
+        t0, a0 = seq.spec_block
+        t = seq.spec_tried
+        if t - t0 < self.block:
+            return
+        a = seq.spec_accepted
+        rate = (a - a0) / (t - t0)
+        prev = seq.spec_prev_rate
+        seq.spec_block = (t, a)
+        seq.spec_prev_rate = rate
+        if prev >= 0.0:
+            self.add(prev, rate)
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n = self.n * d + 1.0
+        self.sx = self.sx * d + x
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.syy = self.syy * d + y * y
+        self.sxy = self.sxy * d + x * y
+        self.version += 1
+        self._fresh = False
+
+    def weight(self) -> float | None:
+        """w (kept until the next pair), or None: the rows look alike."""
+        if self._fresh:
+            return self._weight
+        self._fresh = True
+        n = self.n
+        w = None
+        if n >= self.min_pairs:
+            mx, my = self.sx / n, self.sy / n
+            cov = self.sxy / n - mx * my
+            vx, vy = max(self.sxx / n - mx * mx, 0.0), max(self.syy / n - my * my, 0.0)
+            var = cov - math.sqrt(vx * vy / n)
+            r = 0.5 * (mx + my)
+            if var > 0.0 and 0.0 < r < 1.0:
+                w = max(r * (1.0 - r) / var - 1.0, MIN_SPREAD)
+        self._weight = w
+        return w
 
 
 class SpecLengthPolicy:
@@ -616,6 +671,7 @@ class SpecLengthPolicy:
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
         self.acceptance = AcceptanceEstimate(kmax)
+        self.spread = RowSpread()  # how much the rows differ in acceptance (`_per_row`)
         self.costs = DraftCostTable(kmax)
         self.fill = DraftFill()
         # a step's time without drafting (for steps that mix prefill chunks with the drafting rows):
@@ -944,18 +1000,20 @@ class SpecLengthPolicy:
         by the requests whose drafts are accepted most), and a pooled E[k]
         prices every row as the mix: too long a draft for the rows that
         seldom keep one, too short for the others. Here a row's drafts are
-        accepted at its own rate a, the same at every position. Its mean is
-        the row's record (`Seq.spec_tried`, `spec_accepted`) with `ROW_PRIOR`
-        tries at the pooled first-position rate; around it, a is spread as
-        the rows are (`row_spread`, a Beta of weight w read off the pooled
-        rates), narrowed by the row's record to weight w + tried. Its j-th
-        draft is worth E[a^j] tokens, the product over i < j of
+        accepted at its own rate a, the same at every position, drawn as the
+        rows' rates are (a Beta of weight w, `RowSpread`, around the pooled
+        first-position rate) and narrowed by the row's record
+        (`Seq.spec_tried`, `spec_accepted`): its mean is the record with w
+        tries at the pooled rate, its weight w + tried. So a record counts
+        as much as rows are seen to differ: where they barely do, a row's
+        unlucky first tries do not price it out of drafting. Its j-th draft
+        is worth E[a^j] tokens, the product over i < j of
         (mean (w + tried) + i) / (w + tried + i): more than mean^j, by more
         the less the row has shown, so a row with no record is priced as the
         mix of rows. (At mean^j such rows drafted 1-4 shorter than the
-        pooled choice in half of 150 random cases.) Where the pooled rates
-        do not rise, the rows look alike and a row's drafts are worth
-        mean^j.
+        pooled choice in half of 150 random cases.) Until rows are seen to
+        differ (`RowSpread.weight` None), every row's drafts are worth the
+        pooled first rate to the j-th power, whatever its record.
 
         The step's k maximises the score of `_rate` (a decode step) or of
         `_mixed_score` (a step with prefill chunks, `busy` not None) with
@@ -995,35 +1053,35 @@ class SpecLengthPolicy:
         tried = [q.spec_tried for q in seqs]
         accepted = [q.spec_accepted for q in seqs]
         first = est.priced()[0] if optimistic else est._alpha()[0]
-        prior = ROW_PRIOR * first
-        spread = row_spread(est)
-        # each row's worth of its j-th draft, E[a^j] for its own rate a: the mean of a is its record with
-        # ROW_PRIOR tries at the pooled first-position rate; its spread is the rows' (`row_spread`, none:
-        # a^j at that mean) narrowed by its record, a Beta of weight spread + tried. Then the step's
-        # expected accepted drafts at k = 1..kmax (the sums over the rows); up to SMALL_BATCH rows in plain
-        # floats, where numpy's calls cost more than the arithmetic
-        if n <= SMALL_BATCH:
+        spread = self.spread.weight()
+        # each row's worth of its j-th draft, E[a^j] for its own rate a ~ Beta: the rows' spread (`RowSpread`)
+        # around the pooled first-position rate, narrowed by the row's record (mean (accepted + prior) /
+        # (tried + spread), weight spread + tried). Then the step's expected accepted drafts at k = 1..kmax
+        # (the sums over the rows); up to SMALL_BATCH rows in plain floats, where numpy's calls cost more
+        # than the arithmetic. Rows not seen to differ: every one at the pooled rate
+        if spread is None:
+            row = list(accumulate([first] * kmax, lambda p, _: p * first))
+            worth = [row] * n if n <= SMALL_BATCH else np.tile(np.array(row), (n, 1))
+            sums = [x * n for x in row]
+        elif n <= SMALL_BATCH:
+            prior = spread * first
             worth = []
             sums = [0.0] * kmax
             for a, t in zip(accepted, tried):
-                own = min((a + prior) / (t + ROW_PRIOR), 1.0 - 1e-9)
-                c = spread + t if spread is not None else 0.0
+                c = spread + t
+                own = min((a + prior) / c, 1.0 - 1e-9)
                 p = 1.0
                 row = []
                 for j in range(kmax):
-                    p *= (own * c + j) / (c + j) if c else own
+                    p *= (own * c + j) / (c + j)
                     row.append(p)
                     sums[j] += p
                 worth.append(row)
         else:
-            own = np.minimum((np.array(accepted, dtype=np.float64) + prior)
-                             / (np.array(tried, dtype=np.float64) + ROW_PRIOR), 1.0 - 1e-9)[:, None]
+            c = np.array(tried, dtype=np.float64)[:, None] + spread
+            own = np.minimum((np.array(accepted, dtype=np.float64)[:, None] + spread * first) / c, 1.0 - 1e-9)
             j = np.arange(kmax)
-            if spread is not None:
-                c = np.array(tried, dtype=np.float64)[:, None] + spread
-                worth = np.cumprod((own * c + j) / (c + j), axis=1)
-            else:
-                worth = own ** (j + 1)
+            worth = np.cumprod((own * c + j) / (c + j), axis=1)
             sums = worth.sum(axis=0).tolist()
         w = list(accumulate(sums))
         cost = self._costs_of(bucket)
@@ -1230,12 +1288,15 @@ class SpecLengthPolicy:
         # tokens expected are priced at what is asked, so they must be measured at it too
         asked_k = [r.draft_asked or r.draft_len for r in vr]
         self.acceptance.update(asked_k + [kr for kr, _ in empty], accepted + [0] * len(empty))
+        spread = self.spread
         for r, d, a in zip(vr, asked_k, accepted):  # each row's own record, counted as the estimate counts
             seq = r.seq
             seq.spec_tried += min(a + 1, d)
             seq.spec_accepted += a
+            spread.add_row(seq)
         for _, seq in empty:
             seq.spec_tried += 1
+            spread.add_row(seq)
         self._records += 1
         self.drafted += delivered
         self.accepted += sum(accepted)
@@ -1367,5 +1428,5 @@ class SpecLengthPolicy:
         }
 
     def _spread(self) -> float | None:
-        w = row_spread(self.acceptance)
+        w = self.spread.weight()
         return round(w, 2) if w is not None else None

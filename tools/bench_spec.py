@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         rows.append(batch_row(b, tput, full, spec))
         pol = engines["adaptive"].engine.stats().policy  # what adaptive priced with, at the end of this size
         rows[-1]["adaptive_state"] = {key: pol[key] for key in ("spec_cost_ratio", "spec_acceptance",
-                                                                "spec_draft_fill", "spec_cost_pairs")}
+                                                                "spec_draft_fill", "spec_cost_pairs", "spec_row_spread")}
     return report(args, rows, configs)
 
 

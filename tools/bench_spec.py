@@ -139,9 +139,7 @@ def main(argv=None) -> int:
                 if c != "none":
                     count_spec(spec.setdefault(c, {"draft": 0, "accepted": 0, "rows": 0, "k": {}}), before, after)
         rows.append(batch_row(b, tput, full, spec))
-        pol = engines["adaptive"].engine.stats().policy  # what adaptive priced with, at the end of this size
-        rows[-1]["adaptive_state"] = {key: pol[key] for key in ("spec_cost_ratio", "spec_acceptance",
-                                                                "spec_draft_fill", "spec_cost_pairs", "spec_row_spread")}
+        rows[-1]["adaptive_state"] = adaptive_state(engines["adaptive"].engine.stats().policy)
     return report(args, rows, configs)
 
 
@@ -248,7 +246,14 @@ def simulated_sweep(args, sizes, configs) -> list[dict]:
                 if pol:
                     count_spec(spec[c], before, pol.stats())
         rows.append(batch_row(b, tput, full, spec))
+        rows[-1]["adaptive_state"] = adaptive_state(sims["adaptive"].policies[0].stats())
     return rows
+
+
+def adaptive_state(stats: dict) -> dict:
+    """What the adaptive length priced with at the end of a batch size."""
+    return {key: stats[key] for key in ("spec_cost_ratio", "spec_acceptance", "spec_draft_fill", "spec_cost_pairs",
+                                        "spec_row_spread")}
 
 
 def report(args, rows, configs) -> int:

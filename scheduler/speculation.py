@@ -598,9 +598,8 @@ class RowSpread:
         self.decay = decay
         self.min_pairs = min_pairs
         self.n = self.sx = self.sy = self.sxx = self.syy = self.sxy = 0.0
-        self.version = 0  # counts pairs added
         self._weight: float | None = None
-        self._fresh = True
+        self._fresh = True  # `_weight` is current
 
     def add_row(self, seq) -> None:
         """A row's record moved: if its current block is full, it becomes the
@@ -625,7 +624,6 @@ class RowSpread:
         self.sxx = self.sxx * d + x * x
         self.syy = self.syy * d + y * y
         self.sxy = self.sxy * d + x * y
-        self.version += 1
         self._fresh = False
 
     def weight(self) -> float | None:
@@ -1050,24 +1048,23 @@ class SpecLengthPolicy:
             for key, out in self._row_memo:
                 if key == memo:
                     return out
-        tried = [q.spec_tried for q in seqs]
-        accepted = [q.spec_accepted for q in seqs]
         first = est.priced()[0] if optimistic else est._alpha()[0]
         spread = self.spread.weight()
         # each row's worth of its j-th draft, E[a^j] for its own rate a ~ Beta: the rows' spread (`RowSpread`)
         # around the pooled first-position rate, narrowed by the row's record (mean (accepted + prior) /
         # (tried + spread), weight spread + tried). Then the step's expected accepted drafts at k = 1..kmax
         # (the sums over the rows); up to SMALL_BATCH rows in plain floats, where numpy's calls cost more
-        # than the arithmetic. Rows not seen to differ: every one at the pooled rate
+        # than the arithmetic. Rows not seen to differ: every one at the pooled rate, its record unread
         if spread is None:
-            row = list(accumulate([first] * kmax, lambda p, _: p * first))
+            row = [first ** (j + 1) for j in range(kmax)]
             worth = [row] * n if n <= SMALL_BATCH else np.tile(np.array(row), (n, 1))
             sums = [x * n for x in row]
         elif n <= SMALL_BATCH:
             prior = spread * first
             worth = []
             sums = [0.0] * kmax
-            for a, t in zip(accepted, tried):
+            for q in seqs:
+                a, t = q.spec_accepted, q.spec_tried
                 c = spread + t
                 own = min((a + prior) / c, 1.0 - 1e-9)
                 p = 1.0
@@ -1078,8 +1075,9 @@ class SpecLengthPolicy:
                     sums[j] += p
                 worth.append(row)
         else:
-            c = np.array(tried, dtype=np.float64)[:, None] + spread
-            own = np.minimum((np.array(accepted, dtype=np.float64)[:, None] + spread * first) / c, 1.0 - 1e-9)
+            c = np.array([q.spec_tried for q in seqs], dtype=np.float64)[:, None] + spread
+            own = np.minimum((np.array([q.spec_accepted for q in seqs], dtype=np.float64)[:, None] + spread * first) / c,
+                             1.0 - 1e-9)
             j = np.arange(kmax)
             worth = np.cumprod((own * c + j) / (c + j), axis=1)
             sums = worth.sum(axis=0).tolist()

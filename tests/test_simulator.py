@@ -474,3 +474,37 @@ def test_simulate_cli_speculation(tmp_path):
                 ["--speculative", "ngram", "--acceptance", "1.5"]):
         with pytest.raises(SystemExit):
             main([*base, *bad])
+
+
+def test_compare_scores_reports_again_at_other_slos(tmp_path, capsys):
+    """`replay --compare` with SLO flags scores each report's goodput and
+    attainment from its request records at those SLOs: the same figures as a
+    run made at them (the simulation does not read the SLO), for a tight and a
+    loose TPOT SLO, where the two runs' own figures differ. A sweep report,
+    whose runs keep the records, cannot be scored whole: a clear error."""
+    from stepserve.cli import main
+
+    trace = "synthetic:num=60,rate=40,input=uniform:16:400,output=uniform:4:64,seed=5"
+    base = ["simulate", "--trace", trace, "--profile", "h100:llama3-8b", "--no-progress", "--slo-ttft", "0.05"]
+    reports = {}
+    for tpot in ("0.0081", "0.05"):
+        out = tmp_path / f"tpot{tpot}.json"
+        assert main([*base, "--slo-tpot", tpot, "--out", str(out)]) == 0
+        reports[tpot] = json.loads(out.read_text())
+    tight, loose = reports["0.0081"], reports["0.05"]
+    assert 0 < tight["slo_attainment"] < loose["slo_attainment"]  # the SLO bites, so the scoring is seen
+    assert tight["requests"] == loose["requests"]  # one run, whatever the SLO
+    for tpot, want in (("0.0081", tight), ("0.05", loose)):
+        capsys.readouterr()
+        assert main(["replay", "--compare", str(tmp_path / "tpot0.05.json"), str(tmp_path / "tpot0.0081.json"),
+                     "--slo-ttft", "0.05", "--slo-tpot", tpot]) == 0
+        out = capsys.readouterr().out
+        assert f"TPOT <= {float(tpot) * 1e3:g} ms" in out
+        row = next(line for line in out.splitlines() if line.startswith("SLO attainment %"))
+        assert row.split()[3:5] == [f"{want['slo_attainment'] * 100:.3f}"] * 2
+        row = next(line for line in out.splitlines() if line.startswith("goodput req/s"))
+        assert row.split()[2:4] == [f"{want['goodput_rps']:.3f}"] * 2
+    sweep = tmp_path / "sweep.json"
+    assert main([*base, "--rates", "20,40", "--out", str(sweep)]) == 0
+    with pytest.raises(SystemExit, match="no request records"):
+        main(["replay", "--compare", str(sweep), "--slo-tpot", "0.02"])

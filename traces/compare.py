@@ -133,9 +133,22 @@ def workload_warning(reports: list[dict], labels: list[str]) -> str | None:
                       "relative gaps) do not compare like for like:", *lines])
 
 
-def run_compare(paths: list[str], plot: str | None = None) -> int:
+def run_compare(paths: list[str], plot: str | None = None, slo=None) -> int:
+    """Print the reports side by side; with `slo` (a `metrics.SLO` that gives
+    some SLO), each report's goodput and attainment are first scored again at
+    it from its request records (`metrics.rescore`)."""
     reports = load_reports(paths)
     labels = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    if slo is not None and slo.given():
+        from stepserve.traces.metrics import rescore
+
+        try:
+            reports = [rescore(r, slo) for r in reports]
+        except ValueError as e:
+            raise SystemExit(f"stepserve replay --compare: {e}") from None
+        shown = ", ".join(f"{k.removesuffix('_s').upper()} <= {v * 1e3:g} ms"
+                          for k, v in slo.to_dict().items() if v is not None)
+        print(f"SLO figures scored at {shown}, from each report's request records")
     print(compare_table(reports, labels))
     warning = workload_warning(reports, labels)
     if warning:

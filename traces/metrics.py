@@ -187,6 +187,31 @@ def _victims(done: list[RequestRecord]) -> dict:
     return {"num_victims": None if v is None else len(v), "victim_tpot_s": percentiles(v or [])}
 
 
+def records_from_report(report: dict) -> list[RequestRecord] | None:
+    """The request records a report was summarised from (its `requests`, as
+    `RequestRecord.to_dict` wrote them), or None when it kept none."""
+    recs = report.get("requests")
+    if not recs:
+        return None
+    names = {f.name for f in RequestRecord.__dataclass_fields__.values()}
+    return [RequestRecord(**{k: v for k, v in r.items() if k in names}) for r in recs]
+
+
+def rescore(report: dict, slo: SLO) -> dict:
+    """`report` with its SLO figures (goodput, attainment and the SLO itself)
+    recomputed at `slo` from its request records, every other figure as it
+    was: which requests met an SLO changes nothing in how the run went, except
+    under a policy that reads the SLO (TAPER's branch admission), where the
+    result is what the run would have scored, not what a run at `slo` would
+    do. Raises ValueError for a report without request records."""
+    records = records_from_report(report)
+    if records is None:
+        raise ValueError("the report has no request records to score again (a sweep: give one rate's report)")
+    fresh = summarize(records, report["duration_s"], slo, itl_values=[])
+    keys = ("goodput_rps", "goodput_tps", "slo_attainment", "slo")
+    return {**report, **{k: fresh[k] for k in keys}}
+
+
 FIGURE_KEYS = (
     "num_requests", "num_completed", "duration_s", "throughput_rps", "output_tps", "goodput_rps",
     "goodput_tps", "slo_attainment", "ttft_s", "tpot_s", "itl_s", "e2e_s",

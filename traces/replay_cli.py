@@ -24,14 +24,16 @@ def add_replay_args(p: argparse.ArgumentParser) -> None:
     add_trace_args(p)
     add_server_args(p)
     p.add_argument("--compare", nargs="+", metavar="REPORT", default=None,
-                   help="print these reports side by side and exit")
+                   help="print these reports side by side and exit (with --slo-ttft/--slo-tpot/--slo-e2e: "
+                        "their goodput and SLO attainment scored at those SLOs, from their request records)")
 
 
 def run_replay(args) -> int:
     if args.compare:
         from stepserve.traces.compare import run_compare
 
-        return run_compare(args.compare, args.plot or ("compare.png" if args.plot == "" else None))
+        return run_compare(args.compare, args.plot or ("compare.png" if args.plot == "" else None),
+                           slo=slo_from_args(args))
     if not args.trace:
         raise SystemExit("stepserve replay: --trace is required (or --compare A.json B.json ...)")
     from stepserve.traces.load import load_trace, save_trace

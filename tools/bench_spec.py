@@ -45,8 +45,10 @@ differ in acceptance on this engine (the draft model on the text workload):
 N requests decode greedily with fixed:4 drafts; each request's rate per
 position is its accepted drafts over the positions it tried (each accepted
 one and the first rejected), and the spread is the standard deviation of
-their log-odds with the part that finite counts alone would give taken
-out: the value for `stepserve simulate --acceptance-spread`.
+the requests' own log-odds: the square root of the covariance, across
+requests, of the log-odds of each request's first and second half (the
+counts' noise does not carry from one half to the other), the value for
+`stepserve simulate --acceptance-spread`.
 
     python tools/bench_spec.py --acceptance-spread-of-engine 128 --output-len 256
 """
@@ -153,22 +155,40 @@ def acceptance_spread_of_engine(args) -> int:
     prompts = make_prompts(llm, n, "text", args.seed)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     reqs = [llm.engine.add_request(p, sp) for p in prompts]
+    half: dict[int, tuple[int, int]] = {}  # request -> its counts when half its output was out
     while llm.engine.has_unfinished():
         llm.engine.step()
+        for i, r in enumerate(reqs):
+            s = r.seqs[0]
+            if i not in half and s.num_output >= args.output_len // 2:
+                half[i] = (s.spec_tried, s.spec_accepted)
     tried = np.array([r.seqs[0].spec_tried for r in reqs], dtype=np.float64)
     acc = np.array([r.seqs[0].spec_accepted for r in reqs], dtype=np.float64)
-    rate = (acc + 0.5) / (tried + 1.0)
-    logit = np.log(rate / (1.0 - rate))
-    noise = float(np.mean(1.0 / ((tried + 1.0) * rate * (1.0 - rate))))  # a binomial count's log-odds variance
-    spread = math.sqrt(max(float(logit.var()) - noise, 0.0))
-    pct = np.percentile(rate, [5, 25, 50, 75, 95])
+    t1 = np.array([half[i][0] for i in range(n)], dtype=np.float64)
+    a1 = np.array([half[i][1] for i in range(n)], dtype=np.float64)
+
+    def logit(a, t):
+        r = (a + 0.5) / (t + 1.0)
+        return np.log(r / (1.0 - r))
+
+    whole = logit(acc, tried)
+    first, second = logit(a1, t1), logit(acc - a1, tried - t1)
+    # A request's own rate persists from its first half into its second, while the noise of its counts does
+    # not: the covariance of the halves' log-odds across requests is the spread's variance. (Taking the counts'
+    # noise out of the whole-request variance as binomial, as if tries were independent, overstates it: a
+    # request's hits come in runs.)
+    cov = float(np.cov(first, second)[0, 1])
+    spread = math.sqrt(max(cov, 0.0))
+    pct = np.percentile((acc + 0.5) / (tried + 1.0), [5, 25, 50, 75, 95])
     out = {"requests": n, "output_len": args.output_len, "pooled_rate": float(acc.sum() / tried.sum()),
            "mean_tries": float(tried.mean()), "rate_percentiles_5_25_50_75_95": [round(float(x), 3) for x in pct],
-           "logit_sd": float(logit.std()), "acceptance_spread": spread,
-           "machine": platform.processor() or platform.machine(), "command": " ".join(sys.argv)}
+           "logit_sd": float(whole.std()), "halves_correlation": float(np.corrcoef(first, second)[0, 1]),
+           "acceptance_spread": spread, "machine": platform.processor() or platform.machine(),
+           "command": " ".join(sys.argv)}
     print(f"{n} requests, {out['mean_tries']:.0f} positions tried each: pooled rate {out['pooled_rate']:.3f}; "
-          f"per request (5/25/50/75/95%) {', '.join(f'{x:.3f}' for x in pct)}; log-odds sd {out['logit_sd']:.3f}, "
-          f"without the counts' own noise {spread:.3f} (--acceptance-spread)")
+          f"per request (5/25/50/75/95%) {', '.join(f'{x:.3f}' for x in pct)}; log-odds sd {out['logit_sd']:.3f}; "
+          f"halves correlate {out['halves_correlation']:.2f}, so the requests' own spread is {spread:.3f} "
+          f"(--acceptance-spread)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

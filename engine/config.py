@@ -112,6 +112,14 @@ class ModelConfig:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
+    def num_parameters(self) -> int:
+        """Weights of the model (norms and biases left out): embedding, each
+        layer's attention and MLP projections, and an untied output head."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + head
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem

@@ -63,3 +63,61 @@ def test_bf16_runs_on_every_cpu_with_or_without_prepacking(ckpt_factory, monkeyp
     plain = LLM(path, dtype="bfloat16", device="cpu")
     again = plain.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+
+
+def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckpt_factory, monkeypatch):
+    """On CPU, `auto` runs a small bf16 checkpoint in float32 where the native
+    kernels build (its one-call decode path is float32), and on an AMX CPU
+    its products of more than SMALL_M rows in bf16 on prepacked weights: the
+    same as a bf16 linear of the bf16-rounded rows, while up to SMALL_M rows
+    stay float32. A float32 asked for is float32 throughout, an AVX2-capped
+    run takes no AMX path, and a model past SMALL_MODEL_PARAMS stays bf16
+    with AMX."""
+    import torch.nn.functional as F
+
+    from stepserve.engine.loader import SMALL_MODEL_PARAMS, amx_large_steps
+    from stepserve.engine.models.llama import SMALL_M, SmallBatchLinear, small_batch_kernels
+
+    if small_batch_kernels(torch.device("cpu"), torch.float32) is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    cpu = torch.device("cpu")
+    path = ckpt_factory("qwen2", dtype=torch.bfloat16)  # q/k/v bias
+    cfg = ModelConfig.from_pretrained(path)
+    assert resolve_dtype("auto", cfg, cpu) == torch.float32
+    amx = cpu_features.has_amx() and cpu_features.can_prepack_bf16_linear()
+    assert amx_large_steps("auto", cfg, cpu) == amx and not amx_large_steps("float32", cfg, cpu)
+    llm = LLM(path, device="cpu")
+    assert llm.engine.dtype == torch.float32 and llm.engine.amx_large_steps == amx
+    lins = [m for m in llm.engine.model.modules() if isinstance(m, SmallBatchLinear)]
+    assert lins and all((m._large is not None) == amx for m in lins)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    exact = LLM(path, device="cpu", dtype="float32")
+    assert not exact.engine.amx_large_steps
+    assert not any(m._large is not None for m in exact.engine.model.modules() if isinstance(m, SmallBatchLinear))
+    # one row at a time: the float32 one-call path in both, so the same tokens
+    again = exact.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    if amx:
+        lin = lins[0]
+        g = torch.Generator().manual_seed(0)
+        for m in (SMALL_M, SMALL_M + 1, 100):
+            x = torch.randn(m, lin.in_features, generator=g)
+            y = lin(x)
+            assert y.dtype == torch.float32
+            if m <= SMALL_M:
+                torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+            else:
+                b = None if lin.bias is None else lin.bias.bfloat16()
+                ref = F.linear(x.bfloat16(), lin.weight.bfloat16(), b).float()
+                torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
+                assert not torch.allclose(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
+    assert resolve_dtype("auto", cfg, cpu) == torch.float32 and not amx_large_steps("auto", cfg, cpu)
+    monkeypatch.setenv(cpu_features.ISA_ENV, "native")
+    big = ModelConfig.from_dict({"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
+                                 "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
+                                 "torch_dtype": "bfloat16"})  # TinyLlama-1.1B's shape
+    assert big.num_parameters() > SMALL_MODEL_PARAMS
+    assert abs(big.num_parameters() - 1_100_048_384) < 1e6  # its weights, norms left out
+    assert resolve_dtype("auto", big, cpu) == (torch.bfloat16 if cpu_features.has_amx() else torch.float32)
+    assert not amx_large_steps("auto", big, cpu)

@@ -84,7 +84,8 @@ class SmallBatchLinear(nn.Module):
     few rows streams its weight from memory, so it takes about half the
     time once the weights no longer fit in the cache (the math stays float32)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels, bf16: bool | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels, bf16: bool | None = None,
+                 amx_large: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -93,11 +94,19 @@ class SmallBatchLinear(nn.Module):
         bf16 = bf16_panels(w) if bf16 is None else bf16
         self.register_buffer("panels", kernels.pack_panels(w, bf16), persistent=False)
         self._kernels = kernels
+        # more rows than SMALL_M: a bf16 weight prepacked for oneDNN (AMX), where asked for and exact
+        self._large = None
+        if amx_large and bf16:
+            self._large = (torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64),
+                           None if self.bias is None else self.bias.data.bfloat16())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= SMALL_M and x.shape[0] > 0:
             y = self._kernels.small_linear(x.contiguous(), self.panels)
             return y if self.bias is None else y.add_(self.bias)
+        if self._large is not None and x.dim() == 2 and x.shape[0] > 0:
+            w, b = self._large
+            return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, b, "none", [], "").float()
         return F.linear(x, self.weight, self.bias)
 
 
@@ -125,10 +134,13 @@ def small_batch_kernels(device: torch.device, dtype: torch.dtype):
     return _float32_cpu_native(device, dtype, "STEPSERVE_SMALL_LINEAR", "small_linear")
 
 
-def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SMALL_M_BUDGET_BYTES) -> int:
+def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SMALL_M_BUDGET_BYTES,
+                            amx_large: bool = False) -> int:
     """Swaps each float32 nn.Linear of a loaded model whose output width is a
     multiple of 16 (and a tied output head) for a SmallBatchLinear, largest
-    first, while the panel copies fit in `budget` bytes; returns how many."""
+    first, while the panel copies fit in `budget` bytes; returns how many.
+    `amx_large`: products of more rows than SMALL_M run in bfloat16 on a
+    prepacked weight where the weight is exactly bfloat16 (`amx_large_steps`)."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.out_features % 16 == 0]
     if model.config.tie_word_embeddings and model.model.embed_tokens.weight.shape[0] % 16 == 0:
@@ -141,7 +153,7 @@ def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SM
         size = w.numel() * (2 if bf16 else 4)  # the panels' bytes
         if size > budget:
             continue
-        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16)
+        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16, amx_large)
         budget -= size
         setattr(parent, name, lin)
         done += 1

@@ -228,8 +228,10 @@ def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, 
     out = tmp_path / "serve.json"
     threads = torch.get_num_threads()
     try:
-        rc = main(["bench", "serve", "--model", llama_ckpt, "--num-prompts", "12", "--max-concurrency", "4",
-                   "--output-len", "6", "--input-len-min", "4", "--input-len-max", "12", "--repeats", "1",
+        # enough work that each process's CPU time spans many of /proc's clock ticks (10 ms): with 12 requests
+        # of 6 tokens the engine's read 0 ticks on a fast CPU
+        rc = main(["bench", "serve", "--model", llama_ckpt, "--num-prompts", "16", "--max-concurrency", "4",
+                   "--output-len", "48", "--input-len-min", "4", "--input-len-max", "12", "--repeats", "1",
                    "--kv-slots", "4096", "--cpu-threads", "1", "--out", str(out)])
     finally:
         torch.set_num_threads(threads)  # the offline engine set it for this whole process
@@ -239,7 +241,7 @@ def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, 
     assert rep["offline_threads"] == {"offline": 1}
     for path, runs in rep["runs"].items():
         (r,) = runs
-        assert r["num_failed"] == 0 and r["num_completed"] == 12, path
+        assert r["num_failed"] == 0 and r["num_completed"] == 16, path
         assert r["output_tps"] > 0
     assert set(rep["http_overhead"]) == {"offline"}
     cpu = rep["server_cpu_ms_per_request"]

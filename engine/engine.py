@@ -20,7 +20,7 @@ from stepserve.engine.attention import TorchAttention
 from stepserve.engine.attention_flashinfer import FlashInferAttention, flashinfer_unavailable
 from stepserve.engine.cuda_graph import DecodeGraphs
 from stepserve.engine.detokenizer import IncrementalDetokenizer
-from stepserve.engine.loader import amx_large_steps, load_model
+from stepserve.engine.loader import load_model
 from stepserve.engine.model_runner import ModelRunner
 from stepserve.engine.request import Branch, Request, TokenLogprob
 from stepserve.engine.sampler import derive_seed
@@ -233,7 +233,7 @@ class Engine:
         self.tokenizer_dir = config.tokenizer or model_dir
         self.model_config, self.model = load_model(model_dir, config.dtype, self.device)
         # float32 with products of many rows in bf16 (`loader.amx_large_steps`): such steps round as bf16 does
-        self.amx_large_steps = amx_large = amx_large_steps(config.dtype, self.model_config, self.device)
+        self.amx_large_steps = self.model.amx_large_steps
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
@@ -249,7 +249,8 @@ class Engine:
         draft = None
         if config.speculative == "draft":
             draft_dir = config.draft_model or DEFAULT_DRAFT_MODEL
-            dcfg, dmodel = load_model(draft_dir, self.dtype, self.device, amx_large=amx_large)
+            dcfg, dmodel = load_model(draft_dir, self.dtype, self.device,
+                                      amx_large=self.amx_large_steps)
             if dcfg.vocab_size != mc.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({mc.vocab_size}): it must share the target's tokenizer")

@@ -85,7 +85,8 @@ def load_model(
     amx_large: bool | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
     """`amx_large`: as `amx_large_steps` decides when None (a draft model takes
-    its target's choice, so that both compute alike)."""
+    its target's choice, so that both compute alike); the model's
+    `amx_large_steps` says what was done."""
     cfg = ModelConfig.from_pretrained(model_dir)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -101,9 +102,11 @@ def load_model(
     if can_pack_linears(device, torch_dtype) and os.environ.get("STEPSERVE_PACK_LINEARS", "1") != "0":
         pack_linears(model)
     kernels = small_batch_kernels(device, torch_dtype)
+    if amx_large is None:
+        amx_large = amx_large_steps(dtype, cfg, device)
+    model.amx_large_steps = amx_large and kernels is not None
     if kernels is not None:
-        use_small_batch_linears(model, kernels, amx_large=amx_large if amx_large is not None
-                                else amx_large_steps(dtype, cfg, device))
+        use_small_batch_linears(model, kernels, amx_large=amx_large)
     fused = cpu_kernels(device, torch_dtype)
     if fused is not None:
         model.use_cpu_kernels(fused)

@@ -29,6 +29,16 @@ from stepserve.engine.config import ModelConfig
 from stepserve.engine.forward_batch import ForwardBatch, logits_rows
 
 
+def prepack_weight(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
+    """`w` in oneDNN's blocked layout for `packed_linear` (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+
+
+def packed_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, w, b) on a weight from `prepack_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """A frozen `nn.Linear` whose weight is kept only in oneDNN's blocked layout
     (an opaque mkldnn tensor: computes like the original, cannot be indexed)."""
@@ -36,12 +46,11 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_hint: int = 64):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w = linear.weight.detach()
-        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(w, batch_hint), requires_grad=False)
+        self.weight = nn.Parameter(prepack_weight(linear.weight.detach(), batch_hint), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return packed_linear(x, self.weight, self.bias)
 
 
 def can_pack_linears(device: torch.device, dtype: torch.dtype) -> bool:
@@ -97,16 +106,14 @@ class SmallBatchLinear(nn.Module):
         # more rows than SMALL_M: a bf16 weight prepacked for oneDNN (AMX), where asked for and exact
         self._large = None
         if amx_large and bf16:
-            self._large = (torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 64),
-                           None if self.bias is None else self.bias.data.bfloat16())
+            self._large = (prepack_weight(w.bfloat16()), None if self.bias is None else self.bias.data.bfloat16())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= SMALL_M and x.shape[0] > 0:
             y = self._kernels.small_linear(x.contiguous(), self.panels)
             return y if self.bias is None else y.add_(self.bias)
         if self._large is not None and x.dim() == 2 and x.shape[0] > 0:
-            w, b = self._large
-            return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, b, "none", [], "").float()
+            return packed_linear(x.bfloat16(), *self._large).float()
         return F.linear(x, self.weight, self.bias)
 
 
@@ -411,6 +418,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # a float32 model whose products of more than SMALL_M rows run in bf16 (`loader.amx_large_steps`)
+    amx_large_steps = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()

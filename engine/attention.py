@@ -91,28 +91,33 @@ class TorchAttention:
         self.native_decode_ok = self.kernel is not None and pool.dtype == torch.float32
         self._decode_idx: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
+        self._extend_idx: list[torch.Tensor] = []
         self._extend_masks: list[torch.Tensor | None] = []
 
     def prepare(self, fb: ForwardBatch) -> None:
+        """The decode rows' padded slot table and mask, and the extend rows'
+        slot lists and masks, built from the host's bookkeeping and sent to
+        the pool's device (on the CPU, used as they are)."""
+        dev = self.pool.device
         self._decode_idx = self._decode_mask = None
         if fb.num_decode and self.kernel is None:
             lens = fb.decode_kv_lens
             lmax = int(lens.max())
             idx = fb.req_to_token.index_select(0, fb.decode_rows)[:, :lmax]
-            ar = torch.arange(lmax, device=lens.device)
-            valid = ar[None, :] < lens[:, None]
+            valid = torch.arange(lmax)[None, :] < lens[:, None]
             # positions past a row's length hold stale slots: point them at the
             # padding slot so the gather stays in bounds (they are masked anyway)
-            self._decode_idx = idx.masked_fill(~valid, 0)
-            self._decode_mask = valid[:, None, None, :]
+            self._decode_idx = idx.masked_fill(~valid, 0).to(dev)
+            self._decode_mask = valid[:, None, None, :].to(dev)
+        self._extend_idx = [kv_idx.to(dev) for _, _, kv_idx in fb.extend_rows]
         masks = []
-        for _, n, kv_idx in fb.extend_rows:
+        for (_, n, _), kv_idx in zip(fb.extend_rows, self._extend_idx):
             prefix = kv_idx.shape[0] - n
             if prefix == 0:
                 masks.append(None)  # plain causal
             else:
-                qpos = torch.arange(n, device=kv_idx.device)[:, None] + prefix
-                kpos = torch.arange(kv_idx.shape[0], device=kv_idx.device)[None, :]
+                qpos = torch.arange(n, device=dev)[:, None] + prefix
+                kpos = torch.arange(kv_idx.shape[0], device=dev)[None, :]
                 masks.append(kpos <= qpos)
         self._extend_masks = masks
 
@@ -141,7 +146,7 @@ class TorchAttention:
             qq = q[:nd].unsqueeze(2)  # [B, Hq, 1, D]
             o = _sdpa(qq, kk, vv, attn_mask=self._decode_mask, scale=self.scale)
             out[:nd] = o.squeeze(2)
-        for (start, n, kv_idx), mask in zip(fb.extend_rows, self._extend_masks):
+        for (start, n, _), kv_idx, mask in zip(fb.extend_rows, self._extend_idx, self._extend_masks):
             qq = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
             kk = _gather_rows(k_buf, kv_idx).view(-1, *k_buf.shape[1:]).transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
             vv = _gather_rows(v_buf, kv_idx).view(-1, *v_buf.shape[1:]).transpose(0, 1).unsqueeze(0)

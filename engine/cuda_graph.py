@@ -51,8 +51,8 @@ class DecodeGraphs:
     def __init__(self, model, backend, req_to_token: torch.Tensor, max_rows: int, capture: bool | None = None):
         self.model = model
         self.backend = backend
-        self.table = req_to_token
-        self.device = req_to_token.device
+        self.table = req_to_token  # on the host (`kvcache/pool.py`); the plan reads it there
+        self.device = next(model.parameters()).device
         self.capture_graphs = self.device.type == "cuda" if capture is None else capture
         self.buckets = graph_buckets(max_rows)
         bmax = self.buckets[-1]
@@ -62,8 +62,6 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.positions = torch.zeros(bmax, dtype=torch.long, device=dev)
         self.out_slots = torch.zeros(bmax, dtype=torch.long, device=dev)
-        self.rows = torch.zeros(bmax, dtype=torch.long, device=dev)
-        self.lens = torch.ones(bmax, dtype=torch.long, device=dev)
         self.arange = torch.arange(bmax, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # each graph's output buffer
@@ -72,12 +70,13 @@ class DecodeGraphs:
     def _batch(self, bs: int) -> ForwardBatch:
         return ForwardBatch(
             input_ids=self.input_ids[:bs], positions=self.positions[:bs], out_slots=self.out_slots[:bs],
-            num_decode=bs, req_to_token=self.table, decode_rows=self.rows[:bs], decode_kv_lens=self.lens[:bs],
+            num_decode=bs, req_to_token=self.table, decode_rows=None, decode_kv_lens=None,
             extend_rows=[], logits_indices=self.arange[:bs],
         )
 
-    def _plan(self, bs: int, rows, lens, lens_host) -> None:
-        self.backend.plan_graph(bs, self.max_pages, self.table, rows, lens, lens_host)
+    def _plan(self, bs: int, rows: torch.Tensor, lens: torch.Tensor) -> None:
+        """`rows`, `lens`: the real rows' table rows and context lengths, on the host."""
+        self.backend.plan_graph(bs, self.max_pages, self.table, rows, lens)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -87,11 +86,11 @@ class DecodeGraphs:
             return
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        no_rows = torch.zeros(0, dtype=torch.long)
+        none = torch.zeros(0, dtype=torch.long)
         for bs in reversed(self.buckets):
             fb = self._batch(bs)
             # every row a padding row: reads and writes slot 0 only
-            self._plan(bs, self.rows[:0], self.lens[:0], no_rows)
+            self._plan(bs, none, none)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graph
@@ -118,13 +117,12 @@ class DecodeGraphs:
         several times)."""
         b = fb.num_decode
         bs = bucket_for(self.buckets, b)
-        for buf, src, pad in ((self.input_ids, fb.input_ids, 0), (self.positions, fb.positions, 0),
-                              (self.out_slots, fb.out_slots, 0), (self.rows, fb.decode_rows, 0),
-                              (self.lens, fb.decode_kv_lens, 1)):
+        for buf, src in ((self.input_ids, fb.input_ids), (self.positions, fb.positions),
+                         (self.out_slots, fb.out_slots)):
             buf[:b].copy_(src)
             if bs > b:
-                buf[b:bs].fill_(pad)
-        self._plan(bs, self.rows[:b], self.lens[:b], fb.kv_lens_host())
+                buf[b:bs].zero_()
+        self._plan(bs, fb.decode_rows, fb.decode_kv_lens)
         self.replays += 1
         if self.capture_graphs:
             self.graphs[bs].replay()

@@ -273,8 +273,10 @@ class Engine:
                                  "after the weights; raise gpu_memory_utilization or give kv_memory_gb")
         self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
         log.info("KV cache: %d tokens (%.2f GiB) on %s", kv_slots, kv_slots * per_tok / (1 << 30), self.device)
-        self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1, self.device)
-        kv = KVManager(SlotAllocator(kv_slots + 1, self.device), self.req_pool, config.prefix_caching)
+        # the slot allocator, the req->token table and the radix tree live on the host whatever the device:
+        # the scheduler's bookkeeping launches no device work, and the backends send what a step reads
+        self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1)
+        kv = KVManager(SlotAllocator(kv_slots + 1), self.req_pool, config.prefix_caching)
         proposer = NgramProposer() if config.speculative == "ngram" else None
         self.policies = builtin_policies(config, proposer) + list(config.policies)
         self.scheduler = Scheduler(

@@ -26,17 +26,23 @@ def long_tensor(values, device: torch.device | str = "cpu") -> torch.Tensor:
 
 @dataclass
 class ForwardBatch:
+    """The token tensors live on the model's device; the KV bookkeeping a
+    backend plans from -- the req->token table, the decode rows' table rows
+    and context lengths, the extend rows' slot lists -- on the host, where the
+    scheduler keeps it (`kvcache/pool.py`): a backend on a device sends what
+    it reads of it."""
+
     input_ids: torch.Tensor  # int64 [T]
     positions: torch.Tensor  # int64 [T]
     out_slots: torch.Tensor  # int64 [T]: KV slot each new token writes
     # decode part: rows [0, num_decode), one token each; row b's context is
     # req_to_token[decode_rows[b], :decode_kv_lens[b]] (incl. the new token)
     num_decode: int
-    req_to_token: torch.Tensor  # int64 [max_rows, max_context]
-    decode_rows: torch.Tensor | None  # int64 [B]
-    decode_kv_lens: torch.Tensor | None  # int64 [B]
+    req_to_token: torch.Tensor  # int64 [max_rows, max_context], host
+    decode_rows: torch.Tensor | None  # int64 [B], host
+    decode_kv_lens: torch.Tensor | None  # int64 [B], host
     # extend part, per row: (first token index in the flat batch, number of new
-    # tokens, KV slot indices of the whole context [prefix_len + n])
+    # tokens, KV slot indices of the whole context [prefix_len + n], host)
     extend_rows: list[tuple[int, int, torch.Tensor]]
     logits_indices: torch.Tensor  # int64 [R]: flat token index whose logits are sampled
     # flat token indices whose final hidden states the model returns beside the
@@ -49,13 +55,17 @@ class ForwardBatch:
     # after): set where the tokens are padded too (a verify row has k + 1 logits rows, so their count would
     # otherwise be a new matmul shape at each k and batch size)
     pad_logits: bool = False
-    # decode_kv_lens on the host (int64, CPU), where the batch was built there:
-    # a GPU backend plans from it without reading the device copy back
-    decode_kv_lens_host: torch.Tensor | None = None
 
-    def kv_lens_host(self) -> torch.Tensor:
-        """decode_kv_lens on the host: the builder's copy, else read back (a sync)."""
-        return self.decode_kv_lens_host if self.decode_kv_lens_host is not None else self.decode_kv_lens.cpu()
+
+def to_device(parts: list, device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors on `device` of each list of ints (or int array) in
+    `parts`, through one host array and, off the CPU, one copy: a step's
+    index tensors cost one transfer, not one each (~15 us apiece on a GPU)."""
+    sizes = [len(p) for p in parts]
+    host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]) if parts
+                            else np.zeros(0, dtype=np.int64))
+    flat = host if device.type == "cpu" else host.to(device)
+    return list(flat.split(sizes))
 
 
 class ShapeLog:

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.attention import AttentionBackend
-from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, long_tensor, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
 from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_rows, row_input
 from stepserve.engine.speculative import verify_rows
@@ -130,33 +130,32 @@ class ModelRunner:
         if pad:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
-        pos_np = np.array(pos, dtype=np.int64)
-        positions = torch.from_numpy(pos_np)
-        decode_rows = decode_lens = lens_host = None
+            out_slots = torch.cat([out_slots, out_slots.new_zeros(pad)])
+        decode_rows = decode_lens = None
         if num_dq:
-            lens_host = torch.from_numpy(pos_np[:num_dq] + 1)
-            decode_lens = lens_host.to(dev)
-            decode_rows = long_tensor(dec_rows, dev)
+            decode_lens = torch.from_numpy(np.array(pos[:num_dq], dtype=np.int64) + 1)
+            decode_rows = torch.from_numpy(np.array(dec_rows, dtype=np.int64))
         if nv:
             a, b = plan.verify_samples()
             sampled = [last_index[i] for i, _ in plan.samples[:a] + plan.samples[b:]] + verify_idx
         else:
             sampled = [last_index[i] for i, _ in plan.samples]
+        hidden = np.concatenate([np.arange(f, f + k) for _, _, k, f in prompt_rows]) if prompt_rows else []
+        input_ids, positions, slots, logits_indices, hidden_indices = to_device(
+            [ids, pos, out_slots, sampled, hidden], dev)
         return ForwardBatch(
-            input_ids=long_tensor(ids, dev),
-            positions=positions.to(dev),
-            out_slots=(out_slots if not pad else torch.cat([out_slots, out_slots.new_zeros(pad)])).to(dev),
+            input_ids=input_ids,
+            positions=positions,
+            out_slots=slots,
             num_decode=num_dq,
             req_to_token=table,
             decode_rows=decode_rows,
             decode_kv_lens=decode_lens,
             extend_rows=extend_meta,
-            logits_indices=long_tensor(sampled, dev),
-            hidden_indices=torch.cat([torch.arange(f, f + k) for _, _, k, f in prompt_rows]).to(dev)
-            if prompt_rows else None,
+            logits_indices=logits_indices,
+            hidden_indices=hidden_indices if prompt_rows else None,
             num_padding=pad,
             pad_logits=self.pad_tokens,
-            decode_kv_lens_host=lens_host,
         ), prompt_rows
 
     @torch.inference_mode()

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.cpu_kernels import paged_decode_module
-from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -263,7 +263,8 @@ class DraftModelProposer:
         self.req_pool = req_pool
         self.device = device
         self.vocab_size = model.config.vocab_size
-        self._valid = torch.zeros(pool.num_slots, dtype=torch.bool, device=device)
+        # on the host, with the slots and the req->token table it is read through (`kvcache/pool.py`)
+        self._valid = torch.zeros(pool.num_slots, dtype=torch.bool)
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
         self.pad_tokens = pad_tokens
         self.forwards = 0  # draft forward passes run
@@ -336,10 +337,10 @@ class DraftModelProposer:
         host = torch.tensor([r.seq.row for r in rows] + [r.start + 1 for r in rows], dtype=torch.long)
         if self._native is not None:  # one scan in C++, not six torch ops (~0.4 ms a step at batch 1)
             return self._native.first_unmarked(self._valid, table, host[: len(rows)], host[len(rows) :]).tolist()
-        seq_rows, lens = host.to(table.device).view(2, -1)
+        seq_rows, lens = host.view(2, -1)
         lmax = int(lens.max())
         idx = table[seq_rows, :lmax]
-        ok = self._valid[idx] & (torch.arange(lmax, device=table.device)[None, :] < lens[:, None])
+        ok = self._valid[idx] & (torch.arange(lmax)[None, :] < lens[:, None])
         return (~ok).to(torch.int8).argmax(dim=1).tolist()
 
     def _native_greedy(self, rows: list[ScheduledRow], entries: list[tuple[int, int, list[int]]]) -> bool:
@@ -379,15 +380,12 @@ class DraftModelProposer:
         nd = sum(len(entries[k][2]) for k in dec)  # decode-shaped queries, first
         n = len(ids)
         pad = token_bucket(n) - n if self.pad_tokens else 0
-        # every index this forward needs in one host tensor (one copy to the device): ids, positions and
-        # rows of the tokens (padding: id 0 at position 0 of row 0, written to the padding slot below),
-        # then the logits rows
-        host = torch.tensor(ids + [0] * pad + pos + [0] * pad + tok_rows + [0] * pad + last, dtype=torch.long)
-        flat = host if dev.type == "cpu" else host.to(dev, non_blocking=True)
-        t = n + pad
-        input_ids, positions, rows = flat[:t], flat[t : 2 * t], flat[2 * t : 3 * t]
+        # padding: id 0 at position 0 of row 0, written to the padding slot
+        zeros = [0] * pad
+        positions = torch.tensor(pos + zeros, dtype=torch.long)
+        rows = torch.tensor(tok_rows + zeros, dtype=torch.long)
         table = self.req_pool.table
-        out_slots = table[rows.to(table.device), positions.to(table.device)].to(dev)
+        out_slots = table[rows, positions]
         if pad:
             out_slots[n:] = 0
         self._valid.index_fill_(0, out_slots[:n], True)
@@ -395,20 +393,19 @@ class DraftModelProposer:
         for k in ext:
             row, p, toks = entries[k]
             extend_meta.append((last[k] - len(toks) + 1, len(toks), table[row, : p + len(toks)]))
-        kv_lens_host = host[t : t + nd] + 1 if nd else None
+        input_ids, dev_positions, dev_slots, logits_indices = to_device([ids + zeros, positions, out_slots, last], dev)
         fb = ForwardBatch(
             input_ids=input_ids,
-            positions=positions,
-            out_slots=out_slots,
+            positions=dev_positions,
+            out_slots=dev_slots,
             num_decode=nd,
             req_to_token=table,
             decode_rows=rows[:nd] if nd else None,
             decode_kv_lens=(positions[:nd] + 1) if nd else None,
             extend_rows=extend_meta,
-            logits_indices=flat[3 * t :],
+            logits_indices=logits_indices,
             num_padding=pad,
             pad_logits=self.pad_tokens,
-            decode_kv_lens_host=kv_lens_host,
         )
         self.cold |= self.shapes.first_run(fb)
         logits, _ = self.model(fb, self.backend)

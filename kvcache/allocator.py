@@ -1,6 +1,7 @@
 """Token-slot allocator for the KV pool (page size 1: one slot holds one token).
 
-Slots are int64 indices into the per-layer K/V buffers of `TokenKVPool`.
+Slots are int64 indices into the per-layer K/V buffers of `TokenKVPool`, kept
+on the host whatever the pool's device (see `pool.py`).
 Slot 0 is reserved as the padding slot: it is never handed out and never taken
 back, so padded rows of a batch can point (and even write) there harmlessly.
 """
@@ -19,11 +20,12 @@ class SlotAllocator:
     list on every `free` would be O(free slots) per call.
     """
 
-    def __init__(self, num_slots: int, device: str | torch.device = "cpu"):
+    device = torch.device("cpu")
+
+    def __init__(self, num_slots: int):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1 (slot 0 is the padding slot), got {num_slots}")
         self.num_slots = num_slots
-        self.device = torch.device(device)
         self.reset()
 
     def reset(self) -> None:
@@ -43,7 +45,7 @@ class SlotAllocator:
             self._pending_count = 0
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` free slots (int64 [n] on the allocator's device).
+        """Take `n` free slots (int64 [n], on the host).
 
         Returns None, allocating nothing, when fewer than `n` are free: the caller
         decides whether to evict from the radix cache and retry.
@@ -78,4 +80,4 @@ class SlotAllocator:
         return self._free.clone()
 
     def __repr__(self) -> str:
-        return f"SlotAllocator(num_slots={self.num_slots}, available={self.available()}, device={self.device})"
+        return f"SlotAllocator(num_slots={self.num_slots}, available={self.available()})"

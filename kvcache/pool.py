@@ -1,8 +1,12 @@
 """Physical KV storage and the per-request token->slot table.
 
-`TokenKVPool` holds the K/V tensors, one pair per layer, indexed by slot.
-`ReqToTokenPool` maps (running request row, token position) -> slot, which is
-what attention kernels gather through.
+`TokenKVPool` holds the K/V tensors, one pair per layer, indexed by slot, on
+the model's device. `ReqToTokenPool` maps (running request row, token
+position) -> slot, which is what attention kernels gather through; it lives on
+the host, with the slot allocator and the radix tree, so that the scheduler's
+bookkeeping never launches device work. A backend on a GPU sends each step
+what it reads of the table (flashinfer: the page lists), as vLLM sends its
+block tables.
 """
 
 from __future__ import annotations
@@ -67,21 +71,21 @@ class TokenKVPool:
 
 
 class ReqToTokenPool:
-    """`table[row, pos]` = KV slot of token `pos` of the sequence running in `row`.
+    """`table[row, pos]` = KV slot of token `pos` of the sequence running in `row`
+    (an int64 tensor on the host).
 
     Rows are recycled; a freshly allocated row still holds whatever its previous
     owner wrote (it is not cleared, to keep `free` a pure bookkeeping call).
     Callers write every position they later read.
     """
 
-    def __init__(self, max_rows: int, max_context: int, device: str | torch.device):
+    def __init__(self, max_rows: int, max_context: int):
         self.max_rows = max_rows
         self.max_context = max_context
-        self.device = torch.device(device)
-        self.table = torch.zeros((max_rows, max_context), dtype=torch.int64, device=self.device)
-        # on the host, a numpy view of the table: a decode step writes one slot per row, and numpy's
-        # fancy assignment costs a fraction of torch's advanced-index put (~8 against ~30 us)
-        self._host = self.table.numpy() if self.device.type == "cpu" else None
+        self.table = torch.zeros((max_rows, max_context), dtype=torch.int64)
+        # a numpy view of the table: a decode step writes one slot per row, and numpy's fancy
+        # assignment costs a fraction of torch's advanced-index put (~8 against ~30 us)
+        self.host = self.table.numpy()
         # Stack with row 0 on top, so rows are handed out in order 0, 1, 2, ...
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
         self._used: set[int] = set()
@@ -91,10 +95,7 @@ class ReqToTokenPool:
 
     def write(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] (one entry per row: a decode step's new tokens)."""
-        if self._host is not None:
-            self._host[rows, positions] = slots.numpy()
-        else:
-            self.table[torch.tensor(rows, device=self.device), torch.tensor(positions, device=self.device)] = slots
+        self.host[rows, positions] = slots.numpy()
 
     def alloc(self) -> int | None:
         if not self._free_rows:

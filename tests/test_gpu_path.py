@@ -60,10 +60,13 @@ def test_paged_indices_equal_a_naive_gather():
     assert ip.dtype == torch.int32 and ip.tolist() == [0, 1, 41, 48, 61]
     assert indptr_of(lens.tolist(), 2).tolist() == [0, 1, 41, 48, 61, 62, 63]  # two padding rows of one page
     assert indptr_of([]).tolist() == [0]
-    got = paged_indices(table, rows, lens, int(ip[-1]))
+    got = paged_indices(table, rows, lens)
     want = torch.cat([table[r, :n] for r, n in zip(rows.tolist(), lens.tolist())])
-    assert got.dtype == torch.int32 and torch.equal(got.long(), want)
-    assert paged_indices(table, rows[:0], lens[:0], 0).numel() == 0
+    assert got.dtype == torch.int32 and got.device.type == "cpu" and torch.equal(got.long(), want)
+    padded = paged_indices(table, rows, lens, pad=2)  # two padding rows, each reading the padding slot 0
+    assert torch.equal(padded.long(), torch.cat([want, torch.zeros(2, dtype=torch.long)]))
+    assert paged_indices(table, rows[:0], lens[:0]).numel() == 0
+    assert paged_indices(table, rows[:0], lens[:0], pad=3).tolist() == [0, 0, 0]
 
 
 def test_gpu_memory_sizing_arithmetic():
@@ -242,6 +245,34 @@ def test_gpu_graphs_equal_eager(ckpt_factory):
         torch.testing.assert_close(torch.tensor([t.logprob for t in x.outputs[0].logprobs]),
                                    torch.tensor([t.logprob for t in y.outputs[0].logprobs]), atol=2e-2, rtol=0)
     assert graphs.engine.runner.graphs.replays > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["ngram", "draft"])
+def test_gpu_speculation_equals_plain_decoding(ckpt_factory, spec):
+    """Speculative decoding on the GPU (drafts, verify rows through the
+    graphs and flashinfer, the draft model's own pool; the KV check after
+    every step): greedy tokens equal plain decoding's, or where a row parts,
+    both are within bf16 noise of float32 transformers."""
+    _real_flashinfer()
+    path = ckpt_factory("llama", head_dim=128, dtype=torch.bfloat16)
+    prompts = prompts_of([30, 12, 50, 7], seed=5)
+    prompts = [p + p[:10] + p for p in prompts]  # repetitive: the n-gram proposer drafts
+    kw = dict(device="cuda", dtype="bfloat16", kv_memory_gb=1, max_running=16, check_invariants=True)
+    plain = tokens(LLM(path, **kw), prompts, 24)
+    extra = {}
+    if spec == "draft":
+        extra = dict(draft_model=ckpt_factory("llama", head_dim=128, dtype=torch.bfloat16, layers=1, seed=1))
+    llm = LLM(path, speculative=spec, spec_length="fixed:3", **extra, **kw)
+    got = tokens(llm, prompts, 24)
+    assert llm.engine.stats().policy.get("spec_draft_tokens", 0) > 0
+    differ = [i for i, (x, y) in enumerate(zip(got, plain)) if x != y]
+    print(f"{spec}: speculation and plain decoding agree on {len(prompts) - len(differ)} of {len(prompts)} rows")
+    if differ:
+        pick = [prompts[i] for i in differ]
+        assert_greedy_within_bf16_noise(path, pick, [got[i] for i in differ], spec)
+        assert_greedy_within_bf16_noise(path, pick, [plain[i] for i in differ], "plain")
+    llm.engine.kv_report()
 
 
 @pytest.mark.gpu

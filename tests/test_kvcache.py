@@ -86,7 +86,7 @@ def test_num_slots_one_has_nothing_usable():
 
 
 def test_req_to_token_pool():
-    p = ReqToTokenPool(max_rows=3, max_context=16, device="cpu")
+    p = ReqToTokenPool(max_rows=3, max_context=16)
     assert p.table.shape == (3, 16) and p.table.dtype == torch.int64
     assert int(p.table.abs().sum()) == 0
     rows = [p.alloc(), p.alloc(), p.alloc()]
@@ -107,7 +107,7 @@ def test_req_to_token_pool_write_sets_one_entry_per_row():
     """`write` (a decode step's new slots) sets table[row, position] and
     nothing else, the same on the host's numpy view as through torch."""
     for host in (True, False):
-        p = ReqToTokenPool(max_rows=4, max_context=8, device="cpu")
+        p = ReqToTokenPool(max_rows=4, max_context=8)
         if not host:
             p._host = None  # the torch path, as on a GPU
         p.table[:] = -1

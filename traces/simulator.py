@@ -265,8 +265,8 @@ class Simulator:
         cfg = self.cfg
         max_ctx = cfg.max_context or DEFAULT_MAX_CONTEXT
         kv = KVManager(
-            SlotAllocator(cfg.kv_slots + 1, "cpu"),
-            ReqToTokenPool(cfg.max_running * 2 + 8, max_ctx + 1, "cpu"),
+            SlotAllocator(cfg.kv_slots + 1),
+            ReqToTokenPool(cfg.max_running * 2 + 8, max_ctx + 1),
             cfg.prefix_caching,
         )
         sched = Scheduler(

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 import fake_flashinfer
 from stepserve import LLM, SamplingParams
-from stepserve.engine.attention_flashinfer import indptr_of, paged_indices
+from stepserve.engine.attention_flashinfer import PageListStaging, indptr_of, paged_indices
 from stepserve.engine.cuda_graph import bucket_for, graph_buckets
 from stepserve.engine.engine import activation_reserve_bytes, gpu_kv_bytes
 
@@ -67,6 +68,28 @@ def test_paged_indices_equal_a_naive_gather():
     assert torch.equal(padded.long(), torch.cat([want, torch.zeros(2, dtype=torch.long)]))
     assert paged_indices(table, rows[:0], lens[:0]).numel() == 0
     assert paged_indices(table, rows[:0], lens[:0], pad=3).tolist() == [0, 0, 0]
+    buf = np.full(100, -1, dtype=np.int32)  # written in place, stale entries past the list untouched
+    assert torch.equal(paged_indices(table, rows, lens, pad=1, out=buf).long(), torch.cat([want, torch.zeros(1).long()]))
+    assert (buf[62:] == -1).all()
+
+
+def test_page_lists_are_staged_into_the_graph_buffer():
+    """The page list lands in the given device buffer (a graph wrapper's),
+    as paged_indices builds it, and the staging buffer is reused and grown."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.randint(1, 1000, (5, 30), generator=g)
+    staging = PageListStaging(torch.device("cpu"))
+    dest = torch.full((200,), -7, dtype=torch.int32)
+    for rows, lens, pad in (([3, 1], [30, 4], 2), ([0], [9], 0), ([4, 2, 0, 1], [30, 30, 30, 30], 1)):
+        rows, lens = torch.tensor(rows), torch.tensor(lens)
+        got = staging.send(table, rows, lens, pad, dest)
+        assert got.data_ptr() == dest.data_ptr() and len(got) == int(lens.sum()) + pad
+        assert torch.equal(got, paged_indices(table, rows, lens, pad))
+    fresh = staging.send(table, torch.tensor([2]), torch.tensor([5]), 0)
+    assert fresh.tolist() == table[2, :5].tolist()
+    big = torch.randint(1, 1 << 20, (3, 40000), generator=g)  # past the staging buffer's first size
+    rows, lens = torch.tensor([2, 0, 1]), torch.tensor([40000, 39999, 1])
+    assert torch.equal(staging.send(big, rows, lens, 3), paged_indices(big, rows, lens, 3))
 
 
 def test_gpu_memory_sizing_arithmetic():

@@ -85,7 +85,7 @@ class ReqToTokenPool:
         self.table = torch.zeros((max_rows, max_context), dtype=torch.int64)
         # a numpy view of the table: a decode step writes one slot per row, and numpy's fancy
         # assignment costs a fraction of torch's advanced-index put (~8 against ~30 us)
-        self.host = self.table.numpy()
+        self._host = self.table.numpy()
         # Stack with row 0 on top, so rows are handed out in order 0, 1, 2, ...
         self._free_rows: list[int] = list(range(max_rows - 1, -1, -1))
         self._used: set[int] = set()
@@ -95,7 +95,7 @@ class ReqToTokenPool:
 
     def write(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """table[rows[i], positions[i]] = slots[i] (one entry per row: a decode step's new tokens)."""
-        self.host[rows, positions] = slots.numpy()
+        self._host[rows, positions] = slots.numpy()
 
     def alloc(self) -> int | None:
         if not self._free_rows:

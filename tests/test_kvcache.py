@@ -104,17 +104,14 @@ def test_req_to_token_pool():
 
 
 def test_req_to_token_pool_write_sets_one_entry_per_row():
-    """`write` (a decode step's new slots) sets table[row, position] and
-    nothing else, the same on the host's numpy view as through torch."""
-    for host in (True, False):
-        p = ReqToTokenPool(max_rows=4, max_context=8)
-        if not host:
-            p._host = None  # the torch path, as on a GPU
-        p.table[:] = -1
-        p.write([2, 0, 3], [5, 0, 7], torch.tensor([11, 12, 13]))
-        want = torch.full((4, 8), -1, dtype=torch.int64)
-        want[2, 5], want[0, 0], want[3, 7] = 11, 12, 13
-        assert torch.equal(p.table, want), host
+    """`write` (a decode step's new slots, through the table's numpy view)
+    sets table[row, position] and nothing else."""
+    p = ReqToTokenPool(max_rows=4, max_context=8)
+    p.table[:] = -1
+    p.write([2, 0, 3], [5, 0, 7], torch.tensor([11, 12, 13]))
+    want = torch.full((4, 8), -1, dtype=torch.int64)
+    want[2, 5], want[0, 0], want[3, 7] = 11, 12, 13
+    assert torch.equal(p.table, want)
 
 
 def test_token_kv_pool_write_and_sizes():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -74,7 +74,12 @@ def engine_unavailable(err: Exception) -> APIError:
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+    return describe_errors(exc.errors())
+
+
+def describe_errors(errors, rename: Callable[[str], str] | None = None) -> tuple[str, str | None]:
+    """(message, param) for pydantic's errors (of a request body, or of a
+    request built from one); `rename` maps the param to the client's name."""
     if not errors:
         return "Invalid request", None
     e = errors[0]
@@ -90,6 +95,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if "logit_bias" in names:  # its keys are token ids, not parameter names
         names = names[: names.index("logit_bias") + 1]
     param = ".".join(names) or None
+    if param and rename is not None:
+        param = rename(param)
     msg = e.get("msg", "invalid value")
     if e.get("type"):  # pydantic's error type, which vLLM's messages carry and clients match on
         msg += f" [type={e['type']}]"
@@ -105,6 +112,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         msg, param = _validation_message(exc)
+        first = (exc.errors() or [{}])[0]
+        if isinstance(first.get("input"), bytes) and all(p == "body" for p in first.get("loc", ())):
+            # a body FastAPI did not parse, for its Content-Type (`curl -d` sends a form's): say so, rather
+            # than that the (JSON) body is not an object
+            ctype = request.headers.get("content-type", "")
+            msg = (f"The request body must be JSON sent with Content-Type: application/json; it came as "
+                   f"{ctype!r}, so it was not read as JSON")
         return SafeJSONResponse(error_body(msg, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)

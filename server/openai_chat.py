@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from stepserve.server.errors import APIError, bad_request
+from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs
 from stepserve.server.protocol import ChatCompletionRequest
@@ -17,12 +17,17 @@ from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
 from stepserve.server.tools import ChoiceTools, constrained_schema
 
 
+# conversations of up to this many messages (and INLINE_TOKENIZE_CHARS of text) are rendered inline
+INLINE_RENDER_MESSAGES = 64
+
+
 def _arguments(text: str):
     """A call's arguments as the chat template wants them: the parsed object
-    (templates write `arguments | tojson`), or the text if it is not JSON."""
+    (templates write `arguments | tojson`), or the text if it is not JSON (or
+    is nested deeper than the parser goes: that raised RecursionError, a 500)."""
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text
 
 
@@ -33,9 +38,12 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
     tok = client.tokenizer
     if not getattr(tok, "chat_template", None):
         raise bad_request("This model has no chat template; use /v1/completions", "messages")
+    texts = [m.text() for m in req.messages]
+    chars = sum(map(len, texts)) + sum(len(c.function.arguments) for m in req.messages for c in (m.tool_calls or ()))
+    client.check_text_length(chars, "messages")  # the template adds text; it does not drop a turn's content
     messages = []
-    for m in req.messages:
-        msg = {"role": m.role, "content": m.text()}
+    for m, content in zip(req.messages, texts):
+        msg = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_call_id is not None:
@@ -44,9 +52,6 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
             msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
         messages.append(msg)
-    chars = sum(len(m["content"]) for m in messages) + sum(
-        len(c.function.arguments) for m in req.messages for c in (m.tool_calls or ()))
-    client.check_text_length(chars, "messages")  # the template adds text; it does not drop a turn's content
     add_generation_prompt = req.add_generation_prompt
     if req.continue_final_message:
         # continuing the last message implies no generation prompt after it (SGLang's reading; vLLM refuses
@@ -67,19 +72,23 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
     render = functools.partial(tok.apply_chat_template, messages, tokenize=False,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=req.continue_final_message, **extra)
+
+    def rendered() -> tuple[str, bool]:
+        """(the prompt text, whether the template ignored `tools`)."""
+        if not tools:
+            return render(), False
+        text = render(tools=tools)
+        return text, text == render()
+
+    # the template's cost grows with the messages as well as their text: 200,000 empty messages took
+    # a second of the event loop, so a conversation of many messages is rendered off it too
+    inline = chars <= INLINE_TOKENIZE_CHARS and len(messages) <= INLINE_RENDER_MESSAGES
     try:
-        if tools:
-            # a template that ignores `tools` would let the model answer blind: refuse instead
-            with_tools = functools.partial(render, tools=tools)
-            text = with_tools() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(with_tools)
-            if text == render():
-                raise bad_request("This model's chat template does not render tools", "tools")
-        else:
-            text = render() if chars <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(render)
-    except APIError:
-        raise
+        text, blind = rendered() if inline else await asyncio.to_thread(rendered)
     except Exception as e:  # jinja raises for conversations the template refuses
         raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
+    if blind:  # a template that ignores `tools` would let the model answer blind: refuse instead
+        raise bad_request("This model's chat template does not render tools", "tools")
     # the rendered template already holds its special tokens as text
     return await client.tokenize(text, "messages")
 

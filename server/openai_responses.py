@@ -25,12 +25,12 @@ import uuid
 from collections import OrderedDict
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationError
 from starlette.requests import Request
 
-from stepserve.server.errors import APIError, SafeJSONResponse, bad_request
+from stepserve.server.errors import APIError, SafeJSONResponse, bad_request, describe_errors
 from stepserve.server.openai_chat import ChoiceTools, prepare_chat
-from stepserve.server.protocol import MAX_INT, ChatCompletionRequest, Seconds, Text, _Model
+from stepserve.server.protocol import INT64_MAX, INT64_MIN, MAX_INT, ChatCompletionRequest, Seconds, Text, _Model
 from stepserve.server.serving import EngineClient
 
 log = logging.getLogger("stepserve.server")
@@ -65,7 +65,7 @@ class ResponsesRequest(_Model):
     truncation: Literal["disabled", "auto"] = "disabled"
     reasoning: Optional[dict] = None
     # the chat route's extensions, accepted here too
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
     slo_ttft: Optional[Seconds] = None
     slo_tpot: Optional[Seconds] = None
 
@@ -200,8 +200,22 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
         body["tool_choice"] = req.tool_choice
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None}, strict=False)
-    except ValueError as e:
-        raise bad_request(f"Invalid request: {e}".splitlines()[0], "input") from None
+    except ValidationError as e:  # named as this request names it (was "1 validation error for ...", "input")
+        raise bad_request(*describe_errors(e.errors(), _responses_param)) from None
+
+
+def _responses_param(chat_param: str) -> str:
+    """A chat request's parameter (`to_chat`) as the Responses request that made it names it."""
+    head, _, rest = chat_param.partition(".")
+    if head == "messages":
+        return "input"
+    if head == "response_format":
+        return "text.format"
+    if head == "tools":  # tools.K.function.X -> tools.K.X (Responses tools are flat)
+        return chat_param.replace(".function", "", 1)
+    if head == "tool_choice":
+        return "tool_choice"
+    return {"max_completion_tokens": "max_output_tokens"}.get(head, head) + (f".{rest}" if rest else "")
 
 
 def _item_id(prefix: str) -> str:
@@ -222,10 +236,18 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
     history = []
     if req.previous_response_id:
         try:
-            history = store.get(req.previous_response_id, "previous_response_id")[1]
+            previous, history = store.get(req.previous_response_id, "previous_response_id")
         except APIError as e:  # a bad parameter of this request: 400, as OpenAI answers
             raise bad_request(f"Previous response with id '{req.previous_response_id}' not found.",
                               "previous_response_id") from e
+        # only a finished response holds its conversation: continuing from one still running in the
+        # background (or failed, or cancelled) would silently drop it
+        if previous["status"] in ("queued", "in_progress"):
+            raise bad_request(f"Previous response with id '{req.previous_response_id}' is still in progress.",
+                              "previous_response_id")
+        if previous["status"] not in ("completed", "incomplete"):
+            raise bad_request(f"Previous response with id '{req.previous_response_id}' is {previous['status']}: "
+                              "it has no conversation to continue from.", "previous_response_id")
     chat = to_chat(req, history)
     job = await prepare_chat(chat, client)
     rid = _item_id("resp")

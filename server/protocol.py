@@ -1,7 +1,9 @@
 """Request bodies of the HTTP API: OpenAI's field names, types and limits.
 
-Models are strict (a string is not a number, 1.0 is not an int) and ignore
-unknown fields, as vLLM does, so that newer OpenAI clients keep working.
+Models are strict (a string is not a number, 1.0 is not an int). Those of the
+OpenAI routes ignore unknown fields, as vLLM does, so that newer OpenAI clients
+keep working; those of the native `/generate` (the engine's own names) refuse
+them.
 Responses are built as plain dicts in the route modules.
 """
 
@@ -131,6 +133,8 @@ class StructuredOutputs(_Model):
                 spec = json.loads(spec)
             except ValueError as e:
                 raise ValueError(f"json is not a JSON schema: {e}") from None
+            except RecursionError:  # valid JSON nested past the parser's depth: no usable schema either
+                raise ValueError("json is not a JSON schema: it is nested too deeply") from None
         return kind, spec
 
 
@@ -303,7 +307,15 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
 
 
-class NativeSamplingParams(_Model):
+class _NativeModel(_Model):
+    """`POST /generate`'s bodies: every field is one of the engine's own, so an
+    unknown one (a typo, another server's name such as SGLang's
+    `max_new_tokens`) is a 400 naming it, not silently dropped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+
+
+class NativeSamplingParams(_NativeModel):
     """`POST /generate`'s sampling parameters: the engine's own names."""
 
     n: int = Field(1, ge=1, le=MAX_N)
@@ -330,12 +342,12 @@ class NativeSamplingParams(_Model):
     speculative: bool = True  # false: this request never decodes speculatively
 
 
-class StageBranch(_Model):
+class StageBranch(_NativeModel):
     prompt: Union[Text, list[TokenId]] = ""  # the branch's own suffix
     max_tokens: int = Field(ge=1, le=MAX_INT)
 
 
-class Stage(_Model):
+class Stage(_NativeModel):
     """A fork/join stage after the first: serial (`max_tokens`) or parallel (`branches`)."""
 
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
@@ -353,7 +365,7 @@ class Stage(_Model):
         return {"branches": [{"prompt": b.prompt, "max_tokens": b.max_tokens} for b in self.branches]}
 
 
-class GenerateRequest(_Model):
+class GenerateRequest(_NativeModel):
     """`POST /generate`: exactly one of `text` and `input_ids`; `stages` makes
     it a fork/join request (`Engine.add_request`)."""
 

@@ -90,7 +90,7 @@ class ToolCallParser:
             self.inside = False
             try:
                 call = call_from_json(json.loads(block))
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                 call = None
             if call is None:
                 content.append(OPEN + block + CLOSE)
@@ -110,7 +110,7 @@ def parse_constrained(text: str) -> list[ToolCall]:
     calls); [] if it is not complete JSON (the output was cut by max_tokens)."""
     try:
         obj = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     calls = [call_from_json(o) for o in obj] if isinstance(obj, list) else []
     return [c for c in calls if c is not None]

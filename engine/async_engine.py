@@ -204,12 +204,23 @@ class AsyncEngine:
 
             if engine is not None:
                 raise ValueError("process=True builds its engine in the child; pass a config")
-            self._core = EngineProcess(config or EngineConfig(**kwargs), self._dispatch, self._died)
+            from stepserve.engine.engine import load_tokenizer, tokenizer_dir
+
+            config = config or EngineConfig(**kwargs)
+            # this side's tokenizer (transformers' import is most of it, ~1 s) loads while the child starts
+            early = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stepserve-tokenizer")
+            guess = tokenizer_dir(config)
+            tok = early.submit(load_tokenizer, guess)
+            early.shutdown(wait=False)
+            try:
+                self._core = EngineProcess(config, self._dispatch, self._died)
+            finally:
+                tok_error = tok.exception()  # (waits for it: no thread left importing behind an error)
             self.engine = None
             self.info = self._core.info
-            from stepserve.engine.engine import load_tokenizer
-
-            self.tokenizer = load_tokenizer(self.info.tokenizer)
+            # the child's own choice decides (the same directory unless the config is changed under us)
+            self.tokenizer = tok.result() if guess == self.info.tokenizer and tok_error is None \
+                else load_tokenizer(self.info.tokenizer)
         else:
             self.engine = engine or Engine(config or EngineConfig(**kwargs))
             self.info = self.engine.info()

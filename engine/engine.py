@@ -204,10 +204,47 @@ def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
     return out
 
 
+def tokenizer_dir(config: EngineConfig) -> str:
+    """The directory an engine of this config loads its tokenizer from."""
+    return config.tokenizer or config.model or DEFAULT_MODEL
+
+
 def load_tokenizer(path: str):
+    """`AutoTokenizer.from_pretrained(path)`, offline. Where the directory's
+    tokenizer_config.json names its tokenizer class (and brings no code of its
+    own), AutoTokenizer is handed the model's config.json as a plain config:
+    it reads only the model type and the names from it then, while loading it
+    as the model's own config class imports torch.distributed and
+    transformers' model-loading machinery (about 1 s, paid by every process
+    that starts an engine or a server front end)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    config = _plain_model_config(path)
+    if config is None:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True, config=config)
+
+
+def _plain_model_config(path: str):
+    """config.json as a base `PreTrainedConfig` (its model_type kept), or None
+    where AutoTokenizer needs the model's own config class: no config.json, no
+    tokenizer class named in tokenizer_config.json, or tokenizer code of the
+    checkpoint's own (`auto_map`)."""
+    from transformers import PretrainedConfig
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tok_cfg = json.load(f)
+        with open(os.path.join(path, "config.json")) as f:
+            model_cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict)) or not tok_cfg.get("tokenizer_class") \
+            or "auto_map" in tok_cfg or "auto_map" in model_cfg or not model_cfg.get("model_type"):
+        return None
+    config = PretrainedConfig.from_dict(model_cfg)
+    config._name_or_path = path  # (as AutoConfig sets it: AutoTokenizer matches some hub names on it)
+    return config
 
 
 def _generation_eos(model_dir: str) -> list[int]:
@@ -230,7 +267,7 @@ class Engine:
         model_dir = config.model or DEFAULT_MODEL
         self.device = config.resolved_device()
         self.model_dir = model_dir
-        self.tokenizer_dir = config.tokenizer or model_dir
+        self.tokenizer_dir = tokenizer_dir(config)
         self.model_config, self.model = load_model(model_dir, config.dtype, self.device)
         # float32 with products of many rows in bf16 (`loader.amx_large_steps`): such steps round as bf16 does
         self.amx_large_steps = self.model.amx_large_steps

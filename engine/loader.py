@@ -77,6 +77,30 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def _materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`: every meta parameter and buffer replaced by an
+    uninitialised tensor of its shape and dtype on `device`, a parameter
+    shared by several modules still shared. (`to_empty` calls `empty_like` on
+    meta tensors, which runs torch's Python reference for it, whose first use
+    imports sympy and torch.fx's symbolic shapes: 0.3-0.4 s of every start.)"""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
+
+    def replace(t: torch.Tensor, make) -> torch.Tensor:
+        got = made.get(id(t))
+        if got is None:
+            got = made[id(t)] = (t, make(torch.empty(t.shape, dtype=t.dtype, device=device)))
+        return got[1]
+
+    param = lambda p: lambda x: torch.nn.Parameter(x, requires_grad=p.requires_grad)  # noqa: E731
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = replace(p, param(p))
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = replace(b, lambda x: x)
+
+
 def load_model(
     model_dir: str,
     dtype: str | torch.dtype | None = "auto",
@@ -95,7 +119,7 @@ def load_model(
     # Materialise on the target device in the target dtype (an 8B model never
     # exists in float32 on the GPU), then overwrite with checkpoint tensors
     # (`copy_` rounds as `.to` would); rotary cos/sin are recomputed there in float32.
-    model = model.to_empty(device=device)
+    _materialize(model, device)
     model.rotary.build(device)
     model.load_weights(iter_weights(model_dir))
     model.eval()

@@ -49,3 +49,59 @@ def test_draft_shares_the_tokenizer():
     n_target = sum(p.numel() for p in target.engine.model.parameters())
     n_draft = sum(p.numel() for p in draft.engine.model.parameters())
     assert n_draft < n_target / 3
+
+
+def test_load_tokenizer_gives_what_auto_tokenizer_gives(tmp_path):
+    """`load_tokenizer` hands AutoTokenizer a plain config where the tokenizer
+    class is named (it skips loading the model's config class, ~1 s); the
+    tokenizer must be the one AutoTokenizer picks on its own. And a directory
+    whose tokenizer_config.json names no class takes AutoTokenizer's own path."""
+    import json
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from stepserve.engine.engine import _plain_model_config, load_tokenizer
+
+    plain = tmp_path / "plain"
+    shutil.copytree(DEFAULT_MODEL, plain)
+    cfg_path = plain / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    del cfg["tokenizer_class"]
+    cfg_path.write_text(json.dumps(cfg))
+    assert _plain_model_config(DEFAULT_MODEL) is not None and _plain_model_config(str(plain)) is None
+    texts = ["In the beginning God created", "<|im_start|>user\nhi<|im_end|>", "  odd   spacing\tand ümlauts"]
+    msgs = [{"role": "user", "content": "And God said"}]
+    for path in (DEFAULT_MODEL, str(plain)):
+        ours, ref = load_tokenizer(path), AutoTokenizer.from_pretrained(path, local_files_only=True)
+        assert type(ours) is type(ref)
+        assert ours.get_vocab() == ref.get_vocab()
+        assert ours.all_special_tokens == ref.all_special_tokens
+        assert (ours.eos_token_id, ours.bos_token_id, ours.pad_token_id) == (ref.eos_token_id, ref.bos_token_id,
+                                                                             ref.pad_token_id)
+        for t in texts:
+            for special in (False, True):
+                assert ours.encode(t, add_special_tokens=special) == ref.encode(t, add_special_tokens=special)
+        assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == \
+            ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_an_engine_starts_without_torch_compile_machinery():
+    """Building the model runs no torch decomposition (they import torch._dynamo
+    and sympy on first use: 1.5-2 s of every `LLM()` and server start, for
+    random init and meta tensors the checkpoint overwrites), and the tokenizer
+    does not load transformers' model classes (torch.distributed.tensor with
+    them, ~1 s). Checked in a fresh interpreter, against what `import torch`
+    alone already imports."""
+    import subprocess
+    import sys
+
+    heavy = ["torch._dynamo", "sympy", "torch.distributed.tensor"]
+    code = ("import sys, torch\n"
+            f"pre = [m for m in {heavy!r} if m in sys.modules]\n"
+            "from stepserve import LLM, SamplingParams\n"
+            "LLM().generate(['In the beginning'], SamplingParams(max_tokens=2))\n"
+            f"print([m for m in {heavy!r} if m in sys.modules and m not in pre])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

@@ -204,7 +204,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg, self.max_positions = cfg, max_positions
-        self.build(torch.get_default_device())
+        device = torch.get_default_device()
+        if device.type == "meta":  # (`load_model`) shapes only: `build` fills the table on the real device. Computed
+            # on meta, it ran torch's Python decompositions, whose first use imports torch._dynamo (~1 s)
+            inv_half = (cfg.head_dim + 1) // 2
+            for name in ("cos", "sin"):
+                self.register_buffer(name, torch.empty(max_positions, 2 * inv_half), persistent=False)
+        else:
+            self.build(device)
 
     def build(self, device: torch.device) -> None:
         """(Re)computes the float32 cos/sin table on `device` (also after meta init)."""
@@ -404,7 +411,11 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # built empty: the checkpoint overwrites it. (nn.Embedding's own random init goes through a torch
+        # decomposition that imports torch._dynamo on first use, even on the meta device: 1.2-1.5 s of every
+        # engine's start, the largest part of `LLM()` on the embedded model)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -147,7 +147,9 @@ class Request:
             return None
         branch.text += new
         stops = self.params.stop
-        if not stops:
+        if not stops or len(ids) - branch.seq.prompt_len <= self.params.min_tokens:
+            # (as vLLM: a stop string ends a branch only from its (min_tokens + 1)-th token on, the earliest a
+            # stop token or EOS may come; one completed before that is output text)
             return None
         hit = find_stop(branch.text, stops, len(new))
         if hit is None:

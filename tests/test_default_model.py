@@ -42,6 +42,33 @@ def test_chat_ends_its_turn(llm):
     assert "<|im_end|>" not in o.text and len(o.text.split()) >= 3
 
 
+def test_stop_strings_wait_for_min_tokens(llm):
+    """On the embedded model's English text: as in vLLM, a stop string ends a branch only once it has more than
+    min_tokens tokens (the earliest a stop token or EOS may come): one
+    completed earlier is output text. Checked against the greedy text's
+    prefixes: the first token past min_tokens whose new text completes the
+    stop string ends it."""
+    full = llm.generate(["In the beginning God"], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    toks = full[0].outputs[0].token_ids
+    texts = [llm.tokenizer.decode(toks[:j]) for j in range(len(toks) + 1)]
+    # the most frequent short word: it completes several times over the output
+    words = texts[-1].split()
+    stop = " " + max(set(words), key=words.count)
+    ends = [j for j in range(1, len(toks) + 1)
+            if texts[j].find(stop, max(len(texts[j - 1]) - len(stop) + 1, 0)) >= 0]
+    assert len(ends) >= 2, (stop, texts[-1])
+    for min_tokens in (0, ends[0], ends[0] + 1, ends[1]):
+        j = next((e for e in ends if e > min_tokens), None)
+        got = llm.generate(["In the beginning God"], SamplingParams(
+            max_tokens=40, temperature=0, ignore_eos=True, stop=[stop], min_tokens=min_tokens))[0].outputs[0]
+        if j is None:
+            assert got.finish_reason == "length" and got.token_ids == toks
+            continue
+        cut = texts[j].find(stop, max(len(texts[j - 1]) - len(stop) + 1, 0))
+        assert (got.finish_reason, got.stop_reason, got.token_ids, got.text) == (
+            "stop", stop, toks[:j], texts[j][:cut]), min_tokens
+
+
 def test_draft_shares_the_tokenizer():
     target, draft = LLM(), LLM(DEFAULT_DRAFT_MODEL)
     assert target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()

@@ -172,6 +172,7 @@ def test_stops_cut_inside_accepted_runs(plain):
             SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop=[stop]),
             SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop=[stop],
                            include_stop_str_in_output=True),
+            SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop=[stop], min_tokens=len(toks) // 2),
             SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, stop_token_ids=[toks[len(toks) // 3]]),
             SamplingParams(temperature=0, max_tokens=len(toks) // 2 + 1, ignore_eos=True),
         ]

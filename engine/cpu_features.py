@@ -1,14 +1,15 @@
 """What this CPU can do, probed once at run time; every CPU fast path asks here.
 
-x86-64 CPUs differ in what the engine's fast paths need: AMX (bf16 GEMMs 4-8x
-faster than float32), oneDNN's bf16 weight prepacking (which torch refuses
+x86-64 CPUs differ in what the engine's fast paths need: bf16 matrix products
+in hardware (AMX or AVX512_BF16: oneDNN's bf16 GEMMs 2-8x faster than
+float32), oneDNN's bf16 weight prepacking (which torch refuses
 without AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AMD EPYC with AVX2 alone raises
 "bf16 path needs the cpu support ..."), and the ISA the native kernels are
 compiled for. Nothing is assumed from the CPU's model: each feature is asked
 of torch or tried on a tiny input, and a path that fails falls back.
 
 `STEPSERVE_CPU_ISA=avx2` makes this machine behave as the least x86-64 CPU
-the engine supports (AVX2, no AVX-512, no AMX): no AMX, no prepacked bf16
+the engine supports (AVX2, no AVX-512, no AMX): no bf16 products, no prepacked bf16
 linears, kernels compiled for x86-64-v3. The test suite runs its CPU-path
 tests a second time that way (with torch's own `ATEN_CPU_CAPABILITY=avx2` and
 oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2`), so a green run on an AMX machine also
@@ -38,14 +39,22 @@ def isa_cap() -> str:
     return cap
 
 
-def has_amx() -> bool:
-    """AMX tiles (bf16 matrix multiply in hardware)."""
+def has_bf16_matmul() -> bool:
+    """bf16 matrix products in hardware: AMX tiles (Intel Sapphire Rapids on)
+    or AVX512_BF16's bf16 dot products (Intel Cooper Lake, AMD Zen 4 on).
+    Either makes oneDNN's bf16 GEMMs several times faster than float32's
+    (AMX: 4-8x on the 2-core Xeon; AVX512_BF16: 2-3.5x from 32 rows on the
+    2-core Zen 4 EPYC, 2-7x at TinyLlama's shapes); without them oneDNN
+    emulates bf16, slower than float32."""
     if isa_cap() == "avx2":
         return False
-    try:
-        return bool(torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # older torch
-        return False
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        try:
+            if getattr(torch.cpu, probe)():
+                return True
+        except AttributeError:  # older torch
+            pass
+    return False
 
 
 @functools.cache

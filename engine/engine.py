@@ -269,8 +269,8 @@ class Engine:
         self.model_dir = model_dir
         self.tokenizer_dir = tokenizer_dir(config)
         self.model_config, self.model = load_model(model_dir, config.dtype, self.device)
-        # float32 with products of many rows in bf16 (`loader.amx_large_steps`): such steps round as bf16 does
-        self.amx_large_steps = self.model.amx_large_steps
+        # float32 with products of many rows in bf16 (`loader.bf16_large_steps`): such steps round as bf16 does
+        self.bf16_large_steps = self.model.bf16_large_steps
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
@@ -287,7 +287,7 @@ class Engine:
         if config.speculative == "draft":
             draft_dir = config.draft_model or DEFAULT_DRAFT_MODEL
             dcfg, dmodel = load_model(draft_dir, self.dtype, self.device,
-                                      amx_large=self.amx_large_steps)
+                                      bf16_large=self.bf16_large_steps)
             if dcfg.vocab_size != mc.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({mc.vocab_size}): it must share the target's tokenizer")

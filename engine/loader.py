@@ -17,23 +17,26 @@ from stepserve.engine.models.llama import (LlamaForCausalLM, can_pack_linears, c
 
 
 # On CPU, a bf16 checkpoint with at most this many parameters runs in float32 where the native small-batch
-# kernels are built, even on an AMX CPU: its steps are short enough that per-op overhead, not GEMM speed,
-# decides a small batch's step, and the one-call native decode path is float32 (`SmallBatchLinear`). Measured
-# on the 2-core Xeon with AMX, the embedded model (4M parameters): plain greedy decoding 3.7x bf16's tok/s at
-# batch 1, 1.8x at 8, 1.05x at 32; with `amx_large_steps`, 1.0x at 64 and 128, and prefill 0.75-0.85x.
+# kernels are built, even where the CPU multiplies bf16 in hardware: its steps are short enough that per-op
+# overhead, not GEMM speed, decides a small batch's step, and the one-call native decode path is float32
+# (`SmallBatchLinear`). Measured on the 2-core Xeon with AMX, the embedded model (4M parameters): plain greedy
+# decoding 3.7x bf16's tok/s at batch 1, 1.8x at 8, 1.05x at 32; with `bf16_large_steps`, 1.0x at 64 and 128,
+# and prefill 0.75-0.85x. (On the 2-core Zen 4 EPYC, AVX512_BF16 without AMX, `bf16_large_steps` against
+# float32 throughout: plain decoding at batch 64 1.6-2.3x, prefill 1.2-1.4x, in three interleaved pairs.)
 # A larger model streams its weights each step at any batch size, where bf16 halves the bytes.
 SMALL_MODEL_PARAMS = 64_000_000
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """`auto`: the checkpoint's dtype on GPU; on CPU, a bf16 checkpoint stays
-    bf16 where the CPU has AMX (bf16 GEMMs 4-8x faster than float32, measured
-    on this project's machines; without AMX bf16 is slower than float32) and
+    bf16 where the CPU multiplies bf16 in hardware (`has_bf16_matmul`: AMX or
+    AVX512_BF16, bf16 GEMMs 2-8x faster than float32 on this project's
+    machines; without either, bf16 is slower than float32) and
     the model is larger than SMALL_MODEL_PARAMS or the native kernels did not
     build; everything else runs in float32."""
     if dtype in (None, "auto"):
         if device.type == "cpu":
-            if (cfg.checkpoint_dtype == torch.bfloat16 and cpu_features.has_amx()
+            if (cfg.checkpoint_dtype == torch.bfloat16 and cpu_features.has_bf16_matmul()
                     and not _small_native(cfg, device)):
                 return torch.bfloat16
             return torch.float32
@@ -46,16 +49,17 @@ def _small_native(cfg: ModelConfig, device: torch.device) -> bool:
             and small_batch_kernels(device, torch.float32) is not None)
 
 
-def amx_large_steps(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> bool:
+def bf16_large_steps(dtype: str | torch.dtype | None, cfg: ModelConfig, device: torch.device) -> bool:
     """Whether a model `resolve_dtype` put in float32 although its checkpoint is
-    bf16 on an AMX CPU (a small model, above) runs its products of more than
+    bf16 on a CPU with bf16 products (a small model, above) runs its products of more than
     SMALL_M rows (prefill chunks, large batches) in bf16 on prepacked weights:
     as fast there as the bf16 model (plain decoding at batch 64 and 128 1.3-1.4x
-    float32's), with the float32 one-call path below. Only under `auto`: a
+    float32's with AMX, 1.6-2.3x at 64 with AVX512_BF16), with the float32
+    one-call path below. Only under `auto`: a
     float32 asked for is float32 throughout."""
     return (dtype in (None, "auto") and device.type == "cpu" and cfg.checkpoint_dtype == torch.bfloat16
-            and cpu_features.has_amx() and cpu_features.can_prepack_bf16_linear() and _small_native(cfg, device)
-            and os.environ.get("STEPSERVE_AMX_LARGE", "1") != "0")
+            and cpu_features.has_bf16_matmul() and cpu_features.can_prepack_bf16_linear() and _small_native(cfg, device)
+            and os.environ.get("STEPSERVE_BF16_LARGE", "1") != "0")
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -106,11 +110,11 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
-    amx_large: bool | None = None,
+    bf16_large: bool | None = None,
 ) -> tuple[ModelConfig, LlamaForCausalLM]:
-    """`amx_large`: as `amx_large_steps` decides when None (a draft model takes
+    """`bf16_large`: as `bf16_large_steps` decides when None (a draft model takes
     its target's choice, so that both compute alike); the model's
-    `amx_large_steps` says what was done."""
+    `bf16_large_steps` says what was done."""
     cfg = ModelConfig.from_pretrained(model_dir)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, cfg, device)
@@ -126,11 +130,11 @@ def load_model(
     if can_pack_linears(device, torch_dtype) and os.environ.get("STEPSERVE_PACK_LINEARS", "1") != "0":
         pack_linears(model)
     kernels = small_batch_kernels(device, torch_dtype)
-    if amx_large is None:
-        amx_large = amx_large_steps(dtype, cfg, device)
-    model.amx_large_steps = amx_large and kernels is not None
+    if bf16_large is None:
+        bf16_large = bf16_large_steps(dtype, cfg, device)
+    model.bf16_large_steps = bf16_large and kernels is not None
     if kernels is not None:
-        use_small_batch_linears(model, kernels, amx_large=amx_large)
+        use_small_batch_linears(model, kernels, bf16_large=bf16_large)
     fused = cpu_kernels(device, torch_dtype)
     if fused is not None:
         model.use_cpu_kernels(fused)

@@ -32,15 +32,25 @@ def test_prepack_probe_agrees_with_the_cpu():
         assert cpu_features.can_prepack_bf16_linear() == raw_prepack_works()
 
 
+def test_bf16_products_probe_agrees_with_torch():
+    """bf16 products in hardware are AMX tiles or AVX512_BF16, as torch reports
+    them (on this machine, uncapped); never under the AVX2 cap."""
+    if cpu_features.isa_cap() == "avx2":
+        assert not cpu_features.has_bf16_matmul()
+        return
+    want = any(getattr(torch.cpu, p, lambda: False)() for p in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    assert cpu_features.has_bf16_matmul() == want
+
+
 def test_capped_isa_takes_the_avx2_paths(monkeypatch):
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
-    assert not cpu_features.has_amx()
+    assert not cpu_features.has_bf16_matmul()
     assert not cpu_features.can_prepack_bf16_linear()
     assert cpu_features.kernel_march() == "x86-64-v3"
     assert cpu_features.kernel_build_tag() == "x86_64_v3"
     cfg = ModelConfig.from_dict({"vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
                                  "num_hidden_layers": 1, "num_attention_heads": 2, "torch_dtype": "bfloat16"})
-    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32  # bf16 without AMX: slower
+    assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32  # bf16 without bf16 products in hardware: slower
     monkeypatch.setenv(cpu_features.ISA_ENV, "native")
     assert cpu_features.kernel_build_tag().startswith("native_")
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx9000")
@@ -67,15 +77,15 @@ def test_bf16_runs_on_every_cpu_with_or_without_prepacking(ckpt_factory, monkeyp
 
 def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckpt_factory, monkeypatch):
     """On CPU, `auto` runs a small bf16 checkpoint in float32 where the native
-    kernels build (its one-call decode path is float32), and on an AMX CPU
+    kernels build (its one-call decode path is float32), and on a CPU with bf16 products
     its products of more than SMALL_M rows in bf16 on prepacked weights: the
     same as a bf16 linear of the bf16-rounded rows, while up to SMALL_M rows
     stay float32. A float32 asked for is float32 throughout, an AVX2-capped
-    run takes no AMX path, and a model past SMALL_MODEL_PARAMS stays bf16
-    with AMX."""
+    run takes no bf16 path, and a model past SMALL_MODEL_PARAMS stays bf16
+    with bf16 products."""
     import torch.nn.functional as F
 
-    from stepserve.engine.loader import SMALL_MODEL_PARAMS, amx_large_steps
+    from stepserve.engine.loader import SMALL_MODEL_PARAMS, bf16_large_steps
     from stepserve.engine.models.llama import SMALL_M, SmallBatchLinear, small_batch_kernels
 
     if small_batch_kernels(torch.device("cpu"), torch.float32) is None:
@@ -84,20 +94,20 @@ def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckp
     path = ckpt_factory("qwen2", dtype=torch.bfloat16)  # q/k/v bias
     cfg = ModelConfig.from_pretrained(path)
     assert resolve_dtype("auto", cfg, cpu) == torch.float32
-    amx = cpu_features.has_amx() and cpu_features.can_prepack_bf16_linear()
-    assert amx_large_steps("auto", cfg, cpu) == amx and not amx_large_steps("float32", cfg, cpu)
+    fast = cpu_features.has_bf16_matmul() and cpu_features.can_prepack_bf16_linear()
+    assert bf16_large_steps("auto", cfg, cpu) == fast and not bf16_large_steps("float32", cfg, cpu)
     llm = LLM(path, device="cpu")
-    assert llm.engine.dtype == torch.float32 and llm.engine.amx_large_steps == amx
+    assert llm.engine.dtype == torch.float32 and llm.engine.bf16_large_steps == fast
     lins = [m for m in llm.engine.model.modules() if isinstance(m, SmallBatchLinear)]
-    assert lins and all((m._large is not None) == amx for m in lins)
+    assert lins and all((m._large is not None) == fast for m in lins)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     exact = LLM(path, device="cpu", dtype="float32")
-    assert not exact.engine.amx_large_steps
+    assert not exact.engine.bf16_large_steps
     assert not any(m._large is not None for m in exact.engine.model.modules() if isinstance(m, SmallBatchLinear))
     # one row at a time: the float32 one-call path in both, so the same tokens
     again = exact.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
-    if amx:
+    if fast:
         lin = lins[0]
         g = torch.Generator().manual_seed(0)
         for m in (SMALL_M, SMALL_M + 1, 100):
@@ -112,12 +122,12 @@ def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckp
                 torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2)
                 assert not torch.allclose(y, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
-    assert resolve_dtype("auto", cfg, cpu) == torch.float32 and not amx_large_steps("auto", cfg, cpu)
+    assert resolve_dtype("auto", cfg, cpu) == torch.float32 and not bf16_large_steps("auto", cfg, cpu)
     monkeypatch.setenv(cpu_features.ISA_ENV, "native")
     big = ModelConfig.from_dict({"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
                                  "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4,
                                  "torch_dtype": "bfloat16"})  # TinyLlama-1.1B's shape
     assert big.num_parameters() > SMALL_MODEL_PARAMS
     assert abs(big.num_parameters() - 1_100_048_384) < 1e6  # its weights, norms left out
-    assert resolve_dtype("auto", big, cpu) == (torch.bfloat16 if cpu_features.has_amx() else torch.float32)
-    assert not amx_large_steps("auto", big, cpu)
+    assert resolve_dtype("auto", big, cpu) == (torch.bfloat16 if cpu_features.has_bf16_matmul() else torch.float32)
+    assert not bf16_large_steps("auto", big, cpu)

@@ -196,12 +196,12 @@ def test_logprobs_penalties_bias_and_min_tokens(plain):
     llm = LLM(check_invariants=True, speculative="ngram", spec_length="fixed:4")
     got = llm.generate(PROMPTS, params)
     assert _tokens(got) == _tokens(want)
-    # float32: the same up to summation order. bfloat16 (a GPU, or a CPU with AMX; or float32 with the
-    # products of many rows in bf16, `amx_large_steps`): a verify position and a decode row run different
+    # float32: the same up to summation order. bfloat16 (a GPU, or a CPU with bf16 products; or float32 with the
+    # products of many rows in bf16, `bf16_large_steps`): a verify position and a decode row run different
     # kernels (and a warm prefix's KV was written by another), which round differently, and the logits
     # themselves are bf16: this model's top logits are 6-15, where a bf16 value's last bit is 1/32-1/16
     # (measured on a Xeon with AMX: 0.025 apart)
-    exact = llm.engine.dtype == torch.float32 and not llm.engine.amx_large_steps
+    exact = llm.engine.dtype == torch.float32 and not llm.engine.bf16_large_steps
     tol = 1e-4 if exact else 2.0 ** -4
     for g, w in zip(got, want):
         for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):

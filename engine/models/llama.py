@@ -94,7 +94,7 @@ class SmallBatchLinear(nn.Module):
     time once the weights no longer fit in the cache (the math stays float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels, bf16: bool | None = None,
-                 amx_large: bool = False):
+                 bf16_large: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -103,9 +103,9 @@ class SmallBatchLinear(nn.Module):
         bf16 = bf16_panels(w) if bf16 is None else bf16
         self.register_buffer("panels", kernels.pack_panels(w, bf16), persistent=False)
         self._kernels = kernels
-        # more rows than SMALL_M: a bf16 weight prepacked for oneDNN (AMX), where asked for and exact
+        # more rows than SMALL_M: a bf16 weight prepacked for oneDNN (AMX or AVX512_BF16), where asked for and exact
         self._large = None
-        if amx_large and bf16:
+        if bf16_large and bf16:
             self._large = (prepack_weight(w.bfloat16()), None if self.bias is None else self.bias.data.bfloat16())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,12 +142,12 @@ def small_batch_kernels(device: torch.device, dtype: torch.dtype):
 
 
 def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SMALL_M_BUDGET_BYTES,
-                            amx_large: bool = False) -> int:
+                            bf16_large: bool = False) -> int:
     """Swaps each float32 nn.Linear of a loaded model whose output width is a
     multiple of 16 (and a tied output head) for a SmallBatchLinear, largest
     first, while the panel copies fit in `budget` bytes; returns how many.
-    `amx_large`: products of more rows than SMALL_M run in bfloat16 on a
-    prepacked weight where the weight is exactly bfloat16 (`amx_large_steps`)."""
+    `bf16_large`: products of more rows than SMALL_M run in bfloat16 on a
+    prepacked weight where the weight is exactly bfloat16 (`bf16_large_steps`)."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.out_features % 16 == 0]
     if model.config.tie_word_embeddings and model.model.embed_tokens.weight.shape[0] % 16 == 0:
@@ -160,7 +160,7 @@ def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SM
         size = w.numel() * (2 if bf16 else 4)  # the panels' bytes
         if size > budget:
             continue
-        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16, amx_large)
+        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16, bf16_large)
         budget -= size
         setattr(parent, name, lin)
         done += 1
@@ -429,8 +429,8 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # a float32 model whose products of more than SMALL_M rows run in bf16 (`loader.amx_large_steps`)
-    amx_large_steps = False
+    # a float32 model whose products of more than SMALL_M rows run in bf16 (`loader.bf16_large_steps`)
+    bf16_large_steps = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()

@@ -24,6 +24,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # compact JSON: no free whitespace between tokens, which a weak model could
@@ -112,11 +113,24 @@ def _prototype(f: GrammarFactory, tokenizer=None):
                              log_level=0)
     if m.is_error():
         raise ValueError(f"invalid grammar: {m.get_error()}")
+    if not m.is_accepting() and not _any_token_but(m, f.vocab_size, f.eos_ids):
+        # nothing can start an output and the empty one does not match (a JSON schema that only refers to
+        # itself, a regex no string matches): llguidance leaves only the end tokens, and the request would
+        # end at once with an empty answer that breaks its own constraint
+        raise ValueError("the constraint matches no output at all")
     with _lock:
         _matchers[f] = m
         while len(_matchers) > _MAX_CACHED:
             _matchers.popitem(last=False)
     return m
+
+
+def _any_token_but(m, vocab_size: int, eos_ids: tuple[int, ...]) -> bool:
+    """Whether the matcher's mask allows some token of the vocabulary other
+    than the end tokens."""
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")[:vocab_size]
+    bits[[e for e in eos_ids if e < vocab_size]] = 0
+    return bool(bits.any())
 
 
 def grammar_text(kind: str, spec) -> str:

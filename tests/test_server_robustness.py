@@ -106,6 +106,26 @@ def test_native_json_schema_error_names_its_field(http):
     assert_400(http.post("/generate", json=body), "sampling_params.json_schema")
 
 
+SELF_REF = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}  # a schema no JSON value meets
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "In", "max_tokens": 4,
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REF}}},
+     "response_format"),
+    ("/v1/completions", {"model": MODEL, "prompt": "In", "max_tokens": 4, "structured_outputs": {"regex": "[^\\s\\S]"}},
+     "structured_outputs"),
+    ("/generate", {"text": "In", "sampling_params": {"max_tokens": 4, "json_schema": SELF_REF}},
+     "sampling_params.json_schema"),
+])
+def test_a_constraint_no_output_can_meet_is_a_400(http, path, body, param):
+    """A constraint that matches no output (a schema that only refers to
+    itself, a regex no string matches) is refused, rather than answered with
+    an empty text that breaks it (finish_reason "stop", as if it were met)."""
+    err = assert_400(http.post(path, json=body))
+    assert err["param"].startswith(param) and "matches no output" in err["message"], err
+
+
 DEEP = "[" * 3000 + "]" * 3000  # valid JSON, within the test model's text limit, past the parser's depth
 
 

@@ -44,6 +44,9 @@ from stepserve.engine.step_log import StepLog
 
 log = logging.getLogger("stepserve.async_engine")
 
+# texts up to this many characters are tokenized inline: a thread hop costs more than their tokenizing
+INLINE_TOKENIZE_CHARS = 4096
+
 
 # -- commands: front end -> loop (through a queue, or pickled through the pipe) --
 class AddRequest(NamedTuple):
@@ -52,6 +55,7 @@ class AddRequest(NamedTuple):
     params: SamplingParams
     stages: list | None = None  # a fork/join request's later stages (`Engine.add_request`)
     slo: tuple | None = None  # (ttft_s, tpot_s): the request's own SLOs, either may be None
+    prompt_ids: list[int] | None = None  # a text prompt's ids, tokenized by the sender (not on the loop)
 
 
 class AbortRequest(NamedTuple):
@@ -114,10 +118,11 @@ class EngineLoop:
     def handle(self, cmd: Command, outputs: Outputs, replies: Replies) -> None:
         eng = self.engine
         match cmd:
-            case AddRequest(request_id=rid, prompt=prompt, params=params, stages=stages, slo=slo):
+            case AddRequest(request_id=rid, prompt=prompt, params=params, stages=stages, slo=slo, prompt_ids=ids):
                 try:
                     ttft, tpot = slo or (None, None)
-                    eng.add_request(prompt, params, rid, stages=stages, slo_ttft_s=ttft, slo_tpot_s=tpot)
+                    eng.add_request(prompt, params, rid, stages=stages, slo_ttft_s=ttft, slo_tpot_s=tpot,
+                                    prompt_token_ids=ids)
                 except Exception as e:  # validation errors go back to the caller
                     outputs.append((rid, e))
             case AbortRequest(request_id=rid):
@@ -252,10 +257,17 @@ class AsyncEngine:
             request_id = f"areq-{next(self._req_ids)}"
         elif request_id in self._streams:
             raise ValueError(f"duplicate request id {request_id!r}")
+        # text is tokenized here, a long one off this event loop, not on the engine's loop, where a
+        # megabyte of it stalled every request in flight for the second it took
+        prompt_ids = await self._encode(prompt) if isinstance(prompt, str) else None
+        if stages:
+            stages = await self._encoded_stages(stages)
+        if request_id in self._streams:  # (taken while this one was tokenizing)
+            raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         slo = (slo_ttft_s, slo_tpot_s) if slo_ttft_s is not None or slo_tpot_s is not None else None
-        self._core.send(AddRequest(request_id, prompt, params or SamplingParams(), stages, slo))
+        self._core.send(AddRequest(request_id, prompt, params or SamplingParams(), stages, slo, prompt_ids))
         finished = False
         try:
             while True:
@@ -276,6 +288,29 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._core.send(AbortRequest(request_id))
+
+    async def _encode(self, text: str) -> list[int]:
+        """A text's token ids, as `Engine.tokenize` makes them; a long text in a
+        worker thread (the tokenizer releases the GIL)."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def _encoded_stages(self, stages):
+        """`stages` with each parallel branch's text suffix as token ids (copies:
+        the caller's dicts stay as given). Anything not shaped as a stage is
+        left for the engine to refuse."""
+        if not isinstance(stages, (list, tuple)):
+            return stages
+        out = []
+        for st in stages:
+            branches = st.get("branches") if isinstance(st, dict) else None
+            if isinstance(branches, (list, tuple)):
+                st = dict(st, branches=[dict(b, prompt=await self._encode(b["prompt"]))
+                                        if isinstance(b, dict) and isinstance(b.get("prompt"), str) else b
+                                        for b in branches])
+            out.append(st)
+        return out
 
     def call(self, fn: Callable, *args) -> concurrent.futures.Future:
         """Runs fn(engine, *args) on the loop, between steps; returns a

@@ -401,6 +401,7 @@ class Engine:
         stages: Sequence[dict] | None = None,
         slo_ttft_s: float | None = None,
         slo_tpot_s: float | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
     ) -> Request:
         """`stages`: a fork/join request. Its first stage is this prompt and
         `params.max_tokens` (with n = 1); each later stage, started when the one
@@ -411,10 +412,13 @@ class Engine:
         everything before it plus each branch's output, in branch order.
 
         `slo_ttft_s`, `slo_tpot_s`: this request's SLOs, which the step
-        policies plan against (TAPER; default: `EngineConfig`'s)."""
+        policies plan against (TAPER; default: `EngineConfig`'s).
+        `prompt_token_ids`: a text prompt's ids, tokenized by the caller as
+        `tokenize` would (`AsyncEngine`, which keeps tokenizing off the loop)."""
         params = (params or SamplingParams()).check_token_ids(self.model_config.vocab_size)
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenize(prompt)
+            text = prompt
+            ids = self.tokenize(prompt) if prompt_token_ids is None else [int(t) for t in prompt_token_ids]
         else:
             text, ids = None, [int(t) for t in prompt]
         plen = len(ids)

@@ -16,9 +16,10 @@ times slower: a reduce call, a class reference and an argument tuple each).
 The parent rebuilds the `RequestOutput`s from it (`decode_batch`).
 
 The prompt does not travel back: the parent keeps what it sent in
-`AddRequest`. Only when that was text, so that the ids exist only in the child,
-the request's first delta carries them (`OutputBatch.prompt_token_ids`);
-token-id prompts (what the server sends) never cross twice.
+`AddRequest`. `AsyncEngine` sends a text prompt with its ids (tokenized on the
+caller's side, not on the loop); only a text sent alone, whose ids then exist
+only in the child, gets them back on its first delta
+(`OutputBatch.prompt_token_ids`). Token ids never cross twice.
 
 In the parent a sender thread writes commands (so a long prompt never blocks
 the event loop on a full pipe) and a receiver thread reads batches and hands
@@ -246,11 +247,11 @@ def _child_main(config: EngineConfig, conn, log_level: int) -> None:
         conn.send(EngineFailed(traceback.format_exc()))
         return
     conn.send(EngineReady(engine.info()))
-    owed_ids: set[str] = set()  # requests whose prompt the parent sent as text: it lacks their ids
+    owed_ids: set[str] = set()  # requests whose prompt the parent sent as text alone: it lacks their ids
 
     def recv() -> Command:
         cmd = conn.recv()
-        if type(cmd) is AddRequest and isinstance(cmd.prompt, str):
+        if type(cmd) is AddRequest and isinstance(cmd.prompt, str) and cmd.prompt_ids is None:
             owed_ids.add(cmd.request_id)
         return cmd
 
@@ -351,7 +352,10 @@ class EngineProcess:
 
     def send(self, cmd: Command) -> None:
         if type(cmd) is AddRequest:
-            self._prompts[cmd.request_id] = cmd.prompt  # its deltas are rebuilt with it
+            # its deltas are rebuilt with it (a text prompt whose ids were made here: known already)
+            self._prompts[cmd.request_id] = (KnownPrompt(cmd.prompt, list(cmd.prompt_ids))
+                                             if cmd.prompt_ids is not None and isinstance(cmd.prompt, str)
+                                             else cmd.prompt)
         self._cmds.put(cmd)
 
     def _send_loop(self) -> None:

@@ -350,3 +350,54 @@ def test_wire_format_round_trips_every_field():
     assert last.prompt_token_ids == {}  # sent once
     assert across(last) == ([("r-text", text_last)], [])
     assert prompts == {}  # finished and failed requests are forgotten
+
+
+def _tokenize_calls(engine) -> int:
+    """How often the engine has tokenized a text since this was first called
+    (run on the loop: in the engine's own process too)."""
+    if not hasattr(engine, "_tokenize_calls"):
+        real = engine.tokenize
+
+        def counted(text):
+            engine._tokenize_calls += 1
+            return real(text)
+
+        engine._tokenize_calls = 0
+        engine.tokenize = counted
+    return engine._tokenize_calls
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["short", "long"])
+def test_text_is_tokenized_by_the_caller_not_on_the_loop(aengine, llama_ckpt, monkeypatch, inline):
+    """A text prompt and the text suffixes of a fork/join request's branches
+    reach the engine as token ids, tokenized on the caller's side (a long text
+    in a worker thread): tokenized on the loop, a megabyte of text stalled
+    every request in flight. The outputs, and the prompt every delta carries,
+    are those of the same text given to the offline engine; the caller's
+    stage dicts are left as given."""
+    import stepserve.engine.async_engine as ae
+
+    if not inline:  # every text takes the worker-thread path
+        monkeypatch.setattr(ae, "INLINE_TOKENIZE_CHARS", 0)
+    before = aengine.call(_tokenize_calls).result(timeout=30)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    stages = [{"branches": [{"prompt": " and the", "max_tokens": 3}, {"prompt": [5, 6], "max_tokens": 2}]},
+              {"max_tokens": 2}]
+    given = [dict(st, branches=[dict(b) for b in st["branches"]]) if "branches" in st else dict(st) for st in stages]
+
+    async def run():
+        outs = [out async for out in aengine.generate("In the beginning", params, stages=stages)]
+        return outs
+
+    outs = asyncio.run(run())
+    assert aengine.call(_tokenize_calls).result(timeout=30) == before
+    assert stages == given
+    ids = LLM(llama_ckpt).engine.tokenize("In the beginning")
+    assert all((o.prompt, o.prompt_token_ids) == ("In the beginning", ids) for o in outs)
+    got: dict[int, list[int]] = {}
+    for o in outs:
+        for c in o.outputs:
+            got.setdefault(c.index, []).extend(c.token_ids)
+    offline = LLM(llama_ckpt).generate(["In the beginning"], params, stages=stages)[0].outputs
+    assert got == {c.index: c.token_ids for c in offline}
+    assert_clean(aengine)

@@ -61,8 +61,7 @@ from stepserve.engine.sampler import (
     uniform,
 )
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
-
-PROPOSERS = ("none", "draft", "ngram")
+from stepserve.scheduler.speculation import PROPOSERS
 # A draft entry of at most this many tokens runs as decode-shaped queries (one
 # per token, in the batched decode attention) rather than as an extend row (an
 # attention call per row and layer: at batch 64 with fixed:1, 3,500 calls made

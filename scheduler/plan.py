@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from stepserve.scheduler.sequence import Seq
+
+if TYPE_CHECKING:  # (annotations only: the CLI builds its arguments from this package without importing torch)
+    import torch
 
 
 @dataclass(eq=False, slots=True)

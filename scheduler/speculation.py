@@ -126,6 +126,7 @@ from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 
 MODES = ("none", "fixed", "adaptive")
+PROPOSERS = ("none", "draft", "ngram")  # what drafts: nothing, a draft model, an n-gram lookup (`engine/speculative.py`)
 MIN_REPLAY = 8  # a running row is replayed once this many of its positions are new (`SpecLengthPolicy._replay`)
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 TRUSTED = 3  # ... once its cost cell holds this many pairs

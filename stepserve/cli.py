@@ -57,7 +57,7 @@ def _checked(parse):
 
 
 def add_speculative_args(g) -> None:
-    from stepserve.engine.speculative import PROPOSERS
+    from stepserve.scheduler.speculation import PROPOSERS
     from stepserve.scheduler.speculation import SpecLengthSpec
 
     g.add_argument("--speculative", default="none", choices=list(PROPOSERS),

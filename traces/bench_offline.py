@@ -27,8 +27,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 from stepserve.traces.report import command_line, versions, write_report
 
 
@@ -51,6 +49,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch  # (here and below: when the benchmark runs, not when the CLI builds its arguments)
+
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
     # ids from the ordinary part of the vocabulary (specials sit at the start)
@@ -69,6 +69,8 @@ def output_lengths(kind: str, n: int, mean: int, seed: int) -> list[int]:
     if kind == "fixed":
         return [mean] * n
     if kind == "mixed":
+        import torch
+
         g = torch.Generator().manual_seed(seed + 7)
         return torch.randint(1, 2 * mean, (n,), generator=g).tolist()
     raise ValueError(f"unknown workload {kind!r} (fixed, mixed)")
@@ -105,10 +107,11 @@ class HFStaticRunner:
         self.model, self.bs, self.pad = model, concurrency, pad_id
         self.device = next(model.parameters()).device
 
-    @torch.inference_mode()
     def run(self, prompts, out_lens) -> int:
         """Each batch runs until its longest request is done; only each
         request's own tokens count (the rest is what static batching wastes)."""
+        import torch
+
         total = 0
         for i in range(0, len(prompts), self.bs):
             batch = prompts[i : i + self.bs]
@@ -120,10 +123,11 @@ class HFStaticRunner:
             for j, p in enumerate(batch):
                 ids[j, width - len(p) :] = torch.tensor(p)
                 mask[j, width - len(p) :] = 1
-            out = self.model.generate(
-                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=out_len, min_new_tokens=out_len,
-                do_sample=False, pad_token_id=self.pad, eos_token_id=None,
-            )
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=out_len,
+                    min_new_tokens=out_len, do_sample=False, pad_token_id=self.pad, eos_token_id=None,
+                )
             assert out.shape[1] - width == out_len
             total += sum(lens)
         return total
@@ -188,6 +192,8 @@ def measure_overhead(cfg, rows: int, steps: int, vocab: int, seed: int) -> dict:
 
 
 def run(args) -> int:
+    import torch
+
     from stepserve.cli import engine_config
     from stepserve.engine.defaults import DEFAULT_MODEL
 

@@ -44,7 +44,7 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_sim_speculative_args(g) -> None:
     from stepserve.cli import _checked
-    from stepserve.engine.speculative import PROPOSERS
+    from stepserve.scheduler.speculation import PROPOSERS
     from stepserve.scheduler.speculation import SpecLengthSpec
 
     g.add_argument("--speculative", default="none", choices=list(PROPOSERS),

@@ -179,7 +179,8 @@ class Scheduler:
 
     def _admission_order(self) -> list[Seq]:
         if self.cfg.admission == "lpm" and self.cfg.prefix_caching and len(self.waiting) <= self.cfg.lpm_max_queue:
-            hits = {id(s): self.kv.match(s).length for s in self.waiting}
+            # (no match: a sequence that prefills in full, for its prompt logprobs, reuses nothing)
+            hits = {id(s): m.length if (m := self.kv.match(s)) is not None else 0 for s in self.waiting}
             return sorted(self.waiting, key=lambda s: -hits[id(s)])  # stable: FCFS among equals
         return list(self.waiting)
 

@@ -581,8 +581,11 @@ class Engine:
                 branch.logprobs.append(TokenLogprob(tok, lp_all[i], top))
                 branch.cumulative_logprob += lp_all[i]
             stop = req.sync_text(branch) if req.params.stop else None
-            if stop is not None and not seq.finished:
-                sched.finish(seq, "stop")
+            if stop is not None:
+                if not seq.finished:
+                    sched.finish(seq, "stop")
+                # (a token that is also a stop token, or the last max_tokens allows: the stop string still
+                # decides the text and the stop reason, as in a speculative run, `_took_run`)
             elif seq.finished:
                 if seq.finish_reason == "stop" and tok in seq.stop_token_ids:
                     branch.stop_reason = tok

@@ -24,9 +24,10 @@ import asyncio
 
 from starlette.requests import Request
 
+from stepserve.engine.async_engine import INLINE_TOKENIZE_CHARS
 from stepserve.server.logprobs import native_logprobs
 from stepserve.server.protocol import GenerateRequest, Stage
-from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
+from stepserve.server.serving import EngineClient, new_id
 
 
 def _output(o, logprobs: bool) -> dict:

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
+from stepserve.engine.async_engine import INLINE_TOKENIZE_CHARS
 from stepserve.server.errors import bad_request
 from stepserve.server.logprobs import chat_logprobs, vllm_prompt_logprobs
 from stepserve.server.openai_common import chunk_usage, include_usage, output_grammar, sampling_kwargs
 from stepserve.server.protocol import ChatCompletionRequest
-from stepserve.server.serving import INLINE_TOKENIZE_CHARS, EngineClient, new_id
+from stepserve.server.serving import EngineClient, new_id
 from stepserve.server.tools import ChoiceTools, constrained_schema
 
 

@@ -280,11 +280,6 @@ class Generation:
             await self.aclose()
 
 
-# texts up to this many characters are tokenized inline: a thread hop costs
-# more than their tokenizing (~1 us per character on this project's machine)
-INLINE_TOKENIZE_CHARS = 4096
-
-
 def longest_token_chars(tokenizer) -> int:
     """The most characters of text one token can stand for: the longest of each
     token's decoded text and its vocabulary piece (a SentencePiece '▁the'
@@ -342,9 +337,7 @@ class EngineClient:
         """Token ids of a prompt text, checked for length first; long texts are
         tokenized off the event loop (the tokenizer releases the GIL)."""
         self.check_text_length(len(text), param)
-        if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+        return await self.async_engine.encode(text)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         try:

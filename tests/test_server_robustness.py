@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from server_util import server_fixtures
-from stepserve.server.serving import INLINE_TOKENIZE_CHARS
+from stepserve.engine.async_engine import INLINE_TOKENIZE_CHARS
 
 MODEL = "robust-model"
 KEY = "sk-robust"

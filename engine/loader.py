@@ -88,21 +88,18 @@ def _materialize(model: torch.nn.Module, device: torch.device) -> None:
     meta tensors, which runs torch's Python reference for it, whose first use
     imports sympy and torch.fx's symbolic shapes: 0.3-0.4 s of every start.)"""
     made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(meta tensor) -> (it, its replacement)
-
-    def replace(t: torch.Tensor, make) -> torch.Tensor:
-        got = made.get(id(t))
-        if got is None:
-            got = made[id(t)] = (t, make(torch.empty(t.shape, dtype=t.dtype, device=device)))
-        return got[1]
-
-    param = lambda p: lambda x: torch.nn.Parameter(x, requires_grad=p.requires_grad)  # noqa: E731
     for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                module._parameters[name] = replace(p, param(p))
-        for name, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[name] = replace(b, lambda x: x)
+        for store in (module._parameters, module._buffers):
+            for name, t in store.items():
+                if t is None or not t.is_meta:
+                    continue
+                got = made.get(id(t))
+                if got is None:
+                    new = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    if isinstance(t, torch.nn.Parameter):
+                        new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+                    got = made[id(t)] = (t, new)
+                store[name] = got[1]
 
 
 def load_model(

@@ -57,8 +57,7 @@ def _checked(parse):
 
 
 def add_speculative_args(g) -> None:
-    from stepserve.scheduler.speculation import PROPOSERS
-    from stepserve.scheduler.speculation import SpecLengthSpec
+    from stepserve.scheduler.speculation import PROPOSERS, SpecLengthSpec
 
     g.add_argument("--speculative", default="none", choices=list(PROPOSERS),
                    help="speculative decoding: none (the default), draft (a draft model, --draft-model) or ngram "

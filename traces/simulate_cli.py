@@ -44,8 +44,7 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_sim_speculative_args(g) -> None:
     from stepserve.cli import _checked
-    from stepserve.scheduler.speculation import PROPOSERS
-    from stepserve.scheduler.speculation import SpecLengthSpec
+    from stepserve.scheduler.speculation import PROPOSERS, SpecLengthSpec
 
     g.add_argument("--speculative", default="none", choices=list(PROPOSERS),
                    help="simulate speculative decoding: draft (a draft model whose steps --draft-profile prices) or "

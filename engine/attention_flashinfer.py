@@ -149,6 +149,10 @@ class FlashInferAttention:
         self._active = None  # the decode wrapper this step's layers run
         self._ones = torch.ones(64, dtype=torch.int32)  # every page holds one token: the last page's length
         self._staging = PageListStaging(dev)
+        # recorded after a step's plans: flashinfer's plan copies its schedule to the device from a pinned
+        # buffer of its own without blocking, so the next plan waits for that copy before rewriting the buffer
+        # (with the overlap schedule the host plans a step while the one before still runs)
+        self._planned = None
         self._num_extend = 0  # tokens of this step's extend rows
 
     # -- planning ---------------------------------------------------------------
@@ -167,7 +171,17 @@ class FlashInferAttention:
                      q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
         self._active = wrapper
 
+    def _plans_begin(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _plans_done(self) -> None:
+        if self.pool.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
+
     def prepare(self, fb: ForwardBatch) -> None:
+        self._plans_begin()
         self._active = None
         if fb.num_decode:
             self._plan_decode(self.decode, fb.req_to_token, fb.decode_rows, fb.decode_kv_lens)
@@ -180,6 +194,7 @@ class FlashInferAttention:
                               self.num_kv_heads, self.head_dim, 1, causal=True, q_data_type=self.dtype,
                               kv_data_type=self.dtype, sm_scale=self.scale)
             self._num_extend = int(qo[-1])
+        self._plans_done()
 
     def graph_wrapper(self, batch_size: int, max_pages: int):
         """The decode wrapper that a CUDA graph of `batch_size` rows captures:
@@ -203,9 +218,11 @@ class FlashInferAttention:
         """Plans a pure decode step of len(lens) rows (host tensors), padded to
         `batch_size` rows, into the graph wrapper of that size; `forward` then
         runs it."""
+        self._plans_begin()
         self._num_extend = 0
         wrapper = self.graph_wrapper(batch_size, max_pages)  # (makes `_graph_indices` on first use)
         self._plan_decode(wrapper, table, rows, lens, pad_rows=batch_size - len(lens), dest=self._graph_indices)
+        self._plans_done()
 
     # -- per layer ----------------------------------------------------------------
     def forward(self, layer, q, k, v, fb):

@@ -60,6 +60,9 @@ class EngineConfig:
     # builds) | torch (SDPA, the reference) | flashinfer
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used with flashinfer on CUDA)
+    # schedule and launch each step while the one before runs on the device (`EngineCore._step_overlap`):
+    # auto = on CUDA without speculation | on | off. On the CPU the host is the device: nothing to hide.
+    overlap_schedule: str = "auto"
     seed: int = 0  # seeds the per-request seeds of requests that give none
     check_invariants: bool = False  # run the KV integrity check after every step
     cpu_threads: int | None = None  # torch intra-op threads, process-wide (None: leave torch's setting)
@@ -85,6 +88,11 @@ class EngineConfig:
             raise ValueError("draft_model is given but speculative is not 'draft'")
         if self.spec_length is not None:
             SpecLengthSpec.parse(self.spec_length)
+        if self.overlap_schedule not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_schedule must be auto, on or off, not {self.overlap_schedule!r}")
+        if self.overlap_schedule == "on" and self.speculative != "none":
+            raise ValueError("overlap_schedule 'on' cannot be combined with speculative decoding (a step's "
+                             "drafts need the tokens of the step before on the host)")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"unknown attention backend {self.attention_backend!r} "
                              f"({', '.join(ATTENTION_BACKENDS)})")
@@ -172,6 +180,13 @@ class KVReport:
     protected: int  # cached slots locked by running requests
     accounted: int  # free + cached slots; equals capacity when nothing runs
     capacity: int
+
+
+def _needs_tokens(seq) -> bool:
+    """A sequence whose next step reads its output on the host (a grammar's
+    state, the penalties' counts): the overlap schedule waits for its token
+    before launching that step."""
+    return seq.logits_processor is not None or seq.sampling.needs_penalties
 
 
 def _positive_int(v, what: str) -> int:
@@ -341,8 +356,12 @@ class Engine:
             graphs.capture()
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer, graphs=graphs)
         limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
+        overlap = config.overlap_schedule == "on" or (
+            config.overlap_schedule == "auto" and self.device.type == "cuda" and proposer is None)
         self.core = EngineCore(self.scheduler, self.runner, self, limits,
-                               check_every=1 if config.check_invariants else 0)
+                               check_every=1 if config.check_invariants else 0, overlap=overlap,
+                               needs_tokens=_needs_tokens)
+        self.overlap_schedule = overlap
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._next_req_id = 0

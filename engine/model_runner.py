@@ -46,6 +46,53 @@ class StepOutput:
     cold: bool = False  # the target's forward ran a shape it had not run before (`ModelRunner.run`)
 
 
+@dataclass
+class Launched:
+    """A step started on the device (`ModelRunner.launch`), not yet finished."""
+
+    plan: StepPlan
+    seqs: list[Seq]  # the sampler's rows (verify rows are not among them)
+    out: SamplerOutput  # on the device
+    copy: "tuple[SamplerOutput, object] | None"  # its host copy in flight, and the event that ends it
+    prep: float
+    cold: bool
+    draft_s: float
+    logits: torch.Tensor | None  # kept for the verify rows
+    hidden: torch.Tensor | None  # kept for prompt logprobs
+    prompt_rows: list
+    tokens: torch.Tensor | None  # the sampled tokens on the device, in `plan.samples` order (no verify rows)
+
+    def wait(self) -> SamplerOutput:
+        """The sampler's output on the host, once its copy has landed."""
+        if self.copy is None:
+            return self.out
+        host, done = self.copy
+        done.synchronize()
+        return host
+
+
+def host_copy(out: SamplerOutput):
+    """Starts copying `out` from a CUDA device to pinned host memory without
+    blocking: (the host `SamplerOutput`, a CUDA event recorded after the
+    copies); None where `out` is already on the host."""
+    if out.token_ids.device.type != "cuda":
+        return None
+    host = SamplerOutput(*(None if t is None else t.to("cpu", non_blocking=True)
+                           for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)))
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def fill_placeholders(ids: torch.Tensor, prev: torch.Tensor) -> None:
+    """Replaces, in place, each placeholder -1 - k in `ids` by `prev[k]` (the
+    previous step's k-th sampled token, on the same device): no host sync."""
+    if prev.numel() == 0:
+        return
+    src = (-ids - 1).clamp_(0, prev.numel() - 1)
+    torch.where(ids < 0, prev.index_select(0, src), ids, out=ids)
+
+
 # prompt positions whose full-vocabulary logits are materialised at once
 _PROMPT_LOGPROBS_CHUNK = 256
 
@@ -158,11 +205,23 @@ class ModelRunner:
             pad_logits=self.pad_tokens,
         ), prompt_rows
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan, features=None) -> StepOutput:
         """The forward pass and sampling of `plan` (`features`, the core's
         StepFeatures of it, are not needed here); verify rows are drafted by
         the proposer first, and verified after."""
+        return self.finish(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, prev: "Launched | None" = None) -> "Launched":
+        """Starts `plan`'s forward pass and sampling on the device and returns
+        without waiting for them (on a GPU; on the CPU they are done on
+        return): `finish` brings the tokens to the host. The sampled tokens
+        are copied to the host as soon as they exist, behind an event, so
+        that `finish` waits for them and not for work launched after.
+
+        `prev`: the step launched before, not yet finished (overlap
+        schedule): the placeholders `Scheduler.advance` left for its tokens
+        (-1 - k for its k-th sample) are read from its tokens on the device."""
         draft_s = 0.0
         nv = plan.num_verify
         if self.proposer is not None and plan.slots is not None:
@@ -173,6 +232,8 @@ class ModelRunner:
             draft_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         fb, prompt_rows = self.build_batch(plan)
+        if prev is not None and prev.tokens is not None and fb.num_decode:
+            fill_placeholders(fb.input_ids[: fb.num_decode], prev.tokens)
         prep = time.perf_counter() - t0
         cold = self.shapes.first_run(fb)
         if nv:
@@ -181,11 +242,9 @@ class ModelRunner:
             logits, hidden = self.graphs.run(fb), None
         else:
             logits, hidden = self.model(fb, self.backend)
-        prompt_lps = self._prompt_logprobs(hidden, prompt_rows) if prompt_rows else []
         a, b = plan.verify_samples() if nv else (0, 0)
         seqs = [s for _, s in plan.samples[:a] + plan.samples[b:]]
-        if not seqs and not nv:  # prefill chunks that sample nothing still wrote their KV
-            return StepOutput([], [], SamplerOutput(torch.empty(0, dtype=torch.long)), prep, prompt_lps, cold=cold)
+        out = SamplerOutput(torch.empty(0, dtype=torch.long))
         if seqs:
             for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
                 if s.logits_processor is not None:
@@ -198,18 +257,28 @@ class ModelRunner:
                 batch = SamplingBatch.build([row_input(s) for s in seqs], self.vocab_size, self.device)
                 prep += time.perf_counter() - t0
                 out = self.sampler(sl, batch)
-            tokens = out.token_ids.tolist()
-        else:
-            out, tokens = SamplerOutput(torch.empty(0, dtype=torch.long)), []
+        tokens = out.token_ids if seqs and not nv else None  # what a next step's placeholders read
+        return Launched(plan, seqs, out, host_copy(out), prep, cold, draft_s, logits if nv else None,
+                        hidden, prompt_rows, tokens)
+
+    @torch.inference_mode()
+    def finish(self, l: "Launched") -> StepOutput:
+        """Waits for a launched step's tokens and completes its output:
+        prompt logprobs, the verify rows' tokens."""
+        plan, seqs, nv = l.plan, l.seqs, l.plan.num_verify
+        out = l.wait()
+        prompt_lps = self._prompt_logprobs(l.hidden, l.prompt_rows) if l.prompt_rows else []
+        tokens = out.token_ids.tolist()
         if not nv:
-            return StepOutput(seqs, tokens, out, prep, prompt_lps, cold=cold)
-        ver = verify_rows(plan.verify_rows, logits[len(seqs) :], self.vocab_size)
+            return StepOutput(seqs, tokens, out, l.prep, prompt_lps, cold=l.cold)
+        a, b = plan.verify_samples()
+        ver = verify_rows(plan.verify_rows, l.logits[len(seqs) :], self.vocab_size)
         # every sampled token in `plan.samples` order: the verify rows' sit between the decode rows' and the rest
         all_tokens = tokens[:a] + ver.tokens + tokens[a:]
-        return StepOutput([s for _, s in plan.samples], all_tokens, out, prep, prompt_lps, sampler_seqs=seqs,
+        return StepOutput([s for _, s in plan.samples], all_tokens, out, l.prep, prompt_lps, sampler_seqs=seqs,
                           verify_logprobs={id(r.seq): lp for r, lp in zip(plan.verify_rows, ver.logprobs)
                                            if lp is not None},
-                          draft_s=draft_s, cold=cold)
+                          draft_s=l.draft_s, cold=l.cold)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows) -> list[PromptLogprobs]:
         """Log-softmax over the vocabulary at each scored prompt position, a

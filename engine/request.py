@@ -138,6 +138,8 @@ class Request:
         ids = branch.seq.token_ids
         if upto is not None:  # only the first `upto` tokens (a speculative run's, one at a time)
             ids = ids[:upto]
+        elif ids and ids[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
+            ids = ids[:-1]
         start = branch.seq.prompt_len + branch.detok_pos
         if start >= len(ids) or branch.stop_reason is not None and isinstance(branch.stop_reason, str):
             return None
@@ -184,6 +186,8 @@ class Request:
             if not seq.finished and self.params.stop:
                 text = text[: len(text) - partial_stop_len(text, self.params.stop)]
             toks = seq.output_ids
+            if toks and toks[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
+                toks = toks[:-1]
             lps = b.logprobs
             reason = seq.finish_reason
             if delta:

@@ -148,7 +148,7 @@ def uniform(seeds: Tensor, counters: Tensor, n: int, stream: int = 0, offset: in
     device = seeds.device
     # Last murmur3 block: h = rotl(h_row ^ k_j, 13) * 5 + N.  rotl distributes
     # over xor, so both rotations are done on the small [R] / [n] vectors.
-    h_row = _rotl(_row_state(seeds, counters.to(device), stream), 13)
+    h_row = _rotl(_row_state(seeds, counters.to(device, non_blocking=True), stream), 13)
     cols = torch.arange(offset, offset + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
     k_col = _rotl(_k_mix(cols), 13)
     h = h_row[:, None] ^ k_col[None, :]
@@ -337,8 +337,8 @@ class SamplingBatch:
             [top_k, [_to_int64(r.seed) for r in rows], [int(r.counter) for r in rows]],
             dtype=torch.int64,
         ).reshape(3, R)
-        floats = floats.to(device)
-        ints = ints.to(device)
+        floats = floats.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
         rand_idx = [i for i, g in enumerate(greedy) if not g]
         batch = cls(
             num_rows=R,
@@ -350,11 +350,11 @@ class SamplingBatch:
             top_k=ints[0],
             seeds=ints[1],
             counters=ints[2],
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            greedy=torch.tensor(greedy, dtype=torch.bool).to(device, non_blocking=True),
             all_greedy=len(rand_idx) == 0,
         )
         if rand_idx and len(rand_idx) < R:
-            batch.random_rows = torch.tensor(rand_idx, dtype=torch.int64).to(device)
+            batch.random_rows = torch.tensor(rand_idx, dtype=torch.int64).to(device, non_blocking=True)
         batch.any_temperature = any(temperature[i] != 1.0 for i in rand_idx)
         ks = [top_k[i] for i in rand_idx if top_k[i] < V]
         batch.any_top_k = bool(ks)
@@ -373,7 +373,7 @@ class SamplingBatch:
                 p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in ps
             )
             if P < R:
-                batch.penalty_rows = torch.tensor(pen_idx, dtype=torch.int64).to(device)
+                batch.penalty_rows = torch.tensor(pen_idx, dtype=torch.int64).to(device, non_blocking=True)
             pen = torch.tensor(
                 [
                     [float(p.repetition_penalty) for p in ps],
@@ -381,10 +381,10 @@ class SamplingBatch:
                     [float(p.frequency_penalty) for p in ps],
                 ],
                 dtype=torch.float32,
-            ).reshape(3, P).to(device)
+            ).reshape(3, P).to(device, non_blocking=True)
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = pen
             outs = [_ids_array(rows[i].output_ids) for i in pen_idx]
-            out_pad = torch.from_numpy(_padded_ids(outs, pad=V)).to(device)
+            out_pad = torch.from_numpy(_padded_ids(outs, pad=V)).to(device, non_blocking=True)
             counts = torch.zeros(P, V + 1, dtype=torch.float32, device=device)
             counts.scatter_add_(1, out_pad, torch.ones(out_pad.shape, dtype=torch.float32, device=device))
             counts = counts[:, :V]
@@ -392,7 +392,7 @@ class SamplingBatch:
                 batch.output_counts = counts.contiguous()
             if batch.any_repetition_penalty:
                 prompts = [_ids_array(rows[i].prompt_ids) for i in pen_idx]
-                pr_pad = torch.from_numpy(_padded_ids(prompts, pad=V)).to(device)
+                pr_pad = torch.from_numpy(_padded_ids(prompts, pad=V)).to(device, non_blocking=True)
                 seen = torch.zeros(P, V + 1, dtype=torch.bool, device=device)
                 seen.scatter_(1, pr_pad, True)
                 batch.seen_mask = seen[:, :V] | (counts > 0)
@@ -407,9 +407,9 @@ class SamplingBatch:
                     b_vals.append(float(val))
         if b_rows:
             batch.any_logit_bias = True
-            batch.bias_rows = torch.tensor(b_rows, dtype=torch.int64).to(device)
-            batch.bias_tokens = torch.tensor(b_toks, dtype=torch.int64).to(device)
-            batch.bias_values = torch.tensor(b_vals, dtype=torch.float32).to(device)
+            batch.bias_rows = torch.tensor(b_rows, dtype=torch.int64).to(device, non_blocking=True)
+            batch.bias_tokens = torch.tensor(b_toks, dtype=torch.int64).to(device, non_blocking=True)
+            batch.bias_values = torch.tensor(b_vals, dtype=torch.float32).to(device, non_blocking=True)
 
         # ---- min_tokens masks (sparse pairs)
         m_rows, m_toks = [], []
@@ -422,8 +422,8 @@ class SamplingBatch:
                 m_toks.extend(ids.tolist())
         if m_rows:
             batch.any_masked = True
-            batch.mask_rows = torch.tensor(m_rows, dtype=torch.int64).to(device)
-            batch.mask_tokens = torch.tensor(m_toks, dtype=torch.int64).to(device)
+            batch.mask_rows = torch.tensor(m_rows, dtype=torch.int64).to(device, non_blocking=True)
+            batch.mask_tokens = torch.tensor(m_toks, dtype=torch.int64).to(device, non_blocking=True)
 
         # ---- logprobs
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]

@@ -87,6 +87,28 @@ class StepRunner(Protocol):
     def run(self, plan: StepPlan, features: StepFeatures) -> RunOutput: ...
 
 
+class OverlapRunner(StepRunner, Protocol):
+    """A runner that can start a step and finish it later (`EngineCore`'s
+    overlap schedule): `launch` returns at once with the step running on the
+    device, reading the placeholders of the step before from `prev`'s tokens
+    there; `finish` waits for its tokens."""
+
+    def launch(self, plan: StepPlan, prev: Any = None) -> Any: ...
+
+    def finish(self, launched: Any) -> RunOutput: ...
+
+
+@dataclass
+class _InFlight:
+    plan: StepPlan
+    features: StepFeatures
+    launched: Any  # the runner's handle
+    placed: list  # `Scheduler.advance`'s placeholders
+    t_start: float  # when its step() call began
+    host_s: float  # that call's host time before the launch: schedule, admissions, features
+    unsafe: bool  # a sequence it samples needs its token before its next step can be launched
+
+
 class StepHooks(Protocol):
     def admitted(self, seq: Seq) -> None:
         """`seq` was admitted this step (its prefix-cache hit is known)."""
@@ -106,7 +128,7 @@ class StepHooks(Protocol):
 class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: StepRunner, hooks: StepHooks, limits: Limits, *,
                  clock: Callable[[], float] = time.perf_counter, check_every: int = 0,
-                 max_records: int = 4096):
+                 max_records: int = 4096, overlap: bool = False, needs_tokens: Callable[[Seq], bool] | None = None):
         self.scheduler = scheduler
         self.runner = runner
         self.hooks = hooks
@@ -119,6 +141,13 @@ class EngineCore:
         self.max_records = max_records
         self._next_seq_id = 0
         self._staged: dict[int, _Staged] = {}  # id(group) -> a fork/join request's later stages
+        # the overlap schedule (`_step_overlap`): the runner is an `OverlapRunner`; `needs_tokens(seq)`: seq's
+        # next step must see its last token on the host (a grammar, penalties): it is not launched before
+        self.overlap = overlap
+        self.needs_tokens = needs_tokens or (lambda seq: False)
+        self._inflight: _InFlight | None = None
+        self._last_done = 0.0  # when the last step finished (overlap: the period of back-to-back steps)
+        self.overlapped_steps = 0  # steps launched while the step before was still running
 
     # -- requests -------------------------------------------------------------
     @property
@@ -215,11 +244,15 @@ class EngineCore:
             self.hooks.staged(seq.group, new)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._inflight is not None or self.scheduler.has_work()
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> StepPlan | None:
-        """One step; None if nothing could be scheduled."""
+        """One step; None if nothing could be scheduled. With the overlap
+        schedule, the step whose tokens came back in this call (None: none
+        did)."""
+        if self.overlap:
+            return self._step_overlap()
         clock = self.clock
         hooks = self.hooks
         sched = self.scheduler
@@ -235,13 +268,93 @@ class EngineCore:
         t2 = clock()
         hooks.ran(plan, out)
         got = sched.update(plan, out.token_ids)
-        hooks.updated(plan, out, got)
+        self._apply(plan, out, got)
+        t3 = clock()
+        self._record(plan, features, out, wall_s=t3 - t0, forward_s=t2 - t1 - out.prep_s,
+                     schedule_s=(t1 - t0) + (t3 - t2))
+        return plan
+
+    def _apply(self, plan: StepPlan, out: RunOutput, got: list[Seq]) -> None:
+        self.hooks.updated(plan, out, got)
         if self._staged:
             self._advance_stages(got)
-        t3 = clock()
+
+    def _step_overlap(self) -> StepPlan | None:
+        """The overlap schedule (SGLang's "overlap scheduler"): step N+1 is
+        scheduled and launched while step N still runs on the device, and
+        only then are N's tokens waited for and applied -- the host's work
+        for a step hides behind the device's.
+
+            schedule N+1 -> launch N+1 -> finish N (wait for its tokens,
+            resolve, hooks, record) -> advance N+1
+
+        What makes it possible: `Scheduler.advance` gives each sequence
+        sampled in N a placeholder token, so N+1 schedules it as decoding,
+        and the runner reads the placeholder's token on the device. Its
+        costs: a sequence that N's token ends (a stop token, a stop string)
+        has a row in N+1 already, whose token is dropped and whose slot is
+        freed (`Scheduler._drop_launched`); and a new fork/join stage starts
+        a step later. N is finished before N+1 is scheduled (no overlap for
+        that step) when N+1 would have to retract (a retracted sequence must
+        not carry a placeholder), or when a sequence sampled in N needs its
+        token on the host before its next step (`needs_tokens`)."""
+        clock = self.clock
+        sched = self.scheduler
+        t0 = clock()
+        prev = self._inflight
+        if prev is not None and (prev.unsafe or sched.kv.available() < len(sched.running)):
+            self._inflight = None
+            self._finish(prev)
+            prev = None
+            t0 = clock()
+        plan = sched.schedule()
+        for seq in plan.admitted:
+            self.hooks.admitted(seq)
+        if plan.empty:
+            if prev is None:
+                return None
+            self._inflight = None
+            self._finish(prev)
+            return prev.plan
+        features = plan_features(plan)
+        t1 = clock()
+        launched = self.runner.launch(plan, prev.launched if prev is not None else None)
+        sched.launched = plan
+        if prev is not None:
+            self.overlapped_steps += 1
+            self._finish(prev)
+        placed = sched.advance(plan)
+        sched.launched = None
+        needs = self.needs_tokens
+        self._inflight = _InFlight(plan, features, launched, placed, t0, t1 - t0,
+                                   any(needs(s) for _, s in placed))
+        if self.check_every and self.step_id % self.check_every == 0:
+            sched.check()
+        return prev.plan if prev is not None else plan
+
+    def _finish(self, f: _InFlight) -> None:
+        """Waits for an in-flight step's tokens and applies them."""
+        clock = self.clock
+        t0 = clock()
+        out = self.runner.finish(f.launched)
+        t1 = clock()
+        self.hooks.ran(f.plan, out)
+        got = self.scheduler.resolve(f.plan, f.placed, out.token_ids)
+        self._apply(f.plan, out, got)
+        t2 = clock()
+        # its period: since the step before it finished, or since its own step() call began where none was
+        # in flight then; of that, the host's time on this step alone, outside the wait for the device
+        start = self._last_done if self._last_done > f.t_start else f.t_start
+        sched_s = f.host_s + (t2 - t1)
+        self._record(f.plan, f.features, out, wall_s=t2 - start,
+                     forward_s=max(t2 - start - sched_s - out.prep_s, 0.0), schedule_s=sched_s)
+        self._last_done = t2
+
+    def _record(self, plan: StepPlan, features: StepFeatures, out: RunOutput, *, wall_s: float, forward_s: float,
+                schedule_s: float) -> None:
         rec = StepRecord(step=self.step_id, rows=features.rows, decode_rows=plan.num_decode,
-                         context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=t3 - t0,
-                         forward_s=t2 - t1 - out.prep_s, schedule_s=(t1 - t0) + (t3 - t2), prep_s=out.prep_s,
+                         context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=wall_s,
+                         forward_s=forward_s, schedule_s=schedule_s, prep_s=out.prep_s,
                          prefill_pairs=features.prefill_pairs, extend_rows=features.extend_rows,
                          cold=out.cold)
         if plan.num_verify:
@@ -257,6 +370,5 @@ class EngineCore:
             del records[: len(records) - self.max_records // 2]
         for p in self.policies:
             p.observe(plan, rec)
-        if self.check_every and self.step_id % self.check_every == 0:
-            sched.check()
-        return plan
+        if not self.overlap and self.check_every and self.step_id % self.check_every == 0:
+            self.scheduler.check()

@@ -64,6 +64,8 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.spec_drafted = 0  # draft tokens verified, and of them accepted
         self.spec_accepted = 0
+        # overlap schedule (`EngineCore`): the plan launched on the device but not yet `advance`d
+        self.launched: StepPlan | None = None
 
     # -- queue ---------------------------------------------------------------
     def add(self, seq: Seq, front: bool = False) -> None:
@@ -108,9 +110,25 @@ class Scheduler:
             self.running.remove(seq)
 
     def _end(self, seq: Seq, reason: str) -> None:
+        ids = seq.token_ids
+        if ids and ids[-1] < 0:
+            ids.pop()  # a placeholder (`advance`) that will not be resolved: it was aborted
+        if self.launched is not None:
+            self._drop_launched(seq)
         self.kv.release(seq, cache=True)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+    def _drop_launched(self, seq: Seq) -> None:
+        """Frees the slots of `seq`'s row in the launched step (overlap
+        schedule: it ended while that step ran, before `advance` counted
+        them); `advance` then skips the row and `resolve` its token."""
+        plan = self.launched
+        nd = plan.num_decode
+        for i, r in enumerate(plan.rows):
+            if r.seq is seq:
+                self.kv.allocator.free(plan.slots[i : i + 1] if i < nd else r.slots[: r.num_new])
+                return
 
     # -- planning ------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -138,8 +156,15 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> int:
         # one pass over the running sequences: this runs every step
         decoding, prefilling = [], []
+        max_context = self.cfg.max_context
         for s in self.running:
-            (decoding if len(s.token_ids) - s.num_computed == 1 else prefilling).append(s)
+            n = len(s.token_ids)
+            if n - s.num_computed == 1:
+                if n - s.prompt_len >= s.max_tokens or n >= max_context:
+                    continue  # its last token ends it, once known (overlap schedule: not yet resolved)
+                decoding.append(s)
+            else:
+                prefilling.append(s)
         if self.kv.available() < len(decoding):
             self._retract_for(len(decoding), plan)
             decoding = [s for s in decoding if s.status is SeqStatus.RUNNING]
@@ -243,17 +268,31 @@ class Scheduler:
     # -- results -------------------------------------------------------------
     def update(self, plan: StepPlan, tokens: list[int]) -> list[Seq]:
         """Applies sampled tokens (one per `plan.samples` entry); returns the
-        sequences that received a token. Token-level stop conditions end them."""
-        sampling = plan.samples
-        assert len(tokens) == len(sampling), (len(tokens), len(sampling))
+        sequences that received a token. Token-level stop conditions end them.
+
+        It is `advance` then `resolve`: with the overlap schedule
+        (`EngineCore`) the two halves run a step apart."""
+        return self.resolve(plan, self.advance(plan), tokens)
+
+    def advance(self, plan: StepPlan) -> list[tuple[int, Seq]]:
+        """The half of `update` that needs no token value: the rows' KV counts
+        as computed, chunks are published to the prefix cache, forks happen,
+        and each sampling sequence gets a *placeholder* as its next token,
+        -1 - k for `plan.samples[k]` (a model runner reads it on the device,
+        from the tokens of the step that sampled it). Returns the (k, seq)
+        that got one; `resolve` puts the tokens in. Verify rows are left to
+        `resolve` (what they computed depends on what was accepted)."""
         caching = self.cfg.prefix_caching
         nd, nv = plan.num_decode, plan.num_verify
-        # verify rows: what they computed depends on what was accepted (_update_verify)
+        FINISHED = SeqStatus.FINISHED
         for r in plan.rows[:nd] + plan.rows[nd + nv :] if nv else plan.rows:
             seq = r.seq
+            if seq.status is FINISHED:  # ended while the step ran (overlap; `_end` freed the step's slots)
+                continue
             seq.num_computed += r.num_new
             if not r.sample and caching:
                 self.kv.cache_prefix(seq)  # publish the chunk for concurrent prompts
+        sampling = plan.samples
         # Forks first, while every parent still holds its prompt's KV.
         for i, seq in sampling:
             if seq.status is SeqStatus.FORK_PENDING:
@@ -262,26 +301,39 @@ class Scheduler:
                 self.kv.fork(parent, seq)
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+        placed = []
+        a, b = plan.verify_samples() if nv else (0, 0)
+        for k, (_, seq) in enumerate(sampling):
+            if seq.status is FINISHED or a <= k < b:
+                continue
+            if seq.fork_children:
+                seq.fork_children = []  # forked: the siblings are independent now
+            seq.token_ids.append(-1 - k)
+            placed.append((k, seq))
+        return placed
+
+    def resolve(self, plan: StepPlan, placed: list[tuple[int, Seq]], tokens: list[int]) -> list[Seq]:
+        """The other half of `update`: puts the sampled tokens in place of the
+        placeholders `advance` gave `placed`, stamps them, and ends the
+        sequences they stop; applies the verify rows. Returns the sequences
+        that received a token."""
+        assert len(tokens) == len(plan.samples), (len(tokens), len(plan.samples))
         now = self.clock()
         got = []
         ended = []
+        if plan.num_verify:
+            a, b = plan.verify_samples()
+            self._update_verify(plan, list(zip(plan.samples[a:b], tokens[a:b])), now, got, ended)
         max_context = self.cfg.max_context
         FINISHED = SeqStatus.FINISHED
-        pairs = zip(sampling, tokens)
-        if nv:
-            a, b = plan.verify_samples()
-            pairs = list(pairs)
-            self._update_verify(plan, pairs[a:b], now, got, ended)
-            pairs = pairs[:a] + pairs[b:]
-        for (_, seq), tok in pairs:
-            if seq.status is FINISHED:
+        for k, seq in placed:
+            if seq.status is FINISHED:  # aborted since (`_end` dropped its placeholder)
                 continue
+            tok = tokens[k]
             ids = seq.token_ids
-            ids.append(tok)
+            ids[-1] = tok
             if seq.first_token_time is None:
                 seq.first_token_time = now
-                if seq.fork_children:
-                    seq.fork_children = []  # forked: the siblings are independent now
             seq.last_token_time = now
             c = seq.clock
             if c is not None:

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "kernel where it builds)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every decode step launches its kernels from Python")
+    g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                   help="schedule and launch each step while the one before runs on the GPU (auto: on CUDA "
+                        "without speculative decoding)")
     g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--seed", type=int, default=0)
@@ -102,6 +105,7 @@ def _engine_config(EngineConfig, args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        overlap_schedule=args.overlap_schedule,
         admission=args.admission,
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,

@@ -7,7 +7,8 @@ prefix cache on or off -- and whatever the workload -- shared prefixes,
 n > 1, fork/join requests with a parallel and a serial stage, stop tokens,
 stop strings, min_tokens, prompt logprobs (a full prefill past the cache),
 requests that opt out of speculation, staggered arrivals, aborts, and the
-same workload again on the warm engine -- every request that is not aborted
+same workload again on the warm engine, the overlap schedule (without
+speculation) -- every request that is not aborted
 gets exactly the tokens, finish reasons, stop reasons and text that a plain
 reference engine gives it, an aborted one a prefix of its tokens, and the KV
 pool is whole again at the end. The KV integrity check runs after every step
@@ -83,6 +84,8 @@ request = st.fixed_dictionaries({
     "stop": st.lists(st.sampled_from(STOP_CANDIDATES), max_size=2, unique=True),
     "stop_str": st.sampled_from([(), (), (), ("and",), (" was",), (":",), ("e",), ("and", ":")]),
     "min_tokens": st.sampled_from([0, 0, 2]),
+    # without speculation only: penalties read the output on the host (the overlap schedule waits for it)
+    "presence_penalty": st.sampled_from([0.0, 0.0, 0.0, 0.8]),
     "prompt_logprobs": st.sampled_from([None, None, None, 0]),  # the prompt computed in full; plain requests only
     "speculate": st.sampled_from([True, True, True, False]),  # False: the request opts out of speculation
     "arrive": st.sampled_from([0, 0, 0, 1, 3, 7, 15]),  # the step it is added before
@@ -148,6 +151,7 @@ def _prepare(reqs, head, greedy_only):
             # tokenizer's vocabulary ("and" is token 265's text, " was" 282's), a character the text often has
             stop=list(r["stop_str"]) or None,
             min_tokens=min(r["min_tokens"], max_tokens),
+            presence_penalty=0.0 if greedy_only else r["presence_penalty"],
             prompt_logprobs=None if fork else r["prompt_logprobs"],
             speculative=r["speculate"],
         )
@@ -237,7 +241,7 @@ BRANCH = [
 
 
 def _config(ckpt, draft, profile, speculative, spec_length, branch, kv_slots, budget, max_running, admission,
-            prefix_caching):
+            prefix_caching, overlap):
     policy, tpot, ttft, slow = branch
     kw = {}
     if speculative != "none":
@@ -248,7 +252,8 @@ def _config(ckpt, draft, profile, speculative, spec_length, branch, kv_slots, bu
     return EngineConfig(model=ckpt, kv_slots=kv_slots, max_batched_tokens=budget, max_running=max_running,
                         admission=admission, prefix_caching=prefix_caching, branch_policy=policy,
                         slo_tpot_s=tpot, slo_ttft_s=ttft, latency_profile=profile if slow else None,
-                        check_invariants=True, **kw)
+                        check_invariants=True, overlap_schedule="on" if overlap and speculative == "none" else "off",
+                        **kw)
 
 
 def _events(engine, got, expected, speculative, policy):
@@ -290,16 +295,18 @@ def _events(engine, got, expected, speculative, policy):
     admission=st.sampled_from(["fcfs", "lpm"]),
     prefix_caching=st.booleans(),
     again=st.booleans(),  # then the same workload once more, on the warm engine
+    overlap=st.booleans(),  # the overlap schedule (without speculation)
 )
 def test_features_compose_to_the_reference_tokens(llama_ckpt, draft_ckpt, slow_profile, reference_engine, reqs,
                                                   head, speculative, spec_length, branch, kv_slack, kv_share,
-                                                  token_ratio, budget, max_running, admission, prefix_caching, again):
+                                                  token_ratio, budget, max_running, admission, prefix_caching, again,
+                                                  overlap):
     prepared = _prepare(reqs, head, greedy_only=speculative != "none")
     kv_slots = max(max(_kv_need(p[0], r) for p, r in zip(prepared, reqs)) + kv_slack,
                    int(kv_share * sum(_kv_total(p[0], r) for p, r in zip(prepared, reqs))))
     expected = _reference(reference_engine, prepared)
     config = _config(llama_ckpt, draft_ckpt, slow_profile, speculative, spec_length, branch, kv_slots, budget,
-                     max_running, admission, prefix_caching)
+                     max_running, admission, prefix_caching, overlap)
     # (readable on failure: this hypothesis prints the falsifying arguments' values empty)
     note(f"config: {config}\nnew_token_ratio: {token_ratio}, again: {again}")
     for i, p in enumerate(prepared):

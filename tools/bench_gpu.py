@@ -150,10 +150,10 @@ def graph_gpu_ms(graphs, batch: int, reps: int = 20) -> float:
     return s.elapsed_time(e) / reps
 
 
-def decode_point(args, batch: int, eager: bool, bandwidth: float) -> dict:
+def decode_point(args, batch: int, eager: bool, bandwidth: float, overlap: str = "auto") -> dict:
     from stepserve.engine.sampling_params import SamplingParams
 
-    eng = engine(args, max_running=batch, enforce_eager=eager)
+    eng = engine(args, max_running=batch, enforce_eager=eager, overlap_schedule=overlap)
     graphs = eng.runner.graphs
     host = HostTimes()
     host.wrap(eng.runner, "build_batch", "build")
@@ -204,7 +204,8 @@ def decode_point(args, batch: int, eager: bool, bandwidth: float) -> dict:
     kv = ctx * eng.model_config.kv_bytes_per_token(eng.dtype)
     wbytes = weight_bytes_per_step(eng.model, batch)
     roof = (wbytes + kv) / bandwidth
-    out = {"batch": batch, "rows_median": rows, "context_tokens_median": ctx, "mode": "eager" if eager else "graphs", "backend": eng.attention_backend,
+    out = {"batch": batch, "rows_median": rows, "context_tokens_median": ctx, "mode": "eager" if eager else "graphs",
+           "backend": eng.attention_backend, "overlap_schedule": eng.overlap_schedule,
            "step_ms_median": step * 1e3, "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
            "tok_per_s": batch / step, "weight_gb": wbytes / 1e9, "kv_gb": kv / 1e9,
            "roofline_ms": roof * 1e3, "x_roofline": step / roof,
@@ -247,6 +248,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=512, help="prompt tokens per request")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--compare-eager", action="store_true")
+    p.add_argument("--overlap-schedules", default="auto",
+                   help="comma list of overlap_schedule settings (auto, on, off) to run each batch size with")
     p.add_argument("--tensor-core-groups", default=None,
                    help="comma list of TENSOR_CORE_MIN_GROUP values: each batch size runs with each (an A/B of "
                         "flashinfer's tensor-core decode against its CUDA-core one)")
@@ -278,13 +281,15 @@ def main() -> int:
     default_group = attention_flashinfer.TENSOR_CORE_MIN_GROUP
     points = []
     for b in [int(x) for x in args.batches.split(",")]:
-        for eager, group in [(e, g) for e in ([False, True] if args.compare_eager else [False]) for g in groups]:
+        for eager, group, ov in [(e, g, o) for e in ([False, True] if args.compare_eager else [False])
+                                 for g in groups for o in args.overlap_schedules.split(",")]:
             if group is not None:
                 attention_flashinfer.TENSOR_CORE_MIN_GROUP = group
-            pt = decode_point(args, b, eager, bw)
+            pt = decode_point(args, b, eager, bw, ov)
             pt["tensor_core_min_group"] = attention_flashinfer.TENSOR_CORE_MIN_GROUP
             points.append(pt)
-            print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']} tc>={pt['tensor_core_min_group']}: "
+            print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']} tc>={pt['tensor_core_min_group']} "
+                  f"overlap {'on' if pt['overlap_schedule'] else 'off'}: "
                   f"{pt['step_ms_median']:7.2f} ms/step "
                   f"{pt['tok_per_s']:9.1f} tok/s  roofline {pt['roofline_ms']:6.2f} ms ({pt['x_roofline']:.2f}x)  "
                   f"[schedule {pt['schedule_ms_median']:.2f} prep {pt['prep_ms_median']:.2f} "

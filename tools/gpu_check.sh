@@ -8,7 +8,8 @@
 # run: installs .whl/*.whl into /tmp/site; runs the GPU tests (pytest -m gpu);
 # writes a random-weight Llama-3-8B checkpoint to /tmp/l8b (made on the GPU,
 # in the background while the tests run); runs tools/bench_gpu.py at batches
-# 1, 8, 64 and 256. Given BASE_DIR, an older tree
+# 1, 64 and 256 (GPU_CHECK_BATCHES), each with the overlap schedule on and
+# off. Given BASE_DIR, an older tree
 # (`git archive REV | tar -x -C BASE_DIR`), it then runs the sweep at 64 and
 # 256 twice for each tree, interleaved, so that the two compare on one
 # machine. With time left, `bench offline` against transformers. Reports go
@@ -43,11 +44,14 @@ fi
 PYTHONPATH=/tmp/site:$PWD timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/ -x 2>&1 | tail -25
 echo "== tests done at $(( $(date +%s) - T0 )) s"
 wait
-sweep() {  # sweep TREE BATCHES NAME
-  (cd "$1" && PYTHONPATH=/tmp/site:$PWD timeout "$(left 480)" python3 tools/bench_gpu.py --model /tmp/l8b \
-    --batches "$2" --prefill-prompts 8 --out "$OUT/$3.json" 2>&1 | grep -v Warning)
+sweep() {  # sweep TREE BATCHES NAME [bench_gpu.py options]
+  local tree=$1 batches=$2 name=$3
+  shift 3
+  (cd "$tree" && PYTHONPATH=/tmp/site:$PWD timeout "$(left 400)" python3 tools/bench_gpu.py --model /tmp/l8b \
+    --batches "$batches" --prefill-prompts 8 --out "$OUT/$name.json" "$@" 2>&1 | grep -v Warning)
 }
-sweep . 1,8,64,256 sweep
+# the overlap schedule against the plain one, each batch size with both, in one process
+sweep . "${GPU_CHECK_BATCHES:-1,64,256}" sweep --overlap-schedules on,off
 if [ -n "$BASE" ]; then
   for i in 1 2; do sweep "$BASE" 64,256 base$i; sweep . 64,256 new$i; done
 fi

@@ -7,9 +7,11 @@ DIR (made on the GPU, no download; the tokenizer is the tests' tiny BPE, which
 serves only text -- the benchmark sends token ids).
 
 Decode: for each batch size B, B requests with `--context`-token prompts are
-prefilled, then `--steps` decode steps are timed (engine.step() wall time,
-which ends when the sampled tokens are on the host: scheduling, batch
-building, the forward, sampling and the update, all of it). Reported: the
+prefilled, then `--steps` decode steps are timed (engine.step() wall time:
+scheduling, batch building, the forward, sampling and the update, all of
+it; with the overlap schedule a call launches one step and finishes the one
+before, so its median is the period of back-to-back steps).
+`--overlap-schedules on,off` runs each batch size with each setting. Reported: the
 median step, tok/s = B / step, and the roofline -- the bytes a decode step
 must read (every weight, the embedding table's B rows only unless it is also
 the LM head, plus every row's KV) over the GPU's copy bandwidth measured in

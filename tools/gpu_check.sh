@@ -41,7 +41,7 @@ PYTHONPATH=/tmp/site python3 -c "import torch, transformers, flashinfer; print(t
 if [ ! -f /tmp/l8b/config.json ]; then
   (PYTHONPATH=/tmp/site:$PWD python3 tools/bench_gpu.py --model /tmp/l8b --make llama3-8b --make-only > "$OUT/make.log" 2>&1) &
 fi
-PYTHONPATH=/tmp/site:$PWD timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/ -x 2>&1 | tail -25
+PYTHONPATH=/tmp/site:$PWD timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/test_gpu_path.py 2>&1 | tail -25
 echo "== tests done at $(( $(date +%s) - T0 )) s"
 wait
 sweep() {  # sweep TREE BATCHES NAME [bench_gpu.py options]

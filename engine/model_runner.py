@@ -212,7 +212,7 @@ class ModelRunner:
         return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev: "Launched | None" = None) -> "Launched":
+    def launch(self, plan: StepPlan, features=None, prev: "Launched | None" = None) -> "Launched":
         """Starts `plan`'s forward pass and sampling on the device and returns
         without waiting for them (on a GPU; on the CPU they are done on
         return): `finish` brings the tokens to the host. The sampled tokens

@@ -93,7 +93,7 @@ class OverlapRunner(StepRunner, Protocol):
     device, reading the placeholders of the step before from `prev`'s tokens
     there; `finish` waits for its tokens."""
 
-    def launch(self, plan: StepPlan, prev: Any = None) -> Any: ...
+    def launch(self, plan: StepPlan, features: StepFeatures, prev: Any = None) -> Any: ...
 
     def finish(self, launched: Any) -> RunOutput: ...
 
@@ -318,7 +318,7 @@ class EngineCore:
             return prev.plan
         features = plan_features(plan)
         t1 = clock()
-        launched = self.runner.launch(plan, prev.launched if prev is not None else None)
+        launched = self.runner.launch(plan, features, prev.launched if prev is not None else None)
         sched.launched = plan
         if prev is not None:
             self.overlapped_steps += 1

@@ -485,7 +485,9 @@ def test_compare_scores_reports_again_at_other_slos(tmp_path, capsys):
     from stepserve.cli import main
 
     trace = "synthetic:num=60,rate=40,input=uniform:16:400,output=uniform:4:64,seed=5"
-    base = ["simulate", "--trace", trace, "--profile", "h100:llama3-8b", "--no-progress", "--slo-ttft", "0.05"]
+    # (the plain schedule: its steps are the 8B roofline's host + device time, which the 8.1 ms TPOT SLO bites)
+    base = ["simulate", "--trace", trace, "--profile", "h100:llama3-8b", "--no-progress", "--slo-ttft", "0.05",
+            "--overlap-schedule", "off"]
     reports = {}
     for tpot in ("0.0081", "0.05"):
         out = tmp_path / f"tpot{tpot}.json"
@@ -508,3 +510,66 @@ def test_compare_scores_reports_again_at_other_slos(tmp_path, capsys):
     assert main([*base, "--rates", "20,40", "--out", str(sweep)]) == 0
     with pytest.raises(SystemExit, match="no request records"):
         main(["replay", "--compare", str(sweep), "--slo-tpot", "0.02"])
+
+
+class _HostAndDevice:
+    """A step of `host_s` on the host (`overhead_s`, as a roofline's) and
+    `device_s` on the device."""
+
+    form = "stub"
+
+    def __init__(self, host_s, device_s):
+        self.overhead_s, self.device_s = host_s, device_s
+
+    def predict(self, rows, context_tokens, new_tokens, prefill_pairs=0.0, extend_rows=0):
+        return self.overhead_s + self.device_s
+
+
+@pytest.mark.parametrize("host_ms, device_ms", [(1.0, 3.0), (3.0, 1.0)])
+def test_overlap_schedule_hides_the_host_part_of_each_step(host_ms, device_ms):
+    """The engine's overlap schedule in virtual time: back-to-back steps take
+    max(host, device) each instead of host + device; a step's tokens are the
+    client's once the engine has launched the next step and the device has
+    finished this one; every request gets the same tokens."""
+    model = _HostAndDevice(host_ms * 1e-3, device_ms * 1e-3)
+    specs = [_spec(i, 0.0, 10, 40) for i in range(4)]
+    cfg = SimConfig(kv_slots=2000, max_context=256, vocab_size=100)
+    plain = Simulator(model, cfg).run(specs)
+    ov = Simulator(model, SimConfig(**{**cfg.__dict__, "overlap_schedule": True})).run(specs)
+    assert [r.output_tokens for r in ov.records] == [r.output_tokens for r in plain.records] == [40] * 4
+    assert ov.stats["steps"] == plain.stats["steps"] == 40  # one prefill step, 39 decode steps
+    slow = max(host_ms, device_ms) * 1e-3
+    assert list(plain.itl_s) == pytest.approx([(host_ms + device_ms) * 1e-3] * len(plain.itl_s))
+    # the last step has no next step to schedule and launch first: its tokens come when its device part ends
+    last = device_ms * 1e-3
+    assert list(ov.itl_s) == pytest.approx([slow] * (len(ov.itl_s) - 4) + [last] * 4)
+    # the first step: its host part, then its device part beside the next step's host part; then one step
+    # per max(host, device)
+    first = (host_ms + max(host_ms, device_ms)) * 1e-3
+    assert ov.records[0].ttft == pytest.approx(first)
+    assert ov.duration_s == pytest.approx(first + 38 * slow + last)
+    assert plain.duration_s == pytest.approx(40 * (host_ms + device_ms) * 1e-3)
+
+
+def test_overlap_schedule_is_the_roofline_default_without_speculation():
+    from argparse import Namespace
+
+    from stepserve.traces.simulate_cli import sim_config
+
+    def cfg(profile, **kw):
+        a = dict(max_running=None, max_batched_tokens=None, kv_slots=None, vocab_size=None, seed=0,
+                 admission="fcfs", no_prefix_caching=False, check_every=0, no_step_noise=True, acceptance=None,
+                 acceptance_spread=None, no_serving_costs=False, overlap_schedule="auto", speculative="none")
+        a.update(kw)
+        return sim_config(Namespace(**a), load_profile(profile))
+
+    assert cfg("h100:llama3-8b").overlap_schedule is True
+    assert cfg("h100:llama3-8b", overlap_schedule="off").overlap_schedule is False
+    assert cfg("h100:llama3-8b", speculative="ngram", acceptance="0.8").overlap_schedule is False
+    with pytest.raises(SystemExit):
+        cfg("h100:llama3-8b", speculative="ngram", acceptance="0.8", overlap_schedule="on")
+    with pytest.raises(ValueError, match="overlap"):
+        from stepserve.scheduler.policies import speculation_policy
+
+        Simulator(CONST_1MS, SimConfig(kv_slots=100, overlap_schedule=True, acceptance=[0.8]),
+                  [speculation_policy("fixed:2", latency_model=CONST_1MS)])

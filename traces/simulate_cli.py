@@ -39,6 +39,10 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
                    help="predicted step times exactly (default: scattered like the profile's measured steps, seeded)")
     g.add_argument("--no-serving-costs", action="store_true",
                    help="steps only: leave out the profile's request entry, token delivery and wake-up costs")
+    g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                   help="the engine's overlap schedule: each step's host part (a roofline profile's per-step "
+                        "overhead) runs beside the device's part of the step before (auto: on for a roofline "
+                        "profile without speculation, as the engine does on CUDA)")
     add_sim_speculative_args(g)
 
 
@@ -172,6 +176,11 @@ def sim_config(args, prof):
     )
     if args.no_serving_costs:
         cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[])
+    overlap = getattr(args, "overlap_schedule", "auto")
+    if overlap == "on" and args.speculative != "none":
+        raise SystemExit("stepserve: --overlap-schedule on cannot be combined with --speculative (as in the engine)")
+    cfg = dataclasses.replace(cfg, overlap_schedule=overlap == "on" or (
+        overlap == "auto" and prof.source == "roofline" and args.speculative == "none"))
     if cfg.kv_slots is None:
         raise SystemExit("the profile records no KV pool size: pass --kv-slots")
     return cfg

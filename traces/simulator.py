@@ -62,6 +62,11 @@ class SimConfig:
     stream_s: float = 0.0
     wake_s: float = 0.0
     wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
+    # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
+    # scheduled and launched while the one before runs on the device. A step's host part -- the latency
+    # model's per-step `overhead_s` (a roofline profile's scheduling, launches, sampling; a measured
+    # profile has none apart) -- then runs on the host beside the device's part of the step before.
+    overlap_schedule: bool = False
 
     def serving(self) -> ServingCosts:
         return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s,
@@ -117,6 +122,14 @@ class VirtualClock:
 
 
 @dataclass(slots=True)
+class SimLaunched:
+    """A simulated step launched on the device (overlap schedule)."""
+
+    out: "SimOutput"
+    end: float  # when the device finishes it (virtual seconds)
+
+
+@dataclass(slots=True)
 class SimOutput:
     token_ids: list[int]
     prep_s: float = 0.0
@@ -165,6 +178,7 @@ class SimRunner:
         self.costs = costs
         self.idle_s = float("inf")
         self._z = self.rng.gauss(0.0, 1.0) if self.rho else 0.0  # the AR(1) state, from its stationary law
+        self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
 
     def step_time(self, f: StepFeatures) -> float:
         dt = self.model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
@@ -187,6 +201,29 @@ class SimRunner:
             self.idle_s = 0.0
         self.clock.t += dt
         return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples), draft_s=draft_s)
+
+    def launch(self, plan, features: StepFeatures, prev=None) -> SimLaunched:
+        """The overlap schedule's half of `run`: the host spends the step's
+        host part (the latency model's `overhead_s`, which the step's noise
+        and wake-up scale with the rest), then the device runs the rest once
+        it has finished the step before."""
+        if plan.num_verify:
+            raise ValueError("the overlap schedule does not run speculative steps")
+        dt = self.step_time(features)
+        if self.idle_s:
+            dt += self.costs.wake(self.idle_s)
+            self.idle_s = 0.0
+        host = min(float(getattr(self.model, "overhead_s", 0.0)), dt)
+        self.clock.t += host
+        start = self.clock.t if self.clock.t > self.device_free else self.device_free
+        self.device_free = start + dt - host
+        return SimLaunched(SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples)), self.device_free)
+
+    def finish(self, launched: SimLaunched) -> SimOutput:
+        """Waits (on the virtual clock) for a launched step's device part."""
+        if self.clock.t < launched.end:
+            self.clock.t = launched.end
+        return launched.out
 
     def speculate(self, plan) -> float:
         """The verify rows' drafts (placeholders) and accepted runs, drawn
@@ -253,6 +290,8 @@ class Simulator:
         self.speculative = any(getattr(p, "name", None) == "spec-length" for p in self.policies)
         if self.speculative and not self.cfg.acceptance:
             raise ValueError("a speculation-length policy needs the simulation's acceptance rates (SimConfig.acceptance)")
+        if self.speculative and self.cfg.overlap_schedule:
+            raise ValueError("the overlap schedule cannot be combined with speculative decoding (as in the engine)")
         self.core: EngineCore | None = None
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
@@ -276,7 +315,8 @@ class Simulator:
         )
         # no vocabulary check: the simulator builds the prompts itself, in range
         limits = Limits(max_ctx, kv.capacity)
-        return EngineCore(sched, self.runner, self, limits, clock=self.clock, check_every=cfg.check_every)
+        return EngineCore(sched, self.runner, self, limits, clock=self.clock, check_every=cfg.check_every,
+                          overlap=cfg.overlap_schedule)
 
     # -- EngineCore hooks -------------------------------------------------------
     def admitted(self, seq) -> None:
@@ -397,12 +437,15 @@ class Simulator:
                 self.runner.idle_s += t_next - clock.t
                 clock.t = t_next
                 continue
+            done = core.step_id
             plan = core.step()
             if plan is None:
                 if i < n and send_time(specs[i]) < math.inf:  # nothing fits until more work arrives (be safe)
                     clock.t = max(clock.t, send_time(specs[i]) + oh)
                     continue
                 raise RuntimeError("simulator: the scheduler made no progress with work queued")
+            if core.step_id == done:  # overlap schedule: a step was launched, none finished
+                continue
             rec = core.records[-1]
             busy += rec.wall_s  # virtual: the step's predicted time
             sum_rows += rec.rows

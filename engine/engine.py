@@ -184,9 +184,9 @@ class KVReport:
 
 def _needs_tokens(seq) -> bool:
     """A sequence whose next step reads its output on the host (a grammar's
-    state, the penalties' counts): the overlap schedule waits for its token
-    before launching that step."""
-    return seq.logits_processor is not None or seq.sampling.needs_penalties
+    state): the overlap schedule waits for its token before launching that
+    step. (Penalties count the token in flight on the device.)"""
+    return seq.logits_processor is not None
 
 
 def _positive_int(v, what: str) -> int:

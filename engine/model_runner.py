@@ -11,7 +11,8 @@ import torch
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
 from stepserve.engine.models.llama import LlamaForCausalLM
-from stepserve.engine.sampler import Sampler, SamplerOutput, SamplingBatch, argmax_rows, row_input
+from stepserve.engine.sampler import (Sampler, SamplerOutput, SamplingBatch, argmax_rows, fill_placeholders,
+                                     row_input)
 from stepserve.engine.speculative import verify_rows
 from stepserve.kvcache import ReqToTokenPool
 from stepserve.scheduler.plan import StepPlan
@@ -82,15 +83,6 @@ def host_copy(out: SamplerOutput):
     done = torch.cuda.Event()
     done.record()
     return host, done
-
-
-def fill_placeholders(ids: torch.Tensor, prev: torch.Tensor) -> None:
-    """Replaces, in place, each placeholder -1 - k in `ids` by `prev[k]` (the
-    previous step's k-th sampled token, on the same device): no host sync."""
-    if prev.numel() == 0:
-        return
-    src = (-ids - 1).clamp_(0, prev.numel() - 1)
-    torch.where(ids < 0, prev.index_select(0, src), ids, out=ids)
 
 
 # prompt positions whose full-vocabulary logits are materialised at once
@@ -254,7 +246,8 @@ class ModelRunner:
                 out = SamplerOutput(token_ids=argmax_rows(sl))  # nothing else asked for
             else:
                 t0 = time.perf_counter()
-                batch = SamplingBatch.build([row_input(s) for s in seqs], self.vocab_size, self.device)
+                batch = SamplingBatch.build([row_input(s) for s in seqs], self.vocab_size, self.device,
+                                            prev_tokens=prev.tokens if prev is not None else None)
                 prep += time.perf_counter() - t0
                 out = self.sampler(sl, batch)
         tokens = out.token_ids if seqs and not nv else None  # what a next step's placeholders read

@@ -230,6 +230,15 @@ def row_input(seq, ahead: Sequence[int] = ()) -> RowInput:
     )
 
 
+def fill_placeholders(ids: Tensor, prev: Tensor) -> None:
+    """Replaces, in place, each placeholder -1 - k in `ids` by `prev[k]` (the
+    step in flight's k-th sampled token, on the same device): no host sync."""
+    if prev.numel() == 0:
+        return
+    src = (-ids - 1).clamp_(0, prev.numel() - 1)
+    torch.where(ids < 0, prev[src], ids, out=ids)
+
+
 def _ids_array(ids) -> np.ndarray:
     if isinstance(ids, Tensor):
         return ids.detach().to("cpu", torch.int64).numpy().reshape(-1)
@@ -312,7 +321,12 @@ class SamplingBatch:
         return self.any_logit_bias or self.any_masked or self.any_penalties
 
     @classmethod
-    def build(cls, rows: list[RowInput], vocab_size: int, device=None) -> "SamplingBatch":
+    def build(cls, rows: list[RowInput], vocab_size: int, device=None,
+              prev_tokens: Optional[Tensor] = None) -> "SamplingBatch":
+        """`prev_tokens` (overlap schedule): the tokens of the step still in
+        flight, on `device`. An output id -1 - k (`Scheduler.advance`'s
+        placeholder for its k-th sample) counts as `prev_tokens[k]`, read on
+        the device, so penalties need no host sync."""
         device = torch.device(device if device is not None else "cpu")
         R, V = len(rows), int(vocab_size)
         if V < 1:
@@ -384,7 +398,12 @@ class SamplingBatch:
             ).reshape(3, P).to(device, non_blocking=True)
             batch.repetition_penalty, batch.presence_penalty, batch.frequency_penalty = pen
             outs = [_ids_array(rows[i].output_ids) for i in pen_idx]
-            out_pad = torch.from_numpy(_padded_ids(outs, pad=V)).to(device, non_blocking=True)
+            out_np = _padded_ids(outs, pad=V)
+            out_pad = torch.from_numpy(out_np).to(device, non_blocking=True)
+            if out_np.size and out_np.min() < 0:
+                if prev_tokens is None:
+                    raise ValueError("output ids hold placeholders for a step's tokens, but no prev_tokens")
+                fill_placeholders(out_pad, prev_tokens)
             counts = torch.zeros(P, V + 1, dtype=torch.float32, device=device)
             counts.scatter_add_(1, out_pad, torch.ones(out_pad.shape, dtype=torch.float32, device=device))
             counts = counts[:, :V]

@@ -84,7 +84,7 @@ request = st.fixed_dictionaries({
     "stop": st.lists(st.sampled_from(STOP_CANDIDATES), max_size=2, unique=True),
     "stop_str": st.sampled_from([(), (), (), ("and",), (" was",), (":",), ("e",), ("and", ":")]),
     "min_tokens": st.sampled_from([0, 0, 2]),
-    # without speculation only: penalties read the output on the host (the overlap schedule waits for it)
+    # without speculation only (sampled rows); under the overlap schedule they count the token in flight
     "presence_penalty": st.sampled_from([0.0, 0.0, 0.0, 0.8]),
     "prompt_logprobs": st.sampled_from([None, None, None, 0]),  # the prompt computed in full; plain requests only
     "speculate": st.sampled_from([True, True, True, False]),  # False: the request opts out of speculation

@@ -32,14 +32,15 @@ def _outputs(results):
 
 def _workload(prompts, stop_token):
     """Greedy, seeded sampling with n > 1 and logprobs, a stop token met
-    mid-run, a stop string, min_tokens, penalties (which wait for the
-    tokens), prompt logprobs."""
+    mid-run, a stop string, min_tokens, penalties (counted on the device,
+    the token in flight too), prompt logprobs."""
     kinds = [
         SamplingParams(max_tokens=24, temperature=0.0),
         SamplingParams(max_tokens=16, temperature=0.9, seed=11, n=3, logprobs=2),
         SamplingParams(max_tokens=30, temperature=0.0, stop_token_ids=[stop_token]),
         SamplingParams(max_tokens=30, temperature=0.0, stop=["e"], min_tokens=2),
-        SamplingParams(max_tokens=3, temperature=0.7, seed=5, presence_penalty=0.8),  # (waits: short)
+        SamplingParams(max_tokens=20, temperature=0.7, seed=5, presence_penalty=0.8, frequency_penalty=0.3,
+                       repetition_penalty=1.3),
         SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=1),
     ]
     return prompts, [kinds[i % len(kinds)] for i in range(len(prompts))]
@@ -76,6 +77,31 @@ def test_overlap_equals_plain_schedule(ckpt, kv_slots):
         assert eng.stats().retractions > 0
     report = eng.kv_report()
     assert not report.busy and report.accounted == report.capacity
+
+
+def test_penalties_count_the_token_in_flight(ckpt):
+    """Penalties read every output token, the last one still on the device
+    when the next step is launched: the counts resolve it there, so these
+    requests do not make the schedule wait (every decode step overlapped),
+    and their tokens equal the plain schedule's. Strong penalties over a
+    small vocabulary: a token missed in the counts changes what is sampled."""
+    prompts = prompts_of([7, 11, 16, 9], seed=12)
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=3 + i, ignore_eos=True, **pen)
+              for i, (t, pen) in enumerate([
+                  (0.0, dict(frequency_penalty=2.0)),
+                  (0.8, dict(presence_penalty=1.5)),
+                  (0.0, dict(repetition_penalty=1.8)),
+                  (1.0, dict(frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.2)),
+              ])]
+    want = _outputs(LLM(ckpt, overlap_schedule="off", device="cpu").generate(prompts, params))
+    ov = LLM(ckpt, overlap_schedule="on", device="cpu", check_invariants=True)
+    assert _outputs(ov.generate(prompts, params)) == want
+    # without penalties, greedy decoding repeats itself; with them it may not: they took effect
+    bare = _outputs(ov.generate(prompts, [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 4))
+    assert bare[0][0][0] != want[0][0][0] and bare[2][0][0] != want[2][0][0]
+    # every step but the first (the prompts' prefill, nothing in flight) and the last ones' was overlapped
+    core = ov.engine.core
+    assert core.overlapped_steps >= 2 * 39 - 2
 
 
 def test_overlap_with_decode_graphs(monkeypatch, ckpt):

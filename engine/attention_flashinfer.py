@@ -113,7 +113,18 @@ class PageListStaging:
         first entries where given (a graph wrapper's fixed buffer), else in a
         new tensor."""
         n = int(lens.sum()) + pad
-        host = paged_indices(table, rows, lens, pad, out=self._buffer(n))
+        return self._ship(paged_indices(table, rows, lens, pad, out=self._buffer(n)), n, dest)
+
+    def send_pieces(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The host tensors `pieces` (rows of the req->token table),
+        concatenated as int32, on the device."""
+        n = sum(int(p.shape[0]) for p in pieces)
+        out = self._buffer(n)[:n]
+        if n:
+            np.concatenate([p.numpy() for p in pieces], out=out, casting="same_kind")
+        return self._ship(torch.from_numpy(out), n, None)
+
+    def _ship(self, host: torch.Tensor, n: int, dest: torch.Tensor | None) -> torch.Tensor:
         if dest is None:
             dest = torch.empty(n, dtype=torch.int32, device=self.device)
         dev = dest[:n]
@@ -148,7 +159,8 @@ class FlashInferAttention:
         self._graph_indices: torch.Tensor | None = None  # shared by the graph wrappers: one runs per step
         self._active = None  # the decode wrapper this step's layers run
         self._ones = torch.ones(64, dtype=torch.int32)  # every page holds one token: the last page's length
-        self._staging = PageListStaging(dev)
+        self._staging = PageListStaging(dev)  # the decode rows' page list
+        self._staging_extend = PageListStaging(dev)  # the extend rows': a buffer of its own, in the same step
         # recorded after a step's plans: flashinfer's plan copies its schedule to the device from a pinned
         # buffer of its own without blocking, so the next plan waits for that copy before rewriting the buffer
         # (with the overlap schedule the host plans a step while the one before still runs)
@@ -189,7 +201,7 @@ class FlashInferAttention:
         if fb.extend_rows:
             qo = indptr_of([n for _, n, _ in fb.extend_rows])
             kv = indptr_of([idx.shape[0] for *_, idx in fb.extend_rows])
-            indices = torch.cat([idx for *_, idx in fb.extend_rows]).to(torch.int32)
+            indices = self._staging_extend.send_pieces([idx for *_, idx in fb.extend_rows])
             self.prefill.plan(qo, kv, indices, torch.ones(len(fb.extend_rows), dtype=torch.int32), self.num_heads,
                               self.num_kv_heads, self.head_dim, 1, causal=True, q_data_type=self.dtype,
                               kv_data_type=self.dtype, sm_scale=self.scale)

@@ -11,8 +11,8 @@ import torch
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
 from stepserve.engine.models.llama import LlamaForCausalLM
-from stepserve.engine.sampler import (Sampler, SamplerOutput, SamplingBatch, argmax_rows, fill_placeholders,
-                                     row_input)
+from stepserve.engine.sampler import (PenaltyCounts, Sampler, SamplerOutput, SamplingBatch, argmax_rows,
+                                     fill_placeholders, row_input)
 from stepserve.engine.speculative import verify_rows
 from stepserve.kvcache import ReqToTokenPool
 from stepserve.scheduler.plan import StepPlan
@@ -107,6 +107,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.proposer = proposer  # speculative decoding (engine/speculative.py): drafts the verify rows
         self.graphs = graphs  # DecodeGraphs (engine/cuda_graph.py): pure decode steps replay a CUDA graph
+        self.penalty_counts: PenaltyCounts | None = None  # made when a sequence first samples with penalties
         self.vocab_size = model.config.vocab_size
         # bf16 matmuls on CPU (oneDNN) build a kernel per input shape on first
         # sight (~1 ms per matmul, measured); the step's token count changes
@@ -246,8 +247,11 @@ class ModelRunner:
                 out = SamplerOutput(token_ids=argmax_rows(sl))  # nothing else asked for
             else:
                 t0 = time.perf_counter()
-                batch = SamplingBatch.build([row_input(s) for s in seqs], self.vocab_size, self.device,
-                                            prev_tokens=prev.tokens if prev is not None else None)
+                if self.penalty_counts is None and any(s.sampling.needs_penalties for s in seqs):
+                    self.penalty_counts = PenaltyCounts(self.vocab_size, self.device)
+                batch = SamplingBatch.build([row_input(s, counts=True) for s in seqs], self.vocab_size, self.device,
+                                            prev_tokens=prev.tokens if prev is not None else None,
+                                            counts=self.penalty_counts)
                 prep += time.perf_counter() - t0
                 out = self.sampler(sl, batch)
         tokens = out.token_ids if seqs and not nv else None  # what a next step's placeholders read

@@ -17,6 +17,7 @@ import torch
 from stepserve.engine.sampler import (
     HASH_SEED,
     STREAM_SAMPLE,
+    PenaltyCounts,
     RowInput,
     Sampler,
     SamplingBatch,
@@ -537,6 +538,74 @@ def test_output_counts_are_bincounts():
     assert b.penalty_rows.tolist() == [0, 2, 3, 4]
     expect = np.stack([np.bincount(np.array(o, dtype=int), minlength=Vb) for o in outs])
     np.testing.assert_array_equal(b.output_counts.numpy(), expect)
+
+
+class _Seq:
+    """What `PenaltyCounts` reads of a sequence."""
+
+    def __init__(self, seq_id, prompt):
+        self.seq_id, self.token_ids, self.prompt_len, self.finished = seq_id, list(prompt), len(prompt), False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_penalty_counts_follow_the_rebuilt_counts(seed):
+    """`PenaltyCounts` (counts kept on the device, a step adding only the
+    tokens each sequence gained) against `SamplingBatch`'s rebuild from
+    whole outputs, over random histories: sequences arrive, skip steps,
+    gain 0-4 tokens a step (a verify run), finish; some last tokens are still
+    placeholders (-1 - k, the overlap schedule's) read from the step in
+    flight; an output is cut short or a prompt changes (the sequence is
+    counted again). Counts and seen masks are equal at every step, and finished
+    sequences give their rows back."""
+    rng = np.random.default_rng(seed)
+    Vb = 37
+    pc = PenaltyCounts(Vb, "cpu", capacity=2)  # small: it must grow
+    live, next_id, max_live = [], 0, 0
+    kinds = [dict(frequency_penalty=0.5), dict(presence_penalty=0.3, repetition_penalty=1.4),
+             dict(repetition_penalty=0.8), dict(frequency_penalty=-0.2, repetition_penalty=1.1)]
+    for step in range(60):
+        for _ in range(rng.integers(0, 3)):
+            live.append((_Seq(next_id, rng.integers(0, Vb, rng.integers(1, 9)).tolist()), kinds[next_id % 4]))
+            next_id += 1
+        for seq, _ in live:
+            if seq.token_ids[-1] < 0:
+                seq.token_ids[-1] = int(prev[-seq.token_ids[-1] - 1])  # resolved, as `Scheduler.resolve` does
+            seq.token_ids += rng.integers(0, Vb, rng.integers(0, 5)).tolist()
+            if rng.random() < 0.02:
+                seq.prompt_len = max(1, seq.prompt_len - 1)  # another prompt
+        sampled = [(seq, kw) for seq, kw in live if rng.random() < 0.8]
+        prev = torch.from_numpy(rng.integers(0, Vb, 8))
+        for seq, _ in sampled:
+            if rng.random() < 0.05 and len(seq.token_ids) > seq.prompt_len + 2:
+                # an output cut short (in the engine only as a sequence ends: `Scheduler.finish`), seen
+                # before it grows again
+                del seq.token_ids[-2:]
+            elif rng.random() < 0.3:
+                seq.token_ids.append(-1 - int(rng.integers(0, 8)))  # its last token still on the device
+        params = [SamplingParams(**kw) for _, kw in sampled]
+        if not sampled:
+            continue
+        got = SamplingBatch.build([RowInput(p, 0, 0, seq=seq) for p, (seq, _) in zip(params, sampled)], Vb,
+                                  prev_tokens=prev, counts=pc)
+        resolved = [[int(prev[-t - 1]) if t < 0 else t for t in seq.token_ids] for seq, _ in sampled]
+        want = SamplingBatch.build([RowInput(p, 0, 0, prompt_ids=ids[: seq.prompt_len],
+                                             output_ids=ids[seq.prompt_len :])
+                                    for p, (seq, _), ids in zip(params, sampled, resolved)], Vb)
+        for name in ("output_counts", "seen_mask"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a, b), (step, name)
+        for seq, _ in live:
+            if rng.random() < 0.1:
+                seq.finished = True
+        live = [(seq, kw) for seq, kw in live if not seq.finished]
+        max_live = max(max_live, pc.live)
+    assert pc.counts.shape[0] > 2 and max_live > 2
+    for seq, _ in live:
+        seq.finished = True
+    pc.rows([], False)
+    assert pc.live == 0  # every finished sequence gave its row back
 
 
 def test_penalties_change_greedy_outcome():

@@ -4,6 +4,19 @@
 #
 #   tools/gpu_check.sh fetch             # where pip reaches PyPI: the wheels into .whl/
 #   tools/gpu_check.sh run [BASE_DIR]    # on the GPU machine, from the repository root
+#   tools/gpu_check.sh validate TRACE    # on the GPU machine: the simulator against the server there
+#
+# fetch: flashinfer, and the server's and the tests' packages that the GPU
+# image lacks (fastapi, uvicorn, openai, llguidance and their needs: ~10 MB),
+# so that the whole suite and `stepserve serve` run there.
+#
+# validate (issue 14's check on a GPU profile): writes a random-weight
+# checkpoint (GPU_VALIDATE_SHAPE, default qwen2.5-1.5b; `embedded` serves the
+# embedded model instead, for trying this script on a CPU), serves it with a
+# step log, profiles it over HTTP, then `stepserve validate` on TRACE (a file
+# in the checkout, carried: ../shared does not travel) at GPU_VALIDATE_RATES,
+# with GPU_VALIDATE_ARGS (trace scaling and SLOs). Reports go to $OUT. To try
+# it on a CPU: GPU_CHECK_WHEELS= GPU_VALIDATE_SHAPE=embedded, and small rates.
 #
 # run: installs .whl/*.whl into /tmp/site; runs the GPU tests (pytest -m gpu);
 # writes a random-weight Llama-3-8B checkpoint to /tmp/l8b (made on the GPU,
@@ -16,32 +29,76 @@
 # to $OUT (or ./gpu-out); GPU_CHECK_SECONDS (540) bounds the whole run.
 set -u
 cd "$(dirname "$0")/.."
+PLATFORM="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 if [ "${1:-}" = fetch ]; then
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl flashinfer-python==0.6.1 apache-tvm-ffi==0.1.15.post2
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --no-deps --only-binary=:all: $PLATFORM \
+    -d .whl flashinfer-python==0.6.1 apache-tvm-ffi==0.1.15.post2 || exit 1
+  # shellcheck disable=SC2086
+  python3 -m pip download -q --only-binary=:all: $PLATFORM -d .whl \
+    fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 uvicorn==0.54.0 httptools openai==3.57.0 llguidance
   exit
 fi
-[ "${1:-}" = run ] || { sed -n 2,15p "$0"; exit 2; }
+case "${1:-}" in run|validate) ;; *) sed -n 2,28p "$0"; exit 2 ;; esac
+MODE=$1
 BASE=${2:-}
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 LIMIT=${GPU_CHECK_SECONDS:-540}
 left() { echo $(( $1 * LIMIT / 540 - ($(date +%s) - T0) )); }  # seconds until a point of the budget
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+WHEELS=${GPU_CHECK_WHEELS-.whl}  # (empty: install nothing, e.g. to try `validate` on a CPU machine)
+if [ -n "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || exit 1
+fi
 # the package's folders under stepserve/, as pyproject.toml maps them (no install: nothing to fetch there)
+[ "$MODE" = run ] || BASE=
 for root in . ${BASE:+"$BASE"}; do
   for d in engine kvcache scheduler server traces; do ln -sfn ../$d "$root/stepserve/$d"; done
 done
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+if [ "$MODE" = validate ]; then
+  TRACE=${2:?validate TRACE: a trace file inside the checkout}
+  SHAPE=${GPU_VALIDATE_SHAPE:-qwen2.5-1.5b}
+  PORT=${GPU_VALIDATE_PORT:-8311}
+  URL=http://127.0.0.1:$PORT
+  MODEL=()
+  if [ "$SHAPE" != embedded ]; then
+    [ -f "/tmp/$SHAPE/config.json" ] || python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --make "$SHAPE" --make-only \
+      > "$OUT/make.log" 2>&1 || { tail "$OUT/make.log"; exit 1; }
+    MODEL=(--model "/tmp/$SHAPE")
+  fi
+  STEPS=/tmp/steps.jsonl  # (large: kept off $OUT)
+  rm -f "$STEPS"
+  python3 -m stepserve.cli serve "${MODEL[@]}" --port "$PORT" --step-log "$STEPS" --enable-prompt-tokens-details \
+    > "$OUT/serve.log" 2>&1 &
+  SERVER=$!
+  trap 'kill $SERVER 2> /dev/null' EXIT
+  for _ in $(seq 600); do
+    python3 -c "import urllib.request as u; u.urlopen('$URL/health', timeout=1)" 2> /dev/null && break
+    kill -0 $SERVER 2> /dev/null || { tail -20 "$OUT/serve.log"; exit 1; }
+    sleep 1
+  done
+  echo "== serving at $(( $(date +%s) - T0 )) s"
+  python3 -m stepserve.cli profile --url "$URL" --step-log "$STEPS" --out "$OUT/profile.json" --no-progress \
+    2>&1 | tail -20
+  echo "== profiled at $(( $(date +%s) - T0 )) s"
+  # shellcheck disable=SC2086
+  python3 -m stepserve.cli validate --trace "$TRACE" ${GPU_VALIDATE_ARGS:---limit 400 --slo-ttft 0.2 --slo-tpot 0.02} \
+    --rates "${GPU_VALIDATE_RATES:-8,16,32,48,64,96}" --profile "$OUT/profile.json" --url "$URL" --step-log "$STEPS" \
+    --out "$OUT/validate.json" --plot --no-progress 2>&1 | tail -60
+  echo "== done at $(( $(date +%s) - T0 )) s"
+  exit
+fi
 [ -n "$BASE" ] && [ ! -d "$BASE/engine/assets" ] && cp -r engine/assets "$BASE/engine/"
-export FLASHINFER_WORKSPACE_BASE=/tmp/fiws PYTHONUNBUFFERED=1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 PYTHONPATH=/tmp/site python3 -c "import torch, transformers, flashinfer; print(torch.__version__, transformers.__version__, flashinfer.__version__)"
 if [ ! -f /tmp/l8b/config.json ]; then
-  (PYTHONPATH=/tmp/site:$PWD python3 tools/bench_gpu.py --model /tmp/l8b --make llama3-8b --make-only > "$OUT/make.log" 2>&1) &
+  (python3 tools/bench_gpu.py --model /tmp/l8b --make llama3-8b --make-only > "$OUT/make.log" 2>&1) &
 fi
-PYTHONPATH=/tmp/site:$PWD timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/test_gpu_path.py 2>&1 | tail -25
+timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/test_gpu_path.py 2>&1 | tail -25
 echo "== tests done at $(( $(date +%s) - T0 )) s"
 wait
 sweep() {  # sweep TREE BATCHES NAME [bench_gpu.py options]
@@ -57,7 +114,7 @@ if [ -n "$BASE" ]; then
 fi
 echo "== sweeps done at $(( $(date +%s) - T0 )) s"
 if [ "$(left 540)" -gt 100 ]; then
-  PYTHONPATH=/tmp/site:$PWD timeout "$(left 540)" python3 -m stepserve.cli bench offline --model /tmp/l8b \
+  timeout "$(left 540)" python3 -m stepserve.cli bench offline --model /tmp/l8b \
     --dtype bfloat16 --num-prompts 256 --concurrency 64 --output-len 128 --repeats 1 --kv-memory-gb 20 \
     --skip-hf-continuous --overhead-rows 64 --overhead-steps 10 --out "$OUT/offline.json" 2>&1 | grep -v Warning | tail -14
 fi

@@ -183,10 +183,13 @@ class KVReport:
 
 
 def _needs_tokens(seq) -> bool:
-    """A sequence whose next step reads its output on the host (a grammar's
-    state): the overlap schedule waits for its token before launching that
-    step. (Penalties count the token in flight on the device.)"""
-    return seq.logits_processor is not None
+    """A sequence whose sampling reads its output on the host (a grammar's
+    state): under the overlap schedule its step is sampled only once the
+    step before is finished. (Penalties count the token in flight on the
+    device; a processor that says `reads_output = False`, such as
+    `AllowedTokens`', reads none.)"""
+    proc = seq.logits_processor
+    return proc is not None and getattr(proc, "reads_output", True)
 
 
 def _positive_int(v, what: str) -> int:

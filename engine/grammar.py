@@ -187,4 +187,5 @@ class AllowedTokens:
                 keep[ids.to(logits.device)] = True
             logits.masked_fill_(~keep, float("-inf"))
 
+        process.reads_output = False  # (the overlap schedule need not wait for the token in flight)
         return process

@@ -53,15 +53,16 @@ class Launched:
 
     plan: StepPlan
     seqs: list[Seq]  # the sampler's rows (verify rows are not among them)
-    out: SamplerOutput  # on the device
+    out: SamplerOutput | None  # on the device (None until sampled: `ModelRunner.sample`)
     copy: "tuple[SamplerOutput, object] | None"  # its host copy in flight, and the event that ends it
     prep: float
     cold: bool
     draft_s: float
-    logits: torch.Tensor | None  # kept for the verify rows
+    logits: torch.Tensor | None  # kept for the verify rows, and until sampled
     hidden: torch.Tensor | None  # kept for prompt logprobs
     prompt_rows: list
     tokens: torch.Tensor | None  # the sampled tokens on the device, in `plan.samples` order (no verify rows)
+    prev: "Launched | None" = None  # the step launched before, until this one is sampled
 
     def wait(self) -> SamplerOutput:
         """The sampler's output on the host, once its copy has landed."""
@@ -205,7 +206,7 @@ class ModelRunner:
         return self.finish(self.launch(plan))
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, features=None, prev: "Launched | None" = None) -> "Launched":
+    def launch(self, plan: StepPlan, features=None, prev: "Launched | None" = None, sample: bool = True) -> "Launched":
         """Starts `plan`'s forward pass and sampling on the device and returns
         without waiting for them (on a GPU; on the CPU they are done on
         return): `finish` brings the tokens to the host. The sampled tokens
@@ -214,7 +215,8 @@ class ModelRunner:
 
         `prev`: the step launched before, not yet finished (overlap
         schedule): the placeholders `Scheduler.advance` left for its tokens
-        (-1 - k for its k-th sample) are read from its tokens on the device."""
+        (-1 - k for its k-th sample) are read from its tokens on the device.
+        `sample=False`: the forward pass alone; `sample` samples later."""
         draft_s = 0.0
         nv = plan.num_verify
         if self.proposer is not None and plan.slots is not None:
@@ -237,10 +239,26 @@ class ModelRunner:
             logits, hidden = self.model(fb, self.backend)
         a, b = plan.verify_samples() if nv else (0, 0)
         seqs = [s for _, s in plan.samples[:a] + plan.samples[b:]]
+        launched = Launched(plan, seqs, None, None, prep, cold, draft_s, logits, hidden, prompt_rows, None, prev)
+        if sample:
+            self.sample(launched)
+        return launched
+
+    @torch.inference_mode()
+    def sample(self, l: "Launched") -> None:
+        """The second half of `launch`: samples the step's rows from its
+        logits (on a GPU without waiting), and starts their copy to the host.
+        `launch(sample=False)` leaves it for later: a row whose logits
+        processor reads its output (a grammar) can be sampled only once the
+        step before is finished (the overlap schedule finishes it while this
+        step's forward runs). The rows of sequences that have ended since
+        are sampled too, without their processors: their tokens are
+        dropped."""
+        seqs, logits, prev, nv = l.seqs, l.logits, l.prev, l.plan.num_verify
         out = SamplerOutput(torch.empty(0, dtype=torch.long))
         if seqs:
             for i, s in enumerate(seqs):  # constrained decoding (grammar masks): only those rows pay
-                if s.logits_processor is not None:
+                if s.logits_processor is not None and not s.finished:
                     s.logits_processor(s.output_ids, logits[i])
             sl = logits[: len(seqs)] if nv else logits
             if all(s.plain_greedy for s in seqs):
@@ -252,11 +270,12 @@ class ModelRunner:
                 batch = SamplingBatch.build([row_input(s, counts=True) for s in seqs], self.vocab_size, self.device,
                                             prev_tokens=prev.tokens if prev is not None else None,
                                             counts=self.penalty_counts)
-                prep += time.perf_counter() - t0
+                l.prep += time.perf_counter() - t0
                 out = self.sampler(sl, batch)
-        tokens = out.token_ids if seqs and not nv else None  # what a next step's placeholders read
-        return Launched(plan, seqs, out, host_copy(out), prep, cold, draft_s, logits if nv else None,
-                        hidden, prompt_rows, tokens)
+        l.out, l.copy, l.prev = out, host_copy(out), None
+        l.tokens = out.token_ids if seqs and not nv else None  # what a next step's placeholders read
+        if not nv:
+            l.logits = None
 
     @torch.inference_mode()
     def finish(self, l: "Launched") -> StepOutput:

@@ -91,9 +91,14 @@ class OverlapRunner(StepRunner, Protocol):
     """A runner that can start a step and finish it later (`EngineCore`'s
     overlap schedule): `launch` returns at once with the step running on the
     device, reading the placeholders of the step before from `prev`'s tokens
-    there; `finish` waits for its tokens."""
+    there; `finish` waits for its tokens. `launch(sample=False)` runs the
+    forward pass alone, and `sample` samples it once the step before is
+    finished (rows whose sampling reads their output: `needs_tokens`)."""
 
-    def launch(self, plan: StepPlan, features: StepFeatures, prev: Any = None) -> Any: ...
+    def launch(self, plan: StepPlan, features: StepFeatures, prev: Any = None, sample: bool = True) -> Any: ...
+
+    def sample(self, launched: Any) -> None:
+        """Samples a step launched with `sample=False`."""
 
     def finish(self, launched: Any) -> RunOutput: ...
 
@@ -106,7 +111,6 @@ class _InFlight:
     placed: list  # `Scheduler.advance`'s placeholders
     t_start: float  # when its step() call began
     host_s: float  # that call's host time before the launch: schedule, admissions, features
-    unsafe: bool  # a sequence it samples needs its token before its next step can be launched
 
 
 class StepHooks(Protocol):
@@ -142,7 +146,8 @@ class EngineCore:
         self._next_seq_id = 0
         self._staged: dict[int, _Staged] = {}  # id(group) -> a fork/join request's later stages
         # the overlap schedule (`_step_overlap`): the runner is an `OverlapRunner`; `needs_tokens(seq)`: seq's
-        # next step must see its last token on the host (a grammar, penalties): it is not launched before
+        # sampling reads its output on the host (a grammar's state): its step is sampled after the one before
+        # is finished
         self.overlap = overlap
         self.needs_tokens = needs_tokens or (lambda seq: False)
         self._inflight: _InFlight | None = None
@@ -295,14 +300,16 @@ class EngineCore:
         has a row in N+1 already, whose token is dropped and whose slot is
         freed (`Scheduler._drop_launched`); and a new fork/join stage starts
         a step later. N is finished before N+1 is scheduled (no overlap for
-        that step) when N+1 would have to retract (a retracted sequence must
-        not carry a placeholder), or when a sequence sampled in N needs its
-        token on the host before its next step (`needs_tokens`)."""
+        that step) when N+1 might have to retract (a retracted sequence must
+        not carry a placeholder). Where a row of N+1 samples through a
+        processor that reads its output (`needs_tokens`: a grammar), N+1's
+        forward pass is launched, N finished, and then N+1 sampled: the
+        forward still runs beside N's host work."""
         clock = self.clock
         sched = self.scheduler
         t0 = clock()
         prev = self._inflight
-        if prev is not None and (prev.unsafe or sched.kv.available() < len(sched.running)):
+        if prev is not None and sched.kv.available() < len(sched.running):
             self._inflight = None
             self._finish(prev)
             prev = None
@@ -318,16 +325,22 @@ class EngineCore:
             return prev.plan
         features = plan_features(plan)
         t1 = clock()
-        launched = self.runner.launch(plan, features, prev.launched if prev is not None else None)
+        # a row whose sampling reads its sequence's output (a grammar) waits for N's tokens: N+1's forward is
+        # launched, N finished, then N+1 sampled
+        defer = prev is not None and any(self.needs_tokens(s) for _, s in plan.samples)
+        if defer:
+            launched = self.runner.launch(plan, features, prev.launched, sample=False)
+        else:
+            launched = self.runner.launch(plan, features, prev.launched if prev is not None else None)
         sched.launched = plan
         if prev is not None:
             self.overlapped_steps += 1
             self._finish(prev)
+        if defer:
+            self.runner.sample(launched)
         placed = sched.advance(plan)
         sched.launched = None
-        needs = self.needs_tokens
-        self._inflight = _InFlight(plan, features, launched, placed, t0, t1 - t0,
-                                   any(needs(s) for _, s in placed))
+        self._inflight = _InFlight(plan, features, launched, placed, t0, t1 - t0)
         if self.check_every and self.step_id % self.check_every == 0:
             sched.check()
         return prev.plan if prev is not None else plan

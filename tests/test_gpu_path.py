@@ -326,6 +326,26 @@ def test_gpu_overlap_equals_plain_schedule(ckpt_factory):
     for i, o in zip(same, outs):
         want = b[i][: b[i].index(b[i][5]) + 1]
         assert (o.outputs[0].token_ids, o.outputs[0].finish_reason) == (want, "stop")
+    # penalties (counted on the device, the token in flight too) and a processor that reads the output (sampled
+    # after the step before is finished): the steps stay overlapped, the processor never sees a placeholder
+    seen = []
+
+    def no_repeat():
+        def process(output_ids, logits):
+            seen.append(min(output_ids, default=0))
+            if output_ids:
+                logits[output_ids[-1]] = float("-inf")
+        return process
+
+    before = ov.engine.core.overlapped_steps
+    params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, frequency_penalty=0.5, presence_penalty=0.3,
+                             repetition_penalty=1.2, ignore_eos=True,
+                             logits_processor_factory=no_repeat if i % 2 else None) for i in range(len(prompts))]
+    outs = ov.generate(prompts, params)
+    assert ov.engine.core.overlapped_steps - before >= 20 and seen and min(seen) >= 0
+    for o in outs[1::2]:
+        ids = o.outputs[0].token_ids
+        assert len(ids) == 24 and all(x != y for x, y in zip(ids, ids[1:]))
     report = ov.engine.kv_report()
     assert not report.busy and report.accounted == report.capacity
 

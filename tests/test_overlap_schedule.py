@@ -104,6 +104,45 @@ def test_penalties_count_the_token_in_flight(ckpt):
     assert core.overlapped_steps >= 2 * 39 - 2
 
 
+class _NoRepeat:
+    """A logits processor that reads its sequence's output (as a grammar
+    does): it forbids the last output token. It must never see a
+    placeholder."""
+
+    def __call__(self):
+        def process(output_ids, logits):
+            assert all(t >= 0 for t in output_ids), output_ids
+            if output_ids:
+                logits[output_ids[-1]] = float("-inf")
+        return process
+
+
+def test_processors_that_read_the_output_keep_the_overlap(ckpt):
+    """A row whose logits processor reads its output (a grammar) is sampled
+    once the step before is finished, after this step's forward pass was
+    launched: its processor sees every token, none a placeholder, and the
+    steps stay overlapped. A processor that says it reads no output
+    (`AllowedTokens`) is sampled at once. Tokens equal the plain schedule's."""
+    from stepserve.engine.grammar import AllowedTokens
+
+    prompts = prompts_of([6, 13, 9, 17, 11], seed=21)
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logits_processor_factory=_NoRepeat()),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=4, logits_processor_factory=_NoRepeat()),
+              SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
+                             logits_processor_factory=AllowedTokens(tuple(range(40, 60)))),
+              SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
+                             logits_processor_factory=_NoRepeat())]
+    want = _outputs(LLM(ckpt, overlap_schedule="off", device="cpu").generate(prompts, params))
+    # the processors took effect: no token repeats its predecessor; the allowed ones only
+    assert all(a != b for a, b in zip(want[0][0][0], want[0][0][0][1:]))
+    assert set(want[3][0][0]) <= set(range(40, 60))
+    ov = LLM(ckpt, overlap_schedule="on", device="cpu", check_invariants=True)
+    assert _outputs(ov.generate(prompts, params)) == want
+    core = ov.engine.core
+    assert core.overlapped_steps >= 29 - 2  # every step but the first and the last
+
+
 def test_overlap_with_decode_graphs(monkeypatch, ckpt):
     """The flashinfer backend and the decode-graph runner's static buffers
     (through the CPU stand-in for flashinfer): a step's placeholders are

@@ -95,6 +95,9 @@ def main(argv=None) -> int:
     g.add_argument("--simulate", default=None, metavar="PROFILE",
                    help="run the sweep in the simulator on this target profile (roofline name or file)")
     g.add_argument("--draft-profile", default=None, metavar="PROFILE", help="the draft model's step latency")
+    g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
+                   help="plain decoding (none) under the engine's overlap schedule (auto: on a roofline profile, "
+                        "as the engine on CUDA; speculation cannot overlap)")
     g.add_argument("--acceptance", default="0.8", metavar="A[,A2,...]",
                    help="per-position acceptance rates of the simulated drafts")
     g.add_argument("--acceptance-spread", type=float, default=0.0, metavar="S",
@@ -244,8 +247,12 @@ def simulated_sweep(args, sizes, configs) -> list[dict]:
     draft = load_profile(args.draft_profile).model if args.proposer == "draft" else None
     base = SimConfig.from_profile(prof.engine, noise=prof.data.get("noise"), acceptance=parse_acceptance(args.acceptance),
                                   acceptance_spread=args.acceptance_spread, max_running=max(max(sizes), 1))
-    sims = {c: Simulator(prof.model, base, [] if c == "none" else [speculation_policy(c, latency_model=prof.model)],
-                         draft_model=draft) for c in configs}
+    # plain decoding under the engine's overlap schedule (`simulate --overlap-schedule`; auto: on a roofline
+    # profile, as the engine on CUDA); speculation runs the plain schedule, as in the engine
+    overlap = args.overlap_schedule == "on" or (args.overlap_schedule == "auto" and prof.source == "roofline")
+    sims = {c: Simulator(prof.model, dataclasses.replace(base, overlap_schedule=overlap) if c == "none" else base,
+                         [] if c == "none" else [speculation_policy(c, latency_model=prof.model)], draft_model=draft)
+            for c in configs}
     rows = []
     for b in sizes:
         specs = [RequestSpec(f"b{b}-{i}", 0.0, args.output_len, (Segment(f"p{b}-{i}", args.prompt_len),))
@@ -255,7 +262,7 @@ def simulated_sweep(args, sizes, configs) -> list[dict]:
         spec = {c: {"draft": 0, "accepted": 0, "rows": 0, "k": {}} for c in configs if c != "none"}
         for rep in range(args.repeats + 1):
             for c, sim in sims.items():
-                sim.cfg = dataclasses.replace(base, seed=args.seed + rep, noise_seed=args.seed + rep)
+                sim.cfg = dataclasses.replace(sim.cfg, seed=args.seed + rep, noise_seed=args.seed + rep)
                 pol = sim.policies[0] if sim.policies else None
                 before = pol.stats() if pol else {}
                 res = sim.run(specs)

@@ -202,11 +202,12 @@ class SimRunner:
         self.clock.t += dt
         return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples), draft_s=draft_s)
 
-    def launch(self, plan, features: StepFeatures, prev=None) -> SimLaunched:
+    def launch(self, plan, features: StepFeatures, prev=None, sample: bool = True) -> SimLaunched:
         """The overlap schedule's half of `run`: the host spends the step's
         host part (the latency model's `overhead_s`, which the step's noise
         and wake-up scale with the rest), then the device runs the rest once
-        it has finished the step before."""
+        it has finished the step before. (Sampling is priced with the step:
+        `sample` has nothing left to do.)"""
         if plan.num_verify:
             raise ValueError("the overlap schedule does not run speculative steps")
         dt = self.step_time(features)
@@ -218,6 +219,9 @@ class SimRunner:
         start = self.clock.t if self.clock.t > self.device_free else self.device_free
         self.device_free = start + dt - host
         return SimLaunched(SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples)), self.device_free)
+
+    def sample(self, launched: SimLaunched) -> None:
+        pass
 
     def finish(self, launched: SimLaunched) -> SimOutput:
         """Waits (on the virtual clock) for a launched step's device part."""

@@ -20,8 +20,10 @@ MODEL = "soak"
 
 
 @pytest.mark.slow
-def test_soak_200_streaming_clients(llama_ckpt):
-    with ServerThread(llama_ckpt, served_model_name=MODEL, kv_slots=3000, max_running=64) as srv:
+@pytest.mark.parametrize("overlap", ["auto", "on"])  # on: the overlap schedule on the CPU too (auto: off there)
+def test_soak_200_streaming_clients(llama_ckpt, overlap):
+    with ServerThread(llama_ckpt, served_model_name=MODEL, kv_slots=3000, max_running=64,
+                      overlap_schedule=overlap) as srv:
         tok = srv.engine.tokenizer
         m0 = srv.metrics()
         stats = {"completed": 0, "walked_away": 0, "choices": 0, "prompt_tokens": 0, "stop": 0, "length": 0,
@@ -52,6 +54,8 @@ def test_soak_200_streaming_clients(llama_ckpt):
                     body["logprobs"] = rng.randint(0, 5)
                 return "/v1/completions", body
             body["messages"] = [{"role": "user", "content": words}]
+            if rng.random() < 0.1:  # a grammar: its rows are sampled only once the step before is finished
+                body["response_format"] = {"type": "json_object"}
             if rng.random() < 0.2:
                 body["logprobs"] = True
                 body["top_logprobs"] = rng.randint(0, 5)

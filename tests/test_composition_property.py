@@ -6,7 +6,8 @@ token budget (chunked prefill), a running cap, the admission order, the
 prefix cache on or off -- and whatever the workload -- shared prefixes,
 n > 1, fork/join requests with a parallel and a serial stage, stop tokens,
 stop strings, min_tokens, prompt logprobs (a full prefill past the cache),
-requests that opt out of speculation, staggered arrivals, aborts, and the
+a logits processor that reads the output (as a grammar does), requests that
+opt out of speculation, staggered arrivals, aborts, and the
 same workload again on the warm engine, the overlap schedule (without
 speculation) -- every request that is not aborted
 gets exactly the tokens, finish reasons, stop reasons and text that a plain
@@ -87,10 +88,26 @@ request = st.fixed_dictionaries({
     # without speculation only (sampled rows); under the overlap schedule they count the token in flight
     "presence_penalty": st.sampled_from([0.0, 0.0, 0.0, 0.8]),
     "prompt_logprobs": st.sampled_from([None, None, None, 0]),  # the prompt computed in full; plain requests only
+    # a logits processor that reads the output (as a grammar does; such a request never speculates)
+    "reads_output": st.sampled_from([False, False, False, True]),
     "speculate": st.sampled_from([True, True, True, False]),  # False: the request opts out of speculation
     "arrive": st.sampled_from([0, 0, 0, 1, 3, 7, 15]),  # the step it is added before
     "abort": st.none() | st.none() | st.integers(0, 30),  # steps after its arrival
 })
+
+
+class NoRepeat:
+    """A logits processor that reads its sequence's output, as a grammar
+    does: it forbids the last output token. It must never be shown a
+    placeholder (the overlap schedule samples its rows only once the tokens
+    of the step before are on the host)."""
+
+    def __call__(self):
+        def process(output_ids, logits):
+            assert all(t >= 0 for t in output_ids), output_ids
+            if output_ids:
+                logits[output_ids[-1]] = float("-inf")
+        return process
 
 
 def _freeze(x):
@@ -154,6 +171,7 @@ def _prepare(reqs, head, greedy_only):
             presence_penalty=0.0 if greedy_only else r["presence_penalty"],
             prompt_logprobs=None if fork else r["prompt_logprobs"],
             speculative=r["speculate"],
+            logits_processor_factory=NoRepeat() if r["reads_output"] else None,
         )
         out.append((prompt, params, _stages(r), r["arrive"], r["abort"]))
     return out
@@ -256,7 +274,7 @@ def _config(ckpt, draft, profile, speculative, spec_length, branch, kv_slots, bu
                         **kw)
 
 
-def _events(engine, got, expected, speculative, policy):
+def _events(engine, got, expected, speculative, policy, processors):
     """What the example exercised (`--hypothesis-show-statistics`)."""
     st_ = engine.stats()
     pol = st_.policy
@@ -274,6 +292,8 @@ def _events(engine, got, expected, speculative, policy):
         event("a request aborted before its last stage or branch")
     reasons = {o[2] for outs, _ in got.values() for o in outs.values()}
     event(f"stop finish: {yes['stop' in reasons]}")
+    if engine.overlap_schedule:
+        event(f"overlap schedule, a processor that reads the output: {yes[processors]}")
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -321,7 +341,7 @@ def test_features_compose_to_the_reference_tokens(llama_ckpt, draft_ckpt, slow_p
         got2 = _run(engine, prepared)
         _check(got2, expected)
         _assert_idle(engine)
-    _events(engine, got, expected, speculative, branch[0])
+    _events(engine, got, expected, speculative, branch[0], any(r["reads_output"] for r in reqs))
 
 
 def test_lpm_admission_with_prompt_logprobs(llama_ckpt):

@@ -330,3 +330,25 @@ def test_the_cli_and_the_replay_client_run_without_torch(server, tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False", out.stdout[-2000:]
     assert json.loads(out_path.read_text())["num_completed"] == 3
+
+
+def test_decode_time_per_token_holds_where_the_server_merged_events():
+    """The HTTP profile's decode window reads each event's running token
+    count: where the server's front end fell behind and sent several steps'
+    tokens in one event, the time per token is still the steps' (a count of
+    events would see fewer tokens, and the old per-event gaps dropped every
+    such stream, so a loaded machine's profile had no decode points)."""
+    from stepserve.traces.profile_http import window_time_per_token
+
+    step = 0.004
+    one_each = [(k * step, k) for k in range(1, 21)]  # token k arrives at k steps
+    assert window_time_per_token(one_each, 5, 15) == pytest.approx(step)
+    # tokens 6-8 and 12-13 came late, each group in one event with its last token
+    merged = [(t, c) for t, c in one_each if c not in (6, 7, 12)]
+    assert window_time_per_token(merged, 5, 15) == pytest.approx(step)
+    # a merge across the window's start: the window starts at the first event past it
+    late_start = [(t, c) for t, c in one_each if c not in (4, 5, 6)]
+    assert window_time_per_token(late_start, 5, 15) == pytest.approx(step)
+    # too little of the window left between events: no point
+    assert window_time_per_token([(0.1, 3), (0.2, 16)], 5, 15) is None
+    assert window_time_per_token([], 5, 15) is None

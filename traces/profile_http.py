@@ -44,6 +44,23 @@ from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.request_spec import RequestSpec, Segment
 
 
+def window_time_per_token(events: list[tuple[float, int]], w: int, n: int) -> float | None:
+    """Mean time per token between a stream's w-th and n-th tokens, from its
+    events' (arrival time, tokens so far): from the first event that brought
+    the count to w or past it, to the last one that kept it at n or below
+    (the same window as the gaps between tokens w and n where every event
+    carries one token). None where fewer than half the window's tokens lie
+    between such events."""
+    a = next((i for i, (_, c) in enumerate(events) if c >= w), None)
+    b = next((i for i in range(len(events) - 1, -1, -1) if events[i][1] <= n), None)
+    if a is None or b is None or b <= a:
+        return None
+    (ta, ca), (tb, cb) = events[a], events[b]
+    if 2 * (cb - ca) < n - w:
+        return None
+    return (tb - ta) / (cb - ca)
+
+
 class HTTPSweep:
     def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int,
                  idle_s: tuple[float, float] = (0.002, 0.3)):
@@ -81,25 +98,31 @@ class HTTPSweep:
         return rec
 
     async def decode(self, replayer, bs: int, ctx: int) -> None:
-        """B streams started together; each stream's time per token once all B decode in lockstep.
-        The server sends one event per step per stream, so the k-th event is the k-th token."""
+        """B streams started together; each stream's time per token from its
+        w-th token to its n-th, once all B decode in lockstep. The server
+        sends one event per step per stream, except where its front end fell
+        behind and merged several steps' tokens into one event (seen on a
+        loaded 2-core machine): so each event's running token count is read
+        (`continuous_usage_stats`), and the window runs from the first event
+        that reached w tokens to the last that did not pass n."""
         # all B must be past their prefill (chunked over several steps) before timing
         w = self.warmup + math.ceil(bs * ctx / self.max_batched) + 1
         # a window of several tokens: one stream's gaps are its only samples here
         n = w + max(8, 4 * self.repeats)
         specs = [self._spec(ctx, n + self.warmup) for _ in range(bs)]
         recs = [RequestRecord(s.request_id, 0.0, ctx) for s in specs]
+        progress: list[list[tuple[float, int]]] = [[] for _ in specs]
         t0 = time.perf_counter()
-        await asyncio.gather(*(replayer._one(s, r, t0) for s, r in zip(specs, recs)))
+        await asyncio.gather(*(replayer._one(s, r, t0, p) for s, r, p in zip(specs, recs, progress)))
         mid = ctx + (w + n) / 2
         f = StepFeatures(bs, round(bs * mid), bs, 0.0)
         raw = []
-        for r in recs:
+        for r, events in zip(recs, progress):
             if r.error:
                 raise RuntimeError(f"profile request failed: {r.error}")
-            gaps = r.itl_s[w - 1 : n - 1]  # gap k-1 separates tokens k and k+1
-            if len(gaps) == n - w:
-                raw.append((f, sum(gaps) / len(gaps)))
+            per_token = window_time_per_token(events, w, n)
+            if per_token is not None:
+                raw.append((f, per_token))
         self._add({"scenario": "decode", "batch": bs, "context": ctx}, raw)
 
     async def prefill(self, replayer, plen: int) -> None:

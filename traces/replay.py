@@ -152,9 +152,15 @@ class Replayer:
                                                      "temperature": self.cfg.temperature, "ignore_eos": True},
                                  "stages": stages}
 
-    async def _one(self, spec: RequestSpec, rec: RequestRecord, t0: float) -> None:
+    async def _one(self, spec: RequestSpec, rec: RequestRecord, t0: float, progress: list | None = None) -> None:
+        """Sends one request and fills `rec`. `progress` (a single-choice
+        completions request): each token event's (time, tokens so far) is
+        appended, from vLLM's `continuous_usage_stats`, so that time per token
+        holds where the server merged several steps' tokens into one event."""
         clock = time.perf_counter
         url, body = self._body(spec)
+        if progress is not None:
+            body = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         last: dict[int, float] = {}
         counts: dict[int, int] = {}
         usage = None
@@ -178,6 +184,8 @@ class Replayer:
                         counts[i] = counts.get(i, 0) + 1
                     if chunk.get("usage"):
                         usage = chunk["usage"]
+                        if progress is not None and chunk.get("choices"):
+                            progress.append((now, usage["completion_tokens"]))
             rec.end_s = clock() - t0
         except Exception as e:  # a failed request is a data point (it misses every SLO), not a crash
             rec.error = f"{type(e).__name__}: {e}"[:500]

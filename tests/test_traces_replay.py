@@ -122,7 +122,15 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert rc == 0
     prof = json.loads(out.read_text())
     assert prof["source"] == "measured-http"
-    assert {p["scenario"] for p in prof["points"]} == {"decode", "prefill", "mixed"}
+    scenarios = {p["scenario"] for p in prof["points"]}
+    assert {"prefill", "mixed"} <= scenarios <= {"decode", "prefill", "mixed"}
+    # every decode stream is accounted for: timed, or its tokens came merged into too few events to time (a
+    # loaded machine's front end falls behind: seen on 2 cores under CI), and then it says so
+    streams = prof["sweep"]["decode_streams"]
+    assert streams["timed"] + streams["untimed"] == (1 + 2 + 4) * 2  # batch sizes x context lengths, one round
+    assert ("decode" in scenarios) == (streams["timed"] > 0)
+    captured = capsys.readouterr()
+    assert ("decode streams could not be timed" in captured.err) == (streams["untimed"] > 0)
     assert prof["engine"]["max_context"] == 512 and prof["engine"]["kv_slots"] > 0
     assert "request_overhead_s" not in prof["engine"]
     cal = prof["calibration"]
@@ -141,7 +149,6 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     # the round line, the final line and the file count the same points; the bar counts scenario runs:
     # 3 batch sizes x 2 contexts decode, prompts of 16, 24 and 40 tokens and the two long ones (256 and 510 of
     # the 512-token context), 1 batch size x 2 contexts mixed
-    captured = capsys.readouterr()
     (round_points,) = re.findall(r"round 1/1 \(\d+ s\): 13 scenario runs; so far (\d+) points", captured.err)
     assert re.search(rf"^{len(prof['points'])} points \(.*\) from \d+ timed samples over 1 rounds", captured.out, re.M)
     assert int(round_points) == len(prof["points"])

@@ -31,6 +31,7 @@ import argparse
 import platform
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -499,6 +500,12 @@ def _run_http(args) -> int:
         return await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
 
     points = asyncio.run(go())
+    untimed = sweep.decode_streams["untimed"]
+    if untimed:
+        total = untimed + sweep.decode_streams["timed"]
+        print(f"profile: {untimed} of {total} decode streams could not be timed: the server sent their tokens "
+              "merged into a few events (its front end was short of CPU); the decode points have fewer samples"
+              + ("" if args.step_log else ", and without --step-log the step model rests on them"), file=sys.stderr)
     calibration = None
     if args.step_log:
         from stepserve.engine.step_log import SETTLE_S, read_step_log
@@ -514,7 +521,8 @@ def _run_http(args) -> int:
         engine={"kv_slots": slots, "kv_slots_from": how, "max_running": args.max_running,
                 "max_batched_tokens": max_batched, "max_context": max_len, "vocab_size": vocab},
         sweep={"batch_sizes": bss, "context_lens": ctxs, "prefill_lens": plens, "repeats": args.repeats,
-               "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0},
+               "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0,
+               "decode_streams": dict(sweep.decode_streams)},
         calibration=calibration,
     )
 

@@ -73,6 +73,8 @@ class HTTPSweep:
         self.max_batched = max_batched
         self.rng = random.Random(seed)
         self.raw: dict[tuple, list[tuple[StepFeatures, float]]] = {}
+        # decode streams timed, and those whose events came merged past timing (a front end starved of CPU)
+        self.decode_streams = {"timed": 0, "untimed": 0}
         self.keys: dict[tuple, dict] = {}
         self.terms: dict[tuple, list[tuple[float, StepFeatures]]] = {}
 
@@ -123,6 +125,7 @@ class HTTPSweep:
             per_token = window_time_per_token(events, w, n)
             if per_token is not None:
                 raw.append((f, per_token))
+            self.decode_streams["timed" if per_token is not None else "untimed"] += 1
         self._add({"scenario": "decode", "batch": bs, "context": ctx}, raw)
 
     async def prefill(self, replayer, plen: int) -> None:
@@ -199,6 +202,7 @@ async def run_http_sweep(sweep: HTTPSweep, replayer, plan: list[tuple], rounds: 
         await sweep.prefill(replayer, 8)  # untimed: first-use costs
         await sweep.decode(replayer, 2, 8)
         sweep.raw.clear()
+        sweep.decode_streams = {"timed": 0, "untimed": 0}
         scenarios = {"decode": sweep.decode, "prefill": sweep.prefill, "mixed": sweep.mixed}
         for rnd in range(rounds):
             for kind, *params in plan:

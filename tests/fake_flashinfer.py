@@ -119,8 +119,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
 
 
 # -- the fused small ops (flashinfer.norm, .activation, .rope), with flashinfer's in-place contracts ------------
+def _launch(rows: int, op: str) -> None:
+    """The real kernels launch one block per row: over no rows the launch fails
+    (CUDA's invalid argument, as the H200 reported for RMSNorm)."""
+    if rows == 0:
+        raise RuntimeError(f"Check failed: (status == cudaSuccess) is false: {op} failed with error code invalid argument")
+
+
 def rmsnorm(input, weight, eps=1e-6, out=None):
     assert input.dim() == 2 and input.is_contiguous() and weight.dtype == input.dtype
+    _launch(input.shape[0], "RMSNorm")
     x = input.float()
     y = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(input.dtype)
     if out is None:
@@ -132,11 +140,13 @@ def rmsnorm(input, weight, eps=1e-6, out=None):
 def fused_add_rmsnorm(input, residual, weight, eps=1e-6):
     """residual += input; input = rmsnorm(residual), both in place."""
     assert input.shape == residual.shape and input.is_contiguous() and residual.is_contiguous()
+    _launch(input.shape[0], "FusedAddRMSNorm")
     residual.add_(input)
     input.copy_(rmsnorm(residual, weight, eps))
 
 
 def silu_and_mul(input, out=None):
+    _launch(input.numel() // input.shape[-1], "SiLUAndMul")
     h = input.shape[-1] // 2
     y = torch.nn.functional.silu(input[..., :h]) * input[..., h:]
     if out is None:
@@ -149,6 +159,7 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size, cos_
     """Rotates query [T, Hq * D] and key [T, Hkv * D] in place (neox halves);
     cos_sin_cache [max_pos, D]: cos of each frequency, then sin."""
     assert cos_sin_cache.dtype == torch.float32 and is_neox
+    _launch(positions.numel(), "BatchQKApplyRotaryPosIdsCosSinCache")
     half = cos_sin_cache.shape[1] // 2
     cos = cos_sin_cache[positions, :half][:, None, :]
     sin = cos_sin_cache[positions, half:][:, None, :]

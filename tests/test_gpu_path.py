@@ -154,6 +154,22 @@ def test_flashinfer_backend_plans_equal_torch_backend(fake_fi, ckpt_factory, arc
     fi.engine.kv_report()
 
 
+def test_flashinfer_kernels_never_launch_over_no_rows(fake_fi, ckpt_factory):
+    """A prompt longer than a step's token budget, alone: the steps of its
+    first chunks need no logits rows, so the last norm runs over none. A
+    kernel launched over no rows is a CUDA error (on an H200 it killed the
+    engine at a replay's first long prompt); the fake kernels raise it too.
+    The tokens equal the torch backend's, and a request after it is served."""
+    path = ckpt_factory("llama")
+    prompts = prompts_of([70, 5], seed=3)
+    kw = dict(max_batched_tokens=16, max_running=4, device="cpu")
+    ref = LLM(path, attention_backend="torch", **kw)
+    fi = LLM(path, attention_backend="flashinfer", enforce_eager=True, **kw)
+    for p in prompts:  # one at a time: the long one's first 4 steps are chunks alone
+        assert tokens(fi, [p], 6) == tokens(ref, [p], 6)
+    fi.engine.kv_report()
+
+
 def test_decode_graphs_equal_eager(fake_fi, ckpt_factory):
     """The graph runner's static buffers: batch sizes that need padding rows
     (3, 5, 17 rows into buckets 4, 8, 32), rows finishing at different times

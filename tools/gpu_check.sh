@@ -15,7 +15,10 @@
 # embedded model instead, for trying this script on a CPU), serves it with a
 # step log, profiles it over HTTP, then `stepserve validate` on TRACE (a file
 # in the checkout, carried: ../shared does not travel) at GPU_VALIDATE_RATES,
-# with GPU_VALIDATE_ARGS (trace scaling and SLOs). Reports go to $OUT. To try
+# with GPU_VALIDATE_ARGS (trace scaling and SLOs). Reports go to $OUT, each
+# real run as it ends into $OUT/replays (`validate --replays`: a run cut short
+# keeps them, and the simulation can be redone on any machine); the logs to
+# GPU_CHECK_LOGS (default $OUT). To try
 # it on a CPU: GPU_CHECK_WHEELS= GPU_VALIDATE_SHAPE=embedded, and small rates.
 #
 # run: installs .whl/*.whl into /tmp/site; runs the GPU tests (pytest -m gpu);
@@ -57,42 +60,44 @@ fi
 for root in . ${BASE:+"$BASE"}; do
   for d in engine kvcache scheduler server traces; do ln -sfn ../$d "$root/stepserve/$d"; done
 done
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 if [ "$MODE" = validate ]; then
+  LOGS=${GPU_CHECK_LOGS:-$OUT}  # make.log, serve.log (elsewhere than $OUT where its 8 files are needed)
   TRACE=${2:?validate TRACE: a trace file inside the checkout}
   SHAPE=${GPU_VALIDATE_SHAPE:-qwen2.5-1.5b}
   PORT=${GPU_VALIDATE_PORT:-8311}
+  KVGB=${GPU_VALIDATE_KV_GB:-40}  # the KV pool, the same for the server and its profile
   URL=http://127.0.0.1:$PORT
   MODEL=()
   if [ "$SHAPE" != embedded ]; then
     [ -f "/tmp/$SHAPE/config.json" ] || python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --make "$SHAPE" --make-only \
-      > "$OUT/make.log" 2>&1 || { tail "$OUT/make.log"; exit 1; }
+      > "$LOGS/make.log" 2>&1 || { tail "$LOGS/make.log"; exit 1; }
     MODEL=(--model "/tmp/$SHAPE")
   fi
   STEPS=/tmp/steps.jsonl  # (large: kept off $OUT)
   rm -f "$STEPS"
-  python3 -m stepserve.cli serve "${MODEL[@]}" --port "$PORT" --step-log "$STEPS" --enable-prompt-tokens-details \
-    > "$OUT/serve.log" 2>&1 &
+  python3 -m stepserve.cli serve "${MODEL[@]}" --port "$PORT" --step-log "$STEPS" --enable-prompt-tokens-details --kv-memory-gb "$KVGB" \
+    > "$LOGS/serve.log" 2>&1 &
   SERVER=$!
   trap 'kill $SERVER 2> /dev/null' EXIT
   for _ in $(seq 600); do
     python3 -c "import urllib.request as u; u.urlopen('$URL/health', timeout=1)" 2> /dev/null && break
-    kill -0 $SERVER 2> /dev/null || { tail -20 "$OUT/serve.log"; exit 1; }
+    kill -0 $SERVER 2> /dev/null || { tail -20 "$LOGS/serve.log"; exit 1; }
     sleep 1
   done
   echo "== serving at $(( $(date +%s) - T0 )) s"
-  python3 -m stepserve.cli profile --url "$URL" --step-log "$STEPS" --out "$OUT/profile.json" --no-progress \
+  python3 -m stepserve.cli profile --url "$URL" --step-log "$STEPS" --out "$OUT/profile.json" --kv-memory-gb "$KVGB" ${GPU_PROFILE_ARGS:-} --no-progress \
     2>&1 | tail -20
   echo "== profiled at $(( $(date +%s) - T0 )) s"
   # shellcheck disable=SC2086
   python3 -m stepserve.cli validate --trace "$TRACE" ${GPU_VALIDATE_ARGS:---limit 400 --slo-ttft 0.2 --slo-tpot 0.02} \
     --rates "${GPU_VALIDATE_RATES:-8,16,32,48,64,96}" --profile "$OUT/profile.json" --url "$URL" --step-log "$STEPS" \
-    --out "$OUT/validate.json" --plot --no-progress 2>&1 | tail -60
+    --replays "$OUT/replays" --out "$OUT/validate.json" --plot "${GPU_VALIDATE_PLOT:-$OUT/validate.png}" \
+    --no-progress 2>&1
   echo "== done at $(( $(date +%s) - T0 )) s"
   exit
 fi
 [ -n "$BASE" ] && [ ! -d "$BASE/engine/assets" ] && cp -r engine/assets "$BASE/engine/"
-export FLASHINFER_WORKSPACE_BASE=/tmp/fiws
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 PYTHONPATH=/tmp/site python3 -c "import torch, transformers, flashinfer; print(torch.__version__, transformers.__version__, flashinfer.__version__)"
 if [ ! -f /tmp/l8b/config.json ]; then

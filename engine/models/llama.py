@@ -332,10 +332,13 @@ class FlashInferKernels(TorchKernels):
         self.cos_sin = torch.cat([rotary.cos[:, :half], rotary.sin[:, :half]], dim=1).contiguous()
 
     def rmsnorm(self, x, weight, eps):
+        if not x.shape[0]:  # (a step whose rows need no logits: a launch over no rows is a CUDA error)
+            return torch.empty_like(x)
         return self.fi.rmsnorm(x, weight, eps)
 
     def add_rmsnorm(self, x, residual, weight, eps):
-        self.fi.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        if x.shape[0]:
+            self.fi.fused_add_rmsnorm(x, residual, weight, eps)  # residual += x; x = norm(residual)
         return x, residual
 
     def rope_prepare(self, positions, dtype):

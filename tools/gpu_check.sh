@@ -30,6 +30,11 @@
 # 256 twice for each tree, interleaved, so that the two compare on one
 # machine. With time left, `bench offline` against transformers. Reports go
 # to $OUT (or ./gpu-out); GPU_CHECK_SECONDS (540) bounds the whole run.
+#
+# Both modes: flashinfer compiles its kernels on first use (~3 minutes on a
+# fresh machine). GPU_CHECK_SAVE_JIT=1 returns that cache as $OUT/fiws.tgz.part*
+# (15 MiB parts); copied into .gpu/ (GPU_CHECK_JIT) and carried, a later call
+# unpacks it first.
 set -u
 cd "$(dirname "$0")/.."
 PLATFORM="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
@@ -61,6 +66,19 @@ for root in . ${BASE:+"$BASE"}; do
   for d in engine kvcache scheduler server traces; do ln -sfn ../$d "$root/stepserve/$d"; done
 done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+# flashinfer's JIT builds take ~3 minutes on a fresh machine (the H200, session 31): a cache kept from an
+# earlier call (GPU_CHECK_SAVE_JIT=1 writes it to $OUT as fiws.tgz.part*; copy those into .gpu/ and carry .gpu)
+# is unpacked first
+JIT=${GPU_CHECK_JIT:-.gpu}
+if ls "$JIT"/fiws.tgz.part* > /dev/null 2>&1; then
+  cat "$JIT"/fiws.tgz.part* | tar -xz -C /tmp && echo "== flashinfer JIT cache unpacked ($(du -sh /tmp/fiws | cut -f1))"
+fi
+save_jit() {  # the JIT cache into $OUT in parts of 15 MiB (a returned file's limit is 16)
+  [ "${GPU_CHECK_SAVE_JIT:-0}" = 1 ] && [ -d /tmp/fiws ] || return 0
+  tar -cz -C /tmp fiws | split -b 15M -d - "$OUT/fiws.tgz.part"
+  ls -la "$OUT"/fiws.tgz.part*
+}
+trap save_jit EXIT
 if [ "$MODE" = validate ]; then
   LOGS=${GPU_CHECK_LOGS:-$OUT}  # make.log, serve.log (elsewhere than $OUT where its 8 files are needed)
   TRACE=${2:?validate TRACE: a trace file inside the checkout}
@@ -79,7 +97,7 @@ if [ "$MODE" = validate ]; then
   python3 -m stepserve.cli serve "${MODEL[@]}" --port "$PORT" --step-log "$STEPS" --enable-prompt-tokens-details --kv-memory-gb "$KVGB" \
     > "$LOGS/serve.log" 2>&1 &
   SERVER=$!
-  trap 'kill $SERVER 2> /dev/null' EXIT
+  trap 'kill $SERVER 2> /dev/null; save_jit' EXIT
   for _ in $(seq 600); do
     python3 -c "import urllib.request as u; u.urlopen('$URL/health', timeout=1)" 2> /dev/null && break
     kill -0 $SERVER 2> /dev/null || { tail -20 "$LOGS/serve.log"; exit 1; }

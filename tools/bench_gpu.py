@@ -242,6 +242,63 @@ def prefill_point(args) -> dict:
             "seconds": res[-1], "tok_per_s": n / res[-1]}
 
 
+def entry_point(args) -> dict:
+    """An idle engine given `entry_rows` new prompts at once: a prefill-only
+    step that nothing overlaps, as after every idle spell in serving. In a
+    server on an H200 (qwen2.5-1.5b shape) such steps took 12-24 ms where a
+    mixed step of as many prefill tokens beside decode rows took ~2 ms, and
+    the profile fitted it as a wake-up cost. Times the first tokens (median
+    of `entry_repeats`), splits the host's part (launch, schedule, finish's
+    own work) from the wait, and with --profile-entry prints a torch profile
+    of one entry."""
+    from stepserve.engine.sampling_params import SamplingParams
+
+    eng = engine(args, max_running=max(8, args.entry_rows))
+    host = HostTimes()
+    for obj, attr in ((eng.runner, "launch"), (eng.runner, "finish"), (eng.runner, "build_batch"),
+                      (eng.runner.backend, "prepare"), (eng.scheduler, "schedule")):
+        if hasattr(obj, attr):
+            host.wrap(obj, attr, attr)
+    g = torch.Generator().manual_seed(7)
+    vocab = eng.model_config.vocab_size
+    p = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    def one():
+        reqs = [eng.add_request(torch.randint(16, vocab, (args.context,), generator=g).tolist(), p)
+                for _ in range(args.entry_rows)]
+        torch.cuda.synchronize()
+        since = {k: len(v) for k, v in host.calls.items()}
+        t0 = time.perf_counter()
+        steps = 0
+        while any(b.seq.first_token_time is None for r in reqs for b in r.branches):
+            eng.step()
+            steps += 1
+        t1 = time.perf_counter()
+        parts = {k: sum(v[since.get(k, 0):]) * 1e3 for k, v in host.calls.items()}
+        while eng.has_unfinished():
+            eng.step()
+        eng.scheduler.kv.tree.evict(eng.scheduler.kv.tree.evictable_size())
+        return (t1 - t0) * 1e3, steps, parts
+
+    for _ in range(3):
+        one()
+    runs = [one() for _ in range(args.entry_repeats)]
+    if args.profile_entry:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            one()
+        print(f"--- profile: an idle engine given {args.entry_rows} prompts of {args.context} tokens ---")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
+    out = {"rows": args.entry_rows, "context": args.context, "overlap_schedule": eng.overlap_schedule,
+           "first_tokens_ms_median": statistics.median(r[0] for r in runs),
+           "steps_median": statistics.median(r[1] for r in runs),
+           "host_ms_median": {k: statistics.median(r[2].get(k, 0.0) for r in runs) for k in host.calls}}
+    free(eng)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
@@ -261,6 +318,9 @@ def main() -> int:
     p.add_argument("--kv-memory-gb", type=float, default=None)
     p.add_argument("--make-only", action="store_true", help="with --make: write the checkpoint and stop")
     p.add_argument("--profile-batches", default="", help="comma list: print a torch profile of 8 steps at these")
+    p.add_argument("--entry-rows", type=int, default=4, help="prompts given to an idle engine at once (0: skip)")
+    p.add_argument("--entry-repeats", type=int, default=10)
+    p.add_argument("--profile-entry", action="store_true", help="print a torch profile of one entry")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.profile_batches = {int(x) for x in args.profile_batches.split(",") if x}
@@ -304,8 +364,14 @@ def main() -> int:
     attention_flashinfer.TENSOR_CORE_MIN_GROUP = default_group
     pre = prefill_point(args)
     print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)
+    entry = None
+    if args.entry_rows:
+        entry = entry_point(args)
+        print(f"entry: an idle engine given {entry['rows']} x {entry['context']} tokens: first tokens in "
+              f"{entry['first_tokens_ms_median']:.2f} ms over {entry['steps_median']:g} steps; host ms "
+              + ", ".join(f"{k} {v:.2f}" for k, v in entry["host_ms_median"].items()), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "shape": args.make, "copy_bandwidth_tb_s": bw / 1e12, "decode": points, "prefill": pre,
+              "shape": args.make, "copy_bandwidth_tb_s": bw / 1e12, "decode": points, "prefill": pre, "entry": entry,
               "command": " ".join(sys.argv)}
     if args.out:
         with open(args.out, "w") as f:

@@ -25,7 +25,8 @@
 # writes a random-weight Llama-3-8B checkpoint to /tmp/l8b (made on the GPU,
 # in the background while the tests run); runs tools/bench_gpu.py at batches
 # 1, 64 and 256 (GPU_CHECK_BATCHES), each with the overlap schedule on and
-# off. Given BASE_DIR, an older tree
+# off, and an idle engine given 4 prompts at once, with a torch profile of it
+# (`--profile-entry`). Given BASE_DIR, an older tree
 # (`git archive REV | tar -x -C BASE_DIR`), it then runs the sweep at 64 and
 # 256 twice for each tree, interleaved, so that the two compare on one
 # machine. With time left, `bench offline` against transformers. Reports go
@@ -131,7 +132,7 @@ sweep() {  # sweep TREE BATCHES NAME [bench_gpu.py options]
     --batches "$batches" --prefill-prompts 8 --out "$OUT/$name.json" "$@" 2>&1 | grep -v Warning)
 }
 # the overlap schedule against the plain one, each batch size with both, in one process
-sweep . "${GPU_CHECK_BATCHES:-1,64,256}" sweep --overlap-schedules on,off
+sweep . "${GPU_CHECK_BATCHES:-1,64,256}" sweep --overlap-schedules on,off --profile-entry
 if [ -n "$BASE" ]; then
   for i in 1 2; do sweep "$BASE" 64,256 base$i; sweep . 64,256 new$i; done
 fi

@@ -135,21 +135,24 @@ class Request:
         others it happens when an output is built, so an offline batch
         detokenizes once at the end and the step loop stays lean. `upto`:
         sync only the sequence's first `upto` tokens."""
-        ids = branch.seq.token_ids
+        seq = branch.seq
+        ids = seq.token_ids
+        end = len(ids)  # (an end index, not a slice: this runs per row per step)
         if upto is not None:  # only the first `upto` tokens (a speculative run's, one at a time)
-            ids = ids[:upto]
-        elif ids and ids[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
-            ids = ids[:-1]
-        start = branch.seq.prompt_len + branch.detok_pos
-        if start >= len(ids) or branch.stop_reason is not None and isinstance(branch.stop_reason, str):
+            end = min(upto, end)
+        elif end and ids[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
+            end -= 1
+        start = seq.prompt_len + branch.detok_pos
+        if start >= end or branch.stop_reason is not None and isinstance(branch.stop_reason, str):
             return None
-        new = "".join(branch.detok.add(t) for t in ids[start:])
-        branch.detok_pos = len(ids) - branch.seq.prompt_len
+        add = branch.detok.add
+        new = add(ids[start]) if end - start == 1 else "".join([add(ids[j]) for j in range(start, end)])
+        branch.detok_pos = end - seq.prompt_len
         if not new:
             return None
         branch.text += new
         stops = self.params.stop
-        if not stops or len(ids) - branch.seq.prompt_len <= self.params.min_tokens:
+        if not stops or end - seq.prompt_len <= self.params.min_tokens:
             # (as vLLM: a stop string ends a branch only from its (min_tokens + 1)-th token on, the earliest a
             # stop token or EOS may come; one completed before that is output text)
             return None
@@ -185,26 +188,28 @@ class Request:
             text = b.text
             if not seq.finished and self.params.stop:
                 text = text[: len(text) - partial_stop_len(text, self.params.stop)]
-            toks = seq.output_ids
-            if toks and toks[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
-                toks = toks[:-1]
+            ids, start = seq.token_ids, seq.prompt_len
+            end = len(ids)
+            if end > start and ids[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
+                end -= 1
             lps = b.logprobs
             reason = seq.finish_reason
             if delta:
                 if b.done_reported:
                     continue
                 t0, k0 = b.sent_text, b.sent_tokens
-                b.sent_text, b.sent_tokens = max(len(text), t0), len(toks)
+                b.sent_text, b.sent_tokens = max(len(text), t0), end - start
                 b.done_reported = reason is not None
-                text, toks = text[t0:], toks[k0:]
+                text = text[t0:]
+                start += k0  # only the tokens not sent before (no copy of the whole output per step)
                 lps = None if lps is None else lps[k0:]
-                if not text and not toks and reason is None:
+                if not text and start >= end and reason is None:
                     continue
             outs.append(
                 CompletionOutput(
                     index=i,
                     text=text,
-                    token_ids=list(toks),
+                    token_ids=ids[start:end],
                     finish_reason=reason,
                     stop_reason=b.stop_reason,
                     logprobs=lps,

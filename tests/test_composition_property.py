@@ -9,7 +9,9 @@ stop strings, min_tokens, prompt logprobs (a full prefill past the cache),
 a logits processor that reads the output (as a grammar does), requests that
 opt out of speculation, staggered arrivals, aborts, and the
 same workload again on the warm engine, the overlap schedule (without
-speculation) -- every request that is not aborted
+speculation), the GPU path's backend (flashinfer's plans and fused kernels,
+the decode graphs' static buffers, against the fake flashinfer, whose
+kernels fail a launch over no rows as CUDA does) -- every request that is not aborted
 gets exactly the tokens, finish reasons, stop reasons and text that a plain
 reference engine gives it, an aborted one a prefix of its tokens, and the KV
 pool is whole again at the end. The KV integrity check runs after every step
@@ -25,11 +27,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
+import fake_flashinfer
 from stepserve import SamplingParams
 from stepserve.engine.engine import Engine, EngineConfig
 from stepserve.scheduler.latency_model import PROFILE_KIND
@@ -259,7 +264,7 @@ BRANCH = [
 
 
 def _config(ckpt, draft, profile, speculative, spec_length, branch, kv_slots, budget, max_running, admission,
-            prefix_caching, overlap):
+            prefix_caching, overlap, gpu_path=False):
     policy, tpot, ttft, slow = branch
     kw = {}
     if speculative != "none":
@@ -271,7 +276,7 @@ def _config(ckpt, draft, profile, speculative, spec_length, branch, kv_slots, bu
                         admission=admission, prefix_caching=prefix_caching, branch_policy=policy,
                         slo_tpot_s=tpot, slo_ttft_s=ttft, latency_profile=profile if slow else None,
                         check_invariants=True, overlap_schedule="on" if overlap and speculative == "none" else "off",
-                        **kw)
+                        attention_backend="flashinfer" if gpu_path else "auto", **kw)
 
 
 def _events(engine, got, expected, speculative, policy, processors):
@@ -294,6 +299,7 @@ def _events(engine, got, expected, speculative, policy, processors):
     event(f"stop finish: {yes['stop' in reasons]}")
     if engine.overlap_schedule:
         event(f"overlap schedule, a processor that reads the output: {yes[processors]}")
+    event(f"the GPU path's backend (fake flashinfer): {yes[engine.attention_backend == 'FlashInferAttention']}")
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
@@ -316,22 +322,24 @@ def _events(engine, got, expected, speculative, policy, processors):
     prefix_caching=st.booleans(),
     again=st.booleans(),  # then the same workload once more, on the warm engine
     overlap=st.booleans(),  # the overlap schedule (without speculation)
+    gpu_path=st.sampled_from([False, False, False, True]),  # flashinfer's backend, its stand-in on the CPU
 )
 def test_features_compose_to_the_reference_tokens(llama_ckpt, draft_ckpt, slow_profile, reference_engine, reqs,
                                                   head, speculative, spec_length, branch, kv_slack, kv_share,
                                                   token_ratio, budget, max_running, admission, prefix_caching, again,
-                                                  overlap):
+                                                  overlap, gpu_path):
     prepared = _prepare(reqs, head, greedy_only=speculative != "none")
     kv_slots = max(max(_kv_need(p[0], r) for p, r in zip(prepared, reqs)) + kv_slack,
                    int(kv_share * sum(_kv_total(p[0], r) for p, r in zip(prepared, reqs))))
     expected = _reference(reference_engine, prepared)
     config = _config(llama_ckpt, draft_ckpt, slow_profile, speculative, spec_length, branch, kv_slots, budget,
-                     max_running, admission, prefix_caching, overlap)
+                     max_running, admission, prefix_caching, overlap, gpu_path)
     # (readable on failure: this hypothesis prints the falsifying arguments' values empty)
     note(f"config: {config}\nnew_token_ratio: {token_ratio}, again: {again}")
     for i, p in enumerate(prepared):
         note(f"request {i}: prompt={p[0]} params={p[1]} stages={p[2]} arrive={p[3]} abort={p[4]}")
-    engine = Engine(config)
+    with mock.patch.dict(sys.modules, {"flashinfer": fake_flashinfer}):  # (only a gpu_path engine imports it)
+        engine = Engine(config)
     if token_ratio is not None:
         engine.scheduler.new_token_ratio = token_ratio
     got = _run(engine, prepared)

@@ -14,7 +14,9 @@ stream, j]`` (32-bit words of the int64 seed/counter, two's complement).  All
 arithmetic is done exactly in int64 torch ops on values < 2**49 (32x32-bit
 products are split into 16-bit halves), so CPU and CUDA give bit-identical
 uniforms and a row's draws do not depend on which other rows share the batch
-or on their order.
+or on their order. On the CPU the per-element part runs as one native pass
+in uint32 arithmetic where the native kernels are built (`cpu_kernels`):
+the same bits.
 
 Token sampling uses ``stream = STREAM_SAMPLE`` (0) and ``j`` = token index:
 ``token = argmax_j(processed_logits[j] / T - log(-log(u_j)))`` over the allowed
@@ -131,6 +133,16 @@ def _row_state(seeds: Tensor, counters: Tensor, stream: int) -> Tensor:
     return h
 
 
+_NATIVE_MIN_ELEMS = 4096  # below, the torch ops' own cost is small
+
+
+def _native():
+    """The native CPU kernels' module (`cpu_kernels`), or None."""
+    from stepserve.engine.cpu_kernels import paged_decode_module
+
+    return paged_decode_module()
+
+
 def uniform(seeds: Tensor, counters: Tensor, n: int, stream: int = 0, offset: int = 0) -> Tensor:
     """Counter-based uniforms in (0, 1): float32 tensor [R, n].
 
@@ -152,6 +164,10 @@ def uniform(seeds: Tensor, counters: Tensor, n: int, stream: int = 0, offset: in
     h_row = _rotl(_row_state(seeds, counters.to(device, non_blocking=True), stream), 13)
     cols = torch.arange(offset, offset + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
     k_col = _rotl(_k_mix(cols), 13)
+    if device.type == "cpu" and h_row.numel() * n >= _NATIVE_MIN_ELEMS:
+        native = _native()
+        if native is not None:  # the [R, n] part in uint32, bit for bit the same (~8x faster on 2 cores)
+            return native.hash_uniform(h_row, k_col)
     h = h_row[:, None] ^ k_col[None, :]
     h.mul_(5).add_(_N).bitwise_and_(_M32).bitwise_xor_(_KEY_BYTES)
     h = _fmix32(h)

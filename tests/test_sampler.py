@@ -201,6 +201,33 @@ def test_uniform_matches_pure_python_murmur3():
                 assert u[r, j].item() == ref_uniform(s, c, stream, col)
 
 
+@pytest.mark.cpu_paths
+def test_uniform_native_pass_equals_the_torch_ops(monkeypatch):
+    """On the CPU the per-element part of uniform() runs as one native pass in
+    uint32 arithmetic where the native kernels build: the same bits as the
+    torch ops, and as the pure-Python murmur3, across the column words' wrap."""
+    from stepserve.engine import sampler
+    from stepserve.engine.cpu_kernels import paged_decode_module
+
+    native = paged_decode_module()
+    if native is None:
+        pytest.skip("the native CPU kernels do not build here")
+    calls = []
+    monkeypatch.setattr(sampler, "_native", lambda: calls.append(1) or native)
+    g = torch.Generator().manual_seed(3)
+    seeds = torch.cat([torch.tensor([0, -1, 2**63 - 1, -(2**63)]), torch.randint(-(2**62), 2**62, (29,), generator=g)])
+    counters = torch.cat([torch.tensor([0, 2**32, -7, 2**40 + 3]), torch.randint(0, 10**9, (29,), generator=g)])
+    for n, offset, stream in ((4099, 0, 0), (700, 2**32 - 300, 2**32 - 1), (5000, 123, 2)):
+        monkeypatch.setattr(sampler, "_NATIVE_MIN_ELEMS", 1)
+        fast = uniform(seeds, counters, n, stream=stream, offset=offset)
+        monkeypatch.setattr(sampler, "_NATIVE_MIN_ELEMS", 1 << 62)
+        assert torch.equal(fast, uniform(seeds, counters, n, stream=stream, offset=offset))
+        for r, j in ((0, 0), (3, n - 1), (20, n // 2), (32, 299)):
+            col = (offset + j) & 0xFFFFFFFF
+            assert fast[r, j].item() == ref_uniform(int(seeds[r]), int(counters[r]), stream, col)
+    assert len(calls) == 3
+
+
 def test_uniform_range_shape_dtype():
     u = uniform(torch.arange(50), torch.arange(50) * 3, 1000, stream=3)
     assert u.shape == (50, 1000) and u.dtype == torch.float32

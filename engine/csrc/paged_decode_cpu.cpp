@@ -682,6 +682,45 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
   return out;
 }
 
+// The sampler's counter-based uniforms (`sampler.uniform`), the part per element: out[r, j] from the row's
+// murmur3 state h_row[r] (after its five words, rotated) and the column word's k_col[j] (mixed, rotated), both
+// 32-bit values in int64. The last block (h = (h_row ^ k_col) * 5 + N, then ^ the key's length), the
+// finalization (fmix32) and the top 23 bits as (x + 0.5) / 2**23, in uint32 arithmetic: bit for bit the torch
+// path's, which spends ~20 int64 passes over [R, n] on it.
+torch::Tensor hash_uniform(torch::Tensor h_row, torch::Tensor k_col) {
+  TORCH_CHECK(h_row.dim() == 1 && k_col.dim() == 1 && h_row.scalar_type() == torch::kInt64 &&
+                  k_col.scalar_type() == torch::kInt64 && h_row.device().is_cpu() && k_col.device().is_cpu(),
+              "hash_uniform: int64 vectors on the CPU");
+  auto hr = h_row.contiguous();
+  auto kc = k_col.contiguous();
+  const int64_t R = hr.size(0), n = kc.size(0);
+  auto out = torch::empty({R, n}, torch::kFloat32);
+  std::vector<uint32_t> k(n);
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) k[j] = static_cast<uint32_t>(kp[j]);
+  const int64_t* hp = hr.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const uint32_t* kk = k.data();
+  at::parallel_for(0, R, row_grain(n), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint32_t a = static_cast<uint32_t>(hp[r]);
+      float* o = op + r * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        uint32_t h = (a ^ kk[j]) * 5u + 0xE6546B64u;
+        h ^= 24u;
+        h ^= h >> 16;
+        h *= 0x85EBCA6Bu;
+        h ^= h >> 13;
+        h *= 0xC2B2AE35u;
+        h ^= h >> 16;
+        o[j] = static_cast<float>(h >> 9) * (1.0f / 8388608.0f) + (1.0f / 16777216.0f);
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
@@ -694,5 +733,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
   m.def("decode_forward", &decode_forward, "a float32 Llama forward over a few decode-shaped tokens (CPU)");
   m.def("first_unmarked", &first_unmarked, "per row, the first position whose slot is not marked in a bool map (CPU)");
+  m.def("hash_uniform", &hash_uniform, "the sampler's counter-based uniforms [R, n] from row states and column words (CPU)");
   m.def("greedy_draft_steps", &greedy_draft_steps, "a draft model's greedy steps, each row's argmax fed back (CPU)");
 }

@@ -295,6 +295,41 @@ def entry_point(args) -> dict:
            "first_tokens_ms_median": statistics.median(r[0] for r in runs),
            "steps_median": statistics.median(r[1] for r in runs),
            "host_ms_median": {k: statistics.median(r[2].get(k, 0.0) for r in runs) for k in host.calls}}
+
+    # a request joining a batch that decodes (the server's step log: the step() that admits it took 11-28 ms,
+    # one without a new request ~2 ms): that step() and a plain one, alternated
+    busy = [eng.add_request(torch.randint(16, vocab, (args.context,), generator=g).tolist(),
+                            SamplingParams(max_tokens=eng.max_model_len - args.context, temperature=0.0,
+                                           ignore_eos=True)) for _ in range(8)]
+    for _ in range(8):
+        eng.step()
+
+    def joined(add: bool):
+        since = {k: len(v) for k, v in host.calls.items()}
+        if add:
+            eng.add_request(torch.randint(16, vocab, (64,), generator=g).tolist(), p)
+        t0 = time.perf_counter()
+        eng.step()
+        t = (time.perf_counter() - t0) * 1e3
+        for _ in range(4):  # its tokens, so the next join starts from a decoding batch again
+            eng.step()
+        return t, {k: sum(v[since.get(k, 0):]) * 1e3 for k, v in host.calls.items()}
+
+    for _ in range(3):
+        joined(True)
+    pairs = [(joined(True), joined(False)) for _ in range(args.entry_repeats)]
+    out["join_step_ms_median"] = statistics.median(a[0] for a, _ in pairs)
+    out["plain_step_ms_median"] = statistics.median(b[0] for _, b in pairs)
+    out["join_host_ms_median"] = {k: statistics.median(a[1].get(k, 0.0) for a, _ in pairs) for k in host.calls}
+    if args.profile_entry:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            joined(True)
+        print("--- profile: a request of 64 tokens joining 8 decoding rows, and 4 steps after ---")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    for r in busy:
+        eng.abort_request(r.request_id)
     free(eng)
     return out
 
@@ -370,6 +405,9 @@ def main() -> int:
         print(f"entry: an idle engine given {entry['rows']} x {entry['context']} tokens: first tokens in "
               f"{entry['first_tokens_ms_median']:.2f} ms over {entry['steps_median']:g} steps; host ms "
               + ", ".join(f"{k} {v:.2f}" for k, v in entry["host_ms_median"].items()), flush=True)
+        print(f"join: the step() that admits a request into 8 decoding rows {entry['join_step_ms_median']:.2f} ms, "
+              f"a plain one {entry['plain_step_ms_median']:.2f} ms; host ms "
+              + ", ".join(f"{k} {v:.2f}" for k, v in entry["join_host_ms_median"].items()), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
               "shape": args.make, "copy_bandwidth_tb_s": bw / 1e12, "decode": points, "prefill": pre, "entry": entry,
               "command": " ".join(sys.argv)}

@@ -5,6 +5,13 @@
 #   tools/gpu_check.sh fetch             # where pip reaches PyPI: the wheels into .whl/
 #   tools/gpu_check.sh run [BASE_DIR]    # on the GPU machine, from the repository root
 #   tools/gpu_check.sh validate TRACE    # on the GPU machine: the simulator against the server there
+#   tools/gpu_check.sh session TRACE     # on the GPU machine: one call for a 15-minute lease (below)
+#
+# session: the GPU tests; then tools/bench_gpu.py on the GPU_VALIDATE_SHAPE
+# checkpoint (a decode point at 64 rows, an idle engine given prompts, a request
+# joining a decoding batch, with torch profiles of the last two); then
+# `validate` on TRACE with what is left of GPU_CHECK_SECONDS. Logs go to
+# GPU_CHECK_LOGS (/tmp/gpu-logs: $OUT keeps its 8 files for validate's reports).
 #
 # fetch: flashinfer, and the server's and the tests' packages that the GPU
 # image lacks (fastapi, uvicorn, openai, llguidance and their needs: ~10 MB),
@@ -32,7 +39,7 @@
 # machine. With time left, `bench offline` against transformers. Reports go
 # to $OUT (or ./gpu-out); GPU_CHECK_SECONDS (540) bounds the whole run.
 #
-# Both modes: flashinfer compiles its kernels on first use (~3 minutes on a
+# Every mode: flashinfer compiles its kernels on first use (~3 minutes on a
 # fresh machine). GPU_CHECK_SAVE_JIT=1 returns that cache as $OUT/fiws.tgz.part*
 # (15 MiB parts); copied into .gpu/ (GPU_CHECK_JIT) and carried, a later call
 # unpacks it first.
@@ -48,7 +55,7 @@ if [ "${1:-}" = fetch ]; then
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 uvicorn==0.54.0 httptools openai==3.57.0 llguidance
   exit
 fi
-case "${1:-}" in run|validate) ;; *) sed -n 2,28p "$0"; exit 2 ;; esac
+case "${1:-}" in run|validate|session) ;; *) sed -n 2,45p "$0"; exit 2 ;; esac
 MODE=$1
 BASE=${2:-}
 OUT=${OUT:-$PWD/gpu-out}
@@ -80,6 +87,31 @@ save_jit() {  # the JIT cache into $OUT in parts of 15 MiB (a returned file's li
   ls -la "$OUT"/fiws.tgz.part*
 }
 trap save_jit EXIT
+if [ "$MODE" = session ]; then
+  TRACE=${2:?session TRACE: a trace file inside the checkout}
+  LOGS=${GPU_CHECK_LOGS:-/tmp/gpu-logs}
+  mkdir -p "$LOGS"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  SHAPE=${GPU_VALIDATE_SHAPE:-qwen2.5-1.5b}
+  [ -f "/tmp/$SHAPE/config.json" ] || (python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --make "$SHAPE" --make-only \
+    > "$LOGS/make.log" 2>&1 &)
+  # 1. the GPU tests (they build most of flashinfer's kernels on a fresh machine)
+  timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_path.py > "$LOGS/tests.log" 2>&1
+  tail -15 "$LOGS/tests.log"
+  echo "== tests done at $(( $(date +%s) - T0 )) s"
+  # 2. where the host's time goes: a decode point at 64 rows, an idle engine given prompts, a request joining
+  # a decoding batch, with torch profiles of the last two
+  for _ in $(seq 30); do [ -f "/tmp/$SHAPE/config.json" ] && break; sleep 1; done
+  timeout "$(left 300)" python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --batches 64 --overlap-schedules on \
+    --prefill-prompts 8 --profile-entry --out "$LOGS/entry.json" 2>&1 | grep -v Warning
+  echo "== entry profile done at $(( $(date +%s) - T0 )) s"
+  # 3. the simulator against the server (issue 14), with what is left; each real run lands in $OUT/replays
+  GPU_CHECK_WHEELS= GPU_CHECK_JIT=/nonexistent GPU_CHECK_SAVE_JIT=0 GPU_CHECK_LOGS="$LOGS" \
+    GPU_VALIDATE_PLOT="$LOGS/validate.png" GPU_VALIDATE_RATES="${GPU_VALIDATE_RATES:-16,32,64,128,256}" \
+    GPU_PROFILE_ARGS="${GPU_PROFILE_ARGS:---rounds 3}" timeout "$(left 525)" "$0" validate "$TRACE"
+  echo "== session done at $(( $(date +%s) - T0 )) s"
+  exit
+fi
 if [ "$MODE" = validate ]; then
   LOGS=${GPU_CHECK_LOGS:-$OUT}  # make.log, serve.log (elsewhere than $OUT where its 8 files are needed)
   TRACE=${2:?validate TRACE: a trace file inside the checkout}

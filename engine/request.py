@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 from stepserve.engine.detokenizer import IncrementalDetokenizer, find_stop, partial_stop_len
 from stepserve.engine.sampling_params import SamplingParams
-from stepserve.scheduler.sequence import Seq
+from stepserve.scheduler.sequence import Seq, SeqStatus
+
+FINISHED = SeqStatus.FINISHED
 
 
 @dataclass
@@ -181,19 +183,28 @@ class Request:
         While a branch is running, text that could be the start of a stop string
         is held back, so a stop string never leaks into a stream.
         """
+        # (runs per row per step in the engine loop: positional constructors, no properties in the loop)
         outs = []
+        stops = self.params.stop
+        done = self.stages_left == 0  # the request's `finished`, gathered on the way
+        first = None  # the earliest first-token time of its branches
         for i, b in enumerate(self.branches):
             seq = b.seq
             self.sync_text(b)
+            reason = seq.finish_reason
+            ended = seq.status is FINISHED
+            done = done and ended
+            ft = seq.first_token_time
+            if ft is not None and (first is None or ft < first):
+                first = ft
             text = b.text
-            if not seq.finished and self.params.stop:
-                text = text[: len(text) - partial_stop_len(text, self.params.stop)]
+            if stops and not ended:
+                text = text[: len(text) - partial_stop_len(text, stops)]
             ids, start = seq.token_ids, seq.prompt_len
             end = len(ids)
             if end > start and ids[-1] < 0:  # a placeholder: the token is still on its way (overlap schedule)
                 end -= 1
             lps = b.logprobs
-            reason = seq.finish_reason
             if delta:
                 if b.done_reported:
                     continue
@@ -205,32 +216,13 @@ class Request:
                 lps = None if lps is None else lps[k0:]
                 if not text and start >= end and reason is None:
                     continue
-            outs.append(
-                CompletionOutput(
-                    index=i,
-                    text=text,
-                    token_ids=ids[start:end],
-                    finish_reason=reason,
-                    stop_reason=b.stop_reason,
-                    logprobs=lps,
-                    cumulative_logprob=b.cumulative_logprob if b.logprobs is not None else None,
-                    stage=b.stage,
-                )
-            )
-        first = [b.seq.first_token_time for b in self.branches if b.seq.first_token_time is not None]
+            outs.append(CompletionOutput(i, text, ids[start:end], reason, b.stop_reason, lps,
+                                         b.cumulative_logprob if b.logprobs is not None else None, b.stage))
         prompt_lps = None
-        if self.prompt_logprobs is not None and first:  # complete once a token was sampled
+        if self.prompt_logprobs is not None and first is not None:  # complete once a token was sampled
             if not (delta and self.prompt_logprobs_sent):
                 prompt_lps = self.prompt_logprobs
                 self.prompt_logprobs_sent = self.prompt_logprobs_sent or delta
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_ids,
-            outputs=outs,
-            finished=self.finished,
-            num_cached_tokens=self.num_cached_tokens,
-            metrics=RequestMetrics(self.arrival_time, min(first) if first else None, self.finished_time,
-                                   self.first_scheduled_time),
-            prompt_logprobs=prompt_lps,
-        )
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, outs, done, self.num_cached_tokens,
+                             RequestMetrics(self.arrival_time, first, self.finished_time, self.first_scheduled_time),
+                             prompt_lps)

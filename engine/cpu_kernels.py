@@ -8,6 +8,7 @@ Set STEPSERVE_CPU_KERNELS=0 to skip them."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -44,8 +45,10 @@ def paged_decode_module():
 
             from stepserve.engine.cpu_features import kernel_build_tag, kernel_march
 
+            with open(_SRC, "rb") as f:  # (two versions of stepserve on one machine keep a build each, rather
+                src = hashlib.sha1(f.read()).hexdigest()[:8]  # than rebuilding over each other's)
             _module = load(
-                name=f"stepserve_paged_decode_cpu_{kernel_build_tag()}",
+                name=f"stepserve_paged_decode_cpu_{kernel_build_tag()}_{src}",
                 sources=[_SRC],
                 extra_cflags=["-O3", f"-march={kernel_march()}", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -143,6 +143,17 @@ def _native():
     return paged_decode_module()
 
 
+def _hash_parts(seeds: Tensor, counters: Tensor, n: int, stream: int, offset: int = 0) -> tuple[Tensor, Tensor]:
+    """The small vectors behind `uniform`: each row's murmur3 state after its
+    five words, and each column's mixed word, both rotated (int64 [R], [n]).
+    Last murmur3 block: h = rotl(h_row ^ k_j, 13) * 5 + N; rotl distributes
+    over xor, so both rotations are done on the small vectors."""
+    device = seeds.device
+    h_row = _rotl(_row_state(seeds, counters.to(device, non_blocking=True), stream), 13)
+    cols = torch.arange(offset, offset + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
+    return h_row, _rotl(_k_mix(cols), 13)
+
+
 def uniform(seeds: Tensor, counters: Tensor, n: int, stream: int = 0, offset: int = 0) -> Tensor:
     """Counter-based uniforms in (0, 1): float32 tensor [R, n].
 
@@ -159,11 +170,7 @@ def uniform(seeds: Tensor, counters: Tensor, n: int, stream: int = 0, offset: in
     if not 0 <= stream <= _M32:
         raise ValueError(f"stream must be in [0, 2**32), got {stream}")
     device = seeds.device
-    # Last murmur3 block: h = rotl(h_row ^ k_j, 13) * 5 + N.  rotl distributes
-    # over xor, so both rotations are done on the small [R] / [n] vectors.
-    h_row = _rotl(_row_state(seeds, counters.to(device, non_blocking=True), stream), 13)
-    cols = torch.arange(offset, offset + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
-    k_col = _rotl(_k_mix(cols), 13)
+    h_row, k_col = _hash_parts(seeds, counters, n, stream, offset)
     if device.type == "cpu" and h_row.numel() * n >= _NATIVE_MIN_ELEMS:
         native = _native()
         if native is not None:  # the [R, n] part in uint32, bit for bit the same (~8x faster on 2 cores)
@@ -781,6 +788,11 @@ class Sampler:
 
     def _gumbel_argmax(self, s: Tensor, seeds: Tensor, counters: Tensor) -> Tensor:
         n, V = s.shape
+        if s.device.type == "cpu" and s.dtype == torch.float32 and n * V >= _NATIVE_MIN_ELEMS:
+            native = _native()
+            if native is not None:  # one native pass: the same uniforms, log as musl's (within 1 ulp of torch's)
+                h_row, k_col = _hash_parts(seeds, counters, V, STREAM_SAMPLE)
+                return native.gumbel_argmax(s if s.stride(1) == 1 else s.contiguous(), h_row, k_col)
         step = max(1, self.max_chunk_elems // max(V, 1))
         outs = []
         for start in range(0, n, step):

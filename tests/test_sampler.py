@@ -228,6 +228,41 @@ def test_uniform_native_pass_equals_the_torch_ops(monkeypatch):
     assert len(calls) == 3
 
 
+@pytest.mark.cpu_paths
+def test_native_gumbel_argmax_equals_the_torch_path():
+    """On the CPU the Gumbel-max runs as one native pass (`gumbel_argmax`):
+    the same uniforms and, with a log within 1 ulp of torch's, the same
+    token wherever the best two scores are not within float rounding of
+    each other; a masked (-inf) token is never drawn, a row of NaN scores
+    gives its first NaN, as torch's argmax, and a row all -inf gives 0."""
+    from stepserve.engine import sampler
+    from stepserve.engine.sampler import _hash_parts, argmax_rows
+
+    native = sampler._native()
+    if native is None:
+        pytest.skip("the native CPU kernels do not build here")
+    g = torch.Generator().manual_seed(5)
+    for R, V in ((2000, 512), (64, 4096), (3, 151936)):
+        s = torch.randn(R, V, generator=g) * 3
+        s[0, 1:] = float("-inf")  # one token left
+        s[1, ::2] = float("-inf")
+        seeds = torch.randint(-(2**62), 2**62, (R,), generator=g)
+        counters = torch.randint(0, 10**9, (R,), generator=g)
+        got = native.gumbel_argmax(s, *_hash_parts(seeds, counters, V, STREAM_SAMPLE))
+        w = uniform(seeds, counters, V, stream=STREAM_SAMPLE)
+        scores = s - w.log_().neg_().log_()
+        want = argmax_rows(scores)
+        top2 = scores.topk(2, dim=1).values
+        near = (top2[:, 0] - top2[:, 1]) <= 1e-5 * top2[:, 0].abs().clamp(min=1.0)
+        assert bool(((got == want) | near).all()) and int(near.sum()) < max(2, R // 1000)
+        assert int(got[0]) == 0 and int(got[1]) % 2 == 1
+    s = torch.randn(3, 5000, generator=g)
+    s[1, [4000, 4500]] = float("nan")
+    s[2] = float("-inf")
+    got = native.gumbel_argmax(s, *_hash_parts(torch.arange(3), torch.arange(3), 5000, STREAM_SAMPLE)).tolist()
+    assert got[1:] == [4000, 0]
+
+
 def test_uniform_range_shape_dtype():
     u = uniform(torch.arange(50), torch.arange(50) * 3, 1000, stream=3)
     assert u.shape == (50, 1000) and u.dtype == torch.float32

@@ -721,6 +721,83 @@ torch::Tensor hash_uniform(torch::Tensor h_row, torch::Tensor k_col) {
   return out;
 }
 
+// log of a positive normal float (musl's logf: the argument reduced into [sqrt(2)/2, sqrt(2)], a degree-4
+// polynomial in s = f / (2 + f); under 1 ulp), branch-free so that the compiler vectorizes a loop of it
+static inline float logf_normal(float x) {
+  uint32_t ix;
+  std::memcpy(&ix, &x, 4);
+  ix += 0x3f800000u - 0x3f3504f3u;
+  const int k = static_cast<int>(ix >> 23) - 0x7f;
+  ix = (ix & 0x007fffffu) + 0x3f3504f3u;
+  float m;
+  std::memcpy(&m, &ix, 4);
+  const float f = m - 1.0f, s = f / (2.0f + f), z = s * s, w = z * z;
+  const float R = z * (0.66666662693f + w * 0.28498786688f) + w * (0.40000972152f + w * 0.24279078841f);
+  const float hfsq = 0.5f * f * f, dk = static_cast<float>(k);
+  return s * (hfsq + R) + dk * 9.0580006145e-06f - hfsq + f + dk * 6.9313812256e-01f;
+}
+
+// The sampler's Gumbel-max (`Sampler._gumbel_argmax`): per row the first j maximising
+// s[r, j] - log(-log(u[r, j])) over `hash_uniform`'s uniforms (a NaN counting as the maximum, as torch's and
+// numpy's argmax), without the [R, n] uniforms or scores: one pass over s, in blocks that vectorize.
+torch::Tensor gumbel_argmax(torch::Tensor s, torch::Tensor h_row, torch::Tensor k_col) {
+  TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.device().is_cpu() && s.stride(1) == 1,
+              "gumbel_argmax: float32 [R, n] scores on the CPU, rows contiguous");
+  TORCH_CHECK(h_row.dim() == 1 && k_col.dim() == 1 && h_row.scalar_type() == torch::kInt64 &&
+                  k_col.scalar_type() == torch::kInt64 && h_row.size(0) == s.size(0) && k_col.size(0) == s.size(1),
+              "gumbel_argmax: int64 row states [R] and column words [n]");
+  auto hr = h_row.contiguous();
+  auto kc = k_col.contiguous();
+  const int64_t R = s.size(0), n = s.size(1), ss = s.stride(0);
+  auto out = torch::zeros({R}, torch::kInt64);
+  std::vector<uint32_t> k(n);
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) k[j] = static_cast<uint32_t>(kp[j]);
+  const int64_t* hp = hr.data_ptr<int64_t>();
+  const float* sp0 = s.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  const uint32_t* kk = k.data();
+  constexpr int64_t kBlock = 512;
+  at::parallel_for(0, R, row_grain(n), [&](int64_t r0, int64_t r1) {
+    float buf[kBlock];
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint32_t a = static_cast<uint32_t>(hp[r]);
+      const float* sp = sp0 + r * ss;
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t at = 0;
+      bool nan = false;
+      for (int64_t j0 = 0; j0 < n && !nan; j0 += kBlock) {
+        const int64_t m = std::min(kBlock, n - j0);
+#pragma omp simd
+        for (int64_t t = 0; t < m; ++t) {
+          uint32_t h = (a ^ kk[j0 + t]) * 5u + 0xE6546B64u;
+          h ^= 24u;
+          h ^= h >> 16;
+          h *= 0x85EBCA6Bu;
+          h ^= h >> 13;
+          h *= 0xC2B2AE35u;
+          h ^= h >> 16;
+          const float u = static_cast<float>(h >> 9) * (1.0f / 8388608.0f) + (1.0f / 16777216.0f);
+          buf[t] = sp[j0 + t] - logf_normal(-logf_normal(u));
+        }
+        for (int64_t t = 0; t < m; ++t) {
+          const float v = buf[t];
+          if (v > best) {
+            best = v;
+            at = j0 + t;
+          } else if (v != v) {
+            at = j0 + t;
+            nan = true;
+            break;
+          }
+        }
+      }
+      op[r] = at;
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("pack_panels", &pack_panels, "a float32 weight [N, K] as 16-column panels for small_linear (float32 or bfloat16)",
@@ -734,5 +811,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_forward", &decode_forward, "a float32 Llama forward over a few decode-shaped tokens (CPU)");
   m.def("first_unmarked", &first_unmarked, "per row, the first position whose slot is not marked in a bool map (CPU)");
   m.def("hash_uniform", &hash_uniform, "the sampler's counter-based uniforms [R, n] from row states and column words (CPU)");
+  m.def("gumbel_argmax", &gumbel_argmax, "per row, argmax of s - log(-log u) over hash_uniform's uniforms (CPU)");
   m.def("greedy_draft_steps", &greedy_draft_steps, "a draft model's greedy steps, each row's argmax fed back (CPU)");
 }

@@ -682,22 +682,41 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
   return out;
 }
 
-// The sampler's counter-based uniforms (`sampler.uniform`), the part per element: out[r, j] from the row's
-// murmur3 state h_row[r] (after its five words, rotated) and the column word's k_col[j] (mixed, rotated), both
-// 32-bit values in int64. The last block (h = (h_row ^ k_col) * 5 + N, then ^ the key's length), the
-// finalization (fmix32) and the top 23 bits as (x + 0.5) / 2**23, in uint32 arithmetic: bit for bit the torch
-// path's, which spends ~20 int64 passes over [R, n] on it.
+// The sampler's counter-based uniform (`sampler.uniform`), the part per element: from the row's murmur3 state
+// `a` (after its five words, rotated) and the column's word `k` (mixed, rotated), the last block
+// (h = (a ^ k) * 5 + N, then ^ the key's length), the finalization (fmix32) and the top 23 bits as
+// (x + 0.5) / 2**23, in uint32 arithmetic: bit for bit the torch path's, which spends ~20 int64 passes over
+// [R, n] on it.
+static inline float hash_u01(uint32_t a, uint32_t k) {
+  uint32_t h = (a ^ k) * 5u + 0xE6546B64u;
+  h ^= 24u;
+  h ^= h >> 16;
+  h *= 0x85EBCA6Bu;
+  h ^= h >> 13;
+  h *= 0xC2B2AE35u;
+  h ^= h >> 16;
+  return static_cast<float>(h >> 9) * (1.0f / 8388608.0f) + (1.0f / 16777216.0f);
+}
+
+// The column words (int64 [n], 32-bit values) as uint32.
+static std::vector<uint32_t> column_words(const torch::Tensor& k_col) {
+  auto kc = k_col.contiguous();
+  const int64_t n = kc.size(0);
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  std::vector<uint32_t> k(n);
+  for (int64_t j = 0; j < n; ++j) k[j] = static_cast<uint32_t>(kp[j]);
+  return k;
+}
+
+// `hash_u01` over rows x columns: out[r, j] from h_row[r] and k_col[j] (int64 vectors of 32-bit values).
 torch::Tensor hash_uniform(torch::Tensor h_row, torch::Tensor k_col) {
   TORCH_CHECK(h_row.dim() == 1 && k_col.dim() == 1 && h_row.scalar_type() == torch::kInt64 &&
                   k_col.scalar_type() == torch::kInt64 && h_row.device().is_cpu() && k_col.device().is_cpu(),
               "hash_uniform: int64 vectors on the CPU");
   auto hr = h_row.contiguous();
-  auto kc = k_col.contiguous();
-  const int64_t R = hr.size(0), n = kc.size(0);
+  const int64_t R = hr.size(0), n = k_col.size(0);
   auto out = torch::empty({R, n}, torch::kFloat32);
-  std::vector<uint32_t> k(n);
-  const int64_t* kp = kc.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) k[j] = static_cast<uint32_t>(kp[j]);
+  const std::vector<uint32_t> k = column_words(k_col);
   const int64_t* hp = hr.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const uint32_t* kk = k.data();
@@ -706,16 +725,7 @@ torch::Tensor hash_uniform(torch::Tensor h_row, torch::Tensor k_col) {
       const uint32_t a = static_cast<uint32_t>(hp[r]);
       float* o = op + r * n;
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
-        uint32_t h = (a ^ kk[j]) * 5u + 0xE6546B64u;
-        h ^= 24u;
-        h ^= h >> 16;
-        h *= 0x85EBCA6Bu;
-        h ^= h >> 13;
-        h *= 0xC2B2AE35u;
-        h ^= h >> 16;
-        o[j] = static_cast<float>(h >> 9) * (1.0f / 8388608.0f) + (1.0f / 16777216.0f);
-      }
+      for (int64_t j = 0; j < n; ++j) o[j] = hash_u01(a, kk[j]);
     }
   });
   return out;
@@ -738,7 +748,7 @@ static inline float logf_normal(float x) {
 }
 
 // The sampler's Gumbel-max (`Sampler._gumbel_argmax`): per row the first j maximising
-// s[r, j] - log(-log(u[r, j])) over `hash_uniform`'s uniforms (a NaN counting as the maximum, as torch's and
+// s[r, j] - log(-log(u[r, j])) over `hash_u01`'s uniforms (a NaN counting as the maximum, as torch's and
 // numpy's argmax), without the [R, n] uniforms or scores: one pass over s, in blocks that vectorize.
 torch::Tensor gumbel_argmax(torch::Tensor s, torch::Tensor h_row, torch::Tensor k_col) {
   TORCH_CHECK(s.dim() == 2 && s.scalar_type() == torch::kFloat32 && s.device().is_cpu() && s.stride(1) == 1,
@@ -747,12 +757,9 @@ torch::Tensor gumbel_argmax(torch::Tensor s, torch::Tensor h_row, torch::Tensor 
                   k_col.scalar_type() == torch::kInt64 && h_row.size(0) == s.size(0) && k_col.size(0) == s.size(1),
               "gumbel_argmax: int64 row states [R] and column words [n]");
   auto hr = h_row.contiguous();
-  auto kc = k_col.contiguous();
   const int64_t R = s.size(0), n = s.size(1), ss = s.stride(0);
   auto out = torch::zeros({R}, torch::kInt64);
-  std::vector<uint32_t> k(n);
-  const int64_t* kp = kc.data_ptr<int64_t>();
-  for (int64_t j = 0; j < n; ++j) k[j] = static_cast<uint32_t>(kp[j]);
+  const std::vector<uint32_t> k = column_words(k_col);
   const int64_t* hp = hr.data_ptr<int64_t>();
   const float* sp0 = s.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
@@ -769,17 +776,7 @@ torch::Tensor gumbel_argmax(torch::Tensor s, torch::Tensor h_row, torch::Tensor 
       for (int64_t j0 = 0; j0 < n && !nan; j0 += kBlock) {
         const int64_t m = std::min(kBlock, n - j0);
 #pragma omp simd
-        for (int64_t t = 0; t < m; ++t) {
-          uint32_t h = (a ^ kk[j0 + t]) * 5u + 0xE6546B64u;
-          h ^= 24u;
-          h ^= h >> 16;
-          h *= 0x85EBCA6Bu;
-          h ^= h >> 13;
-          h *= 0xC2B2AE35u;
-          h ^= h >> 16;
-          const float u = static_cast<float>(h >> 9) * (1.0f / 8388608.0f) + (1.0f / 16777216.0f);
-          buf[t] = sp[j0 + t] - logf_normal(-logf_normal(u));
-        }
+        for (int64_t t = 0; t < m; ++t) buf[t] = sp[j0 + t] - logf_normal(-logf_normal(hash_u01(a, kk[j0 + t])));
         for (int64_t t = 0; t < m; ++t) {
           const float v = buf[t];
           if (v > best) {

@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
 
 import fake_flashinfer
+from processors import NoRepeat
 from stepserve import SamplingParams
 from stepserve.engine.engine import Engine, EngineConfig
 from stepserve.scheduler.latency_model import PROFILE_KIND
@@ -99,20 +100,6 @@ request = st.fixed_dictionaries({
     "arrive": st.sampled_from([0, 0, 0, 1, 3, 7, 15]),  # the step it is added before
     "abort": st.none() | st.none() | st.integers(0, 30),  # steps after its arrival
 })
-
-
-class NoRepeat:
-    """A logits processor that reads its sequence's output, as a grammar
-    does: it forbids the last output token. It must never be shown a
-    placeholder (the overlap schedule samples its rows only once the tokens
-    of the step before are on the host)."""
-
-    def __call__(self):
-        def process(output_ids, logits):
-            assert all(t >= 0 for t in output_ids), output_ids
-            if output_ids:
-                logits[output_ids[-1]] = float("-inf")
-        return process
 
 
 def _freeze(x):

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fake_flashinfer
+from processors import NoRepeat
 from stepserve import LLM, SamplingParams
 from stepserve.engine.engine import Engine, EngineConfig
 
@@ -104,19 +105,6 @@ def test_penalties_count_the_token_in_flight(ckpt):
     assert core.overlapped_steps >= 2 * 39 - 2
 
 
-class _NoRepeat:
-    """A logits processor that reads its sequence's output (as a grammar
-    does): it forbids the last output token. It must never see a
-    placeholder."""
-
-    def __call__(self):
-        def process(output_ids, logits):
-            assert all(t >= 0 for t in output_ids), output_ids
-            if output_ids:
-                logits[output_ids[-1]] = float("-inf")
-        return process
-
-
 def test_processors_that_read_the_output_keep_the_overlap(ckpt):
     """A row whose logits processor reads its output (a grammar) is sampled
     once the step before is finished, after this step's forward pass was
@@ -126,13 +114,13 @@ def test_processors_that_read_the_output_keep_the_overlap(ckpt):
     from stepserve.engine.grammar import AllowedTokens
 
     prompts = prompts_of([6, 13, 9, 17, 11], seed=21)
-    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logits_processor_factory=_NoRepeat()),
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logits_processor_factory=NoRepeat()),
               SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0.9, seed=4, logits_processor_factory=_NoRepeat()),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=4, logits_processor_factory=NoRepeat()),
               SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True,
                              logits_processor_factory=AllowedTokens(tuple(range(40, 60)))),
               SamplingParams(max_tokens=28, temperature=0.0, ignore_eos=True, frequency_penalty=1.0,
-                             logits_processor_factory=_NoRepeat())]
+                             logits_processor_factory=NoRepeat())]
     want = _outputs(LLM(ckpt, overlap_schedule="off", device="cpu").generate(prompts, params))
     # the processors took effect: no token repeats its predecessor; the allowed ones only
     assert all(a != b for a, b in zip(want[0][0][0], want[0][0][0][1:]))

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks in one call, for a machine with CUDA and PyTorch but no
+# The GPU checks in one command, for a machine with CUDA and PyTorch but no
 # package index (flashinfer travels as wheels).
 #
 #   tools/gpu_check.sh fetch             # where pip reaches PyPI: the wheels into .whl/
 #   tools/gpu_check.sh run [BASE_DIR]    # on the GPU machine, from the repository root
 #   tools/gpu_check.sh validate TRACE    # on the GPU machine: the simulator against the server there
-#   tools/gpu_check.sh session TRACE     # on the GPU machine: one call for a 15-minute lease (below)
+#   tools/gpu_check.sh brief TRACE       # on the GPU machine: what matters most, in a short time (below)
 #
-# session: the GPU tests; then tools/bench_gpu.py on the GPU_VALIDATE_SHAPE
+# brief: the GPU tests; then tools/bench_gpu.py on the GPU_VALIDATE_SHAPE
 # checkpoint (a decode point at 64 rows, an idle engine given prompts, a request
 # joining a decoding batch, with torch profiles of the last two); then
 # `validate` on TRACE with what is left of GPU_CHECK_SECONDS. Logs go to
@@ -41,8 +41,8 @@
 #
 # Every mode: flashinfer compiles its kernels on first use (~3 minutes on a
 # fresh machine). GPU_CHECK_SAVE_JIT=1 returns that cache as $OUT/fiws.tgz.part*
-# (15 MiB parts); copied into .gpu/ (GPU_CHECK_JIT) and carried, a later call
-# unpacks it first.
+# (15 MiB parts); copied into .gpu/ (GPU_CHECK_JIT) beside the checkout, a later
+# run on a fresh machine unpacks it first.
 set -u
 cd "$(dirname "$0")/.."
 PLATFORM="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
@@ -55,7 +55,7 @@ if [ "${1:-}" = fetch ]; then
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 uvicorn==0.54.0 httptools openai==3.57.0 llguidance
   exit
 fi
-case "${1:-}" in run|validate|session) ;; *) sed -n 2,45p "$0"; exit 2 ;; esac
+case "${1:-}" in run|validate|brief) ;; *) sed -n 2,45p "$0"; exit 2 ;; esac
 MODE=$1
 BASE=${2:-}
 OUT=${OUT:-$PWD/gpu-out}
@@ -74,8 +74,8 @@ for root in . ${BASE:+"$BASE"}; do
   for d in engine kvcache scheduler server traces; do ln -sfn ../$d "$root/stepserve/$d"; done
 done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
-# flashinfer's JIT builds take ~3 minutes on a fresh machine (the H200, session 31): a cache kept from an
-# earlier call (GPU_CHECK_SAVE_JIT=1 writes it to $OUT as fiws.tgz.part*; copy those into .gpu/ and carry .gpu)
+# flashinfer's JIT builds take ~3 minutes on a fresh machine (an H200): a cache kept from an
+# earlier run (GPU_CHECK_SAVE_JIT=1 writes it to $OUT as fiws.tgz.part*; copy those into .gpu/ with the checkout)
 # is unpacked first
 JIT=${GPU_CHECK_JIT:-.gpu}
 if ls "$JIT"/fiws.tgz.part* > /dev/null 2>&1; then
@@ -87,8 +87,8 @@ save_jit() {  # the JIT cache into $OUT in parts of 15 MiB (a returned file's li
   ls -la "$OUT"/fiws.tgz.part*
 }
 trap save_jit EXIT
-if [ "$MODE" = session ]; then
-  TRACE=${2:?session TRACE: a trace file inside the checkout}
+if [ "$MODE" = brief ]; then
+  TRACE=${2:?brief TRACE: a trace file inside the checkout}
   LOGS=${GPU_CHECK_LOGS:-/tmp/gpu-logs}
   mkdir -p "$LOGS"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -109,7 +109,7 @@ if [ "$MODE" = session ]; then
   GPU_CHECK_WHEELS= GPU_CHECK_JIT=/nonexistent GPU_CHECK_SAVE_JIT=0 GPU_CHECK_LOGS="$LOGS" \
     GPU_VALIDATE_PLOT="$LOGS/validate.png" GPU_VALIDATE_RATES="${GPU_VALIDATE_RATES:-16,32,64,128,256}" \
     GPU_PROFILE_ARGS="${GPU_PROFILE_ARGS:---rounds 3}" timeout "$(left 525)" "$0" validate "$TRACE"
-  echo "== session done at $(( $(date +%s) - T0 )) s"
+  echo "== brief done at $(( $(date +%s) - T0 )) s"
   exit
 fi
 if [ "$MODE" = validate ]; then

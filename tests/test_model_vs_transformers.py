@@ -275,6 +275,38 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
     assert all(m.panels.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, SmallBatchLinear))
 
 
+def test_small_linear_rows_do_not_depend_on_their_batch():
+    """A row's product from the native panel kernel is the same bits however
+    many rows share its call and however its panels are split between
+    threads: 1-3 rows take several panels at a time (more independent sums
+    in flight), more rows one panel in blocks of rows, and every output's sum
+    runs over k in the same order either way. Batch-invariant sampling needs
+    this: a seeded request draws the same tokens in any batch."""
+    from stepserve.engine.models.llama import SMALL_M, small_batch_kernels
+
+    kernels = small_batch_kernels(torch.device("cpu"), torch.float32)
+    if kernels is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    g = torch.Generator().manual_seed(2)
+    threads = torch.get_num_threads()
+    try:
+        for k, panels in [(37, 1), (64, 3), (256, 5), (128, 9), (256, 48)]:
+            for bf16 in (False, True):
+                w = torch.randn(16 * panels, k, generator=g)
+                p = kernels.pack_panels(w.bfloat16().float() if bf16 else w, bf16)
+                x = torch.randn(SMALL_M, k, generator=g)
+                for t in (1, 2):
+                    torch.set_num_threads(t)
+                    alone = torch.cat([kernels.small_linear(x[i : i + 1], p) for i in range(SMALL_M)])
+                    for m in [2, 3, 4, 5, 7, 13, SMALL_M]:
+                        got = kernels.small_linear(x[:m].contiguous(), p)
+                        assert torch.equal(got, alone[:m]), (k, panels, bf16, t, m)
+                    for i in (1, 2):  # rows 1-2 and 1-3 of the batch: the few-row path again, other rows
+                        assert torch.equal(kernels.small_linear(x[1 : 1 + i + 1].contiguous(), p), alone[1 : 2 + i])
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
     """On CPU in float32 the small per-layer ops are single native calls
     (`CpuKernels`): RMSNorm, the residual add fused into it (in place), rotary

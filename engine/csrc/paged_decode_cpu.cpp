@@ -219,6 +219,61 @@ void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K,
 }
 #undef STEPSERVE_PANEL_ROW
 #undef STEPSERVE_PANEL_STORE
+
+// 1-3 rows against P panels at once. One row's 16 sums of one panel are two
+// chains of dependent multiply-adds, so a block of 1-3 rows against one panel
+// waits on the multiply-add's latency (measured: 1, 2 and 3 rows cost the same);
+// P panels side by side give 2 * M * P independent chains (8-12), enough to
+// keep both FMA ports busy. Each (row, column) sum still runs over k in order,
+// one fused multiply-add per step, exactly as `panel_rows` does: the same bits
+// whichever function or block computes it.
+#define STEPSERVE_MP_FMA(m, p)                                              \
+  if constexpr (M > m && P > p) {                                           \
+    a##m##p##l = _mm256_fmadd_ps(x##m, lo##p, a##m##p##l);                  \
+    a##m##p##h = _mm256_fmadd_ps(x##m, hi##p, a##m##p##h);                  \
+  }
+#define STEPSERVE_MP_LOAD(p)                                                \
+  __m256 lo##p, hi##p;                                                      \
+  if constexpr (P > p) {                                                    \
+    const W* wk = w##p + k * 16;                                            \
+    if ((k * 16 * sizeof(W)) % 64 == 0) __builtin_prefetch(wk + kAhead);   \
+    load16(wk, lo##p, hi##p);                                               \
+  }
+#define STEPSERVE_MP_STORE(m, p)                                            \
+  if constexpr (M > m && P > p) {                                           \
+    _mm256_storeu_ps(y + m * N + (nb + p) * 16, a##m##p##l);                \
+    _mm256_storeu_ps(y + m * N + (nb + p) * 16 + 8, a##m##p##h);            \
+  }
+template <int M, int P, typename W>
+void panel_rows_multi(const float* x, const W* panels, float* y, int64_t N, int64_t K, int64_t nb) {
+  static_assert(M >= 1 && M <= 3 && P >= 1 && P <= 4 && M * P <= 6, "at most 12 accumulators");
+  const __m256 z = _mm256_setzero_ps();
+  __m256 a00l = z, a00h = z, a01l = z, a01h = z, a02l = z, a02h = z, a03l = z, a03h = z;
+  __m256 a10l = z, a10h = z, a11l = z, a11h = z, a12l = z, a12h = z, a13l = z, a13h = z;
+  __m256 a20l = z, a20h = z, a21l = z, a21h = z, a22l = z, a22h = z, a23l = z, a23h = z;
+  const W* w0 = panels + nb * K * 16;
+  const W* w1 = w0 + K * 16;
+  const W* w2 = w1 + K * 16;
+  const W* w3 = w2 + K * 16;
+  constexpr int64_t kAhead = 1024 / sizeof(W);  // 1 KiB ahead in each panel's stream
+  for (int64_t k = 0; k < K; ++k) {
+    STEPSERVE_MP_LOAD(0) STEPSERVE_MP_LOAD(1) STEPSERVE_MP_LOAD(2) STEPSERVE_MP_LOAD(3)
+    const __m256 x0 = _mm256_broadcast_ss(x + k);
+    __m256 x1 = z, x2 = z;
+    if constexpr (M > 1) x1 = _mm256_broadcast_ss(x + K + k);
+    if constexpr (M > 2) x2 = _mm256_broadcast_ss(x + 2 * K + k);
+    STEPSERVE_MP_FMA(0, 0) STEPSERVE_MP_FMA(0, 1) STEPSERVE_MP_FMA(0, 2) STEPSERVE_MP_FMA(0, 3)
+    STEPSERVE_MP_FMA(1, 0) STEPSERVE_MP_FMA(1, 1) STEPSERVE_MP_FMA(1, 2) STEPSERVE_MP_FMA(1, 3)
+    STEPSERVE_MP_FMA(2, 0) STEPSERVE_MP_FMA(2, 1) STEPSERVE_MP_FMA(2, 2) STEPSERVE_MP_FMA(2, 3)
+  }
+  STEPSERVE_MP_STORE(0, 0) STEPSERVE_MP_STORE(0, 1) STEPSERVE_MP_STORE(0, 2) STEPSERVE_MP_STORE(0, 3)
+  STEPSERVE_MP_STORE(1, 0) STEPSERVE_MP_STORE(1, 1) STEPSERVE_MP_STORE(1, 2) STEPSERVE_MP_STORE(1, 3)
+  STEPSERVE_MP_STORE(2, 0) STEPSERVE_MP_STORE(2, 1) STEPSERVE_MP_STORE(2, 2) STEPSERVE_MP_STORE(2, 3)
+}
+#undef STEPSERVE_MP_FMA
+#undef STEPSERVE_MP_LOAD
+#undef STEPSERVE_MP_STORE
+constexpr bool kMultiPanel = true;
 #else
 // Portable form (no AVX2/FMA at build time): the compiler vectorises the
 // columns; rows in blocks of 8.
@@ -243,12 +298,33 @@ void panel_rows(const float* x, const W* panels, float* y, int64_t N, int64_t K,
   for (int m = 0; m < M; ++m)
     for (int j = 0; j < 16; ++j) y[m * N + nb * 16 + j] = acc[m][j];
 }
+// the compiler's own vectorisation keeps a row's 16 sums in one vector chain either way
+constexpr bool kMultiPanel = false;
+template <int M, int P, typename W>
+void panel_rows_multi(const float* x, const W* panels, float* y, int64_t N, int64_t K, int64_t nb) {
+  for (int p = 0; p < P; ++p) panel_rows<M>(x, panels, y, N, K, nb + p);
+}
 #endif
 
 // Rows in blocks of kRowBlock; a panel stays in L1 while every block of rows
-// passes over it, so the weight is still read from memory once.
+// passes over it, so the weight is still read from memory once. A product of
+// 1-3 rows takes 4 or 2 panels at a time (`panel_rows_multi`); more rows keep
+// one panel at a time, so that it stays in L1 across their blocks.
+template <int M, typename W>
+void panels_of_block(const float* x, const W* wp, float* y, int64_t N, int64_t K, int64_t nb, int64_t np) {
+  constexpr int P = M == 1 ? 4 : 2;
+  int64_t j = 0;
+  for (; j + P <= np; j += P) panel_rows_multi<M, P>(x, wp, y, N, K, nb + j);
+  for (; j < np; ++j) panel_rows<M>(x, wp, y, N, K, nb + j);
+}
 template <typename W>
 void panel_range(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, int64_t K, int64_t b0, int64_t b1) {
+  if (kMultiPanel && M <= 3) {
+    if (M == 1) panels_of_block<1>(xp, wp, yp, N, K, b0, b1 - b0);
+    else if (M == 2) panels_of_block<2>(xp, wp, yp, N, K, b0, b1 - b0);
+    else panels_of_block<3>(xp, wp, yp, N, K, b0, b1 - b0);
+    return;
+  }
   for (int64_t nb = b0; nb < b1; ++nb) {
     for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
       const float* x = xp + m0 * K;

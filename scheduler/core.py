@@ -111,6 +111,7 @@ class _InFlight:
     placed: list  # `Scheduler.advance`'s placeholders
     t_start: float  # when its step() call began
     host_s: float  # that call's host time before the launch: schedule, admissions, features
+    launch_s: float = 0.0  # that call's host time through the launch (`host_s`, then building and launching it)
 
 
 class StepHooks(Protocol):
@@ -333,20 +334,30 @@ class EngineCore:
         else:
             launched = self.runner.launch(plan, features, prev.launched if prev is not None else None)
         sched.launched = plan
+        t_launched = clock()
         if prev is not None:
             self.overlapped_steps += 1
-            self._finish(prev)
+            self._finish(prev, successor_host_s=t_launched - t0)
         if defer:
             self.runner.sample(launched)
         placed = sched.advance(plan)
         sched.launched = None
-        self._inflight = _InFlight(plan, features, launched, placed, t0, t1 - t0)
+        self._inflight = _InFlight(plan, features, launched, placed, t0, t1 - t0, t_launched - t0)
         if self.check_every and self.step_id % self.check_every == 0:
             sched.check()
         return prev.plan if prev is not None else plan
 
-    def _finish(self, f: _InFlight) -> None:
-        """Waits for an in-flight step's tokens and applies them."""
+    def _finish(self, f: _InFlight, successor_host_s: float = 0.0) -> None:
+        """Waits for an in-flight step's tokens and applies them.
+
+        Its record is charged its own host work and not the next step's:
+        the period between two steps' ends holds the next step's schedule
+        and launch (`successor_host_s`, when it was launched in that
+        period), while this step's own ran in the period before, beside the
+        step before it. Moving each launch to the step launched keeps the
+        sum of the records' times the wall time of the run and prices each
+        step by its own plan: an eager prefill step whose launch takes long
+        costs itself, not the decode step it followed."""
         clock = self.clock
         t0 = clock()
         out = self.runner.finish(f.launched)
@@ -356,11 +367,14 @@ class EngineCore:
         self._apply(f.plan, out, got)
         t2 = clock()
         # its period: since the step before it finished, or since its own step() call began where none was
-        # in flight then; of that, the host's time on this step alone, outside the wait for the device
-        start = self._last_done if self._last_done > f.t_start else f.t_start
+        # in flight then (its own launch is then inside the period); of that, the host's time on this step
+        # alone, outside the wait for the device
+        own_outside = self._last_done > f.t_start
+        start = self._last_done if own_outside else f.t_start
+        wall = t2 - start - successor_host_s + (f.launch_s if own_outside else 0.0)
         sched_s = f.host_s + (t2 - t1)
-        self._record(f.plan, f.features, out, wall_s=t2 - start,
-                     forward_s=max(t2 - start - sched_s - out.prep_s, 0.0), schedule_s=sched_s)
+        self._record(f.plan, f.features, out, wall_s=wall,
+                     forward_s=max(wall - sched_s - out.prep_s, 0.0), schedule_s=sched_s)
         self._last_done = t2
 
     def _record(self, plan: StepPlan, features: StepFeatures, out: RunOutput, *, wall_s: float, forward_s: float,

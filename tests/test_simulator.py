@@ -551,6 +551,51 @@ def test_overlap_schedule_hides_the_host_part_of_each_step(host_ms, device_ms):
     assert plain.duration_s == pytest.approx(40 * (host_ms + device_ms) * 1e-3)
 
 
+class _SlowPrefillLaunch:
+    """Steps of 3 ms on the device; their host part (launch) 1 ms, or 10 ms for
+    a step with a prompt chunk (an eager step on a GPU, where a decode step
+    replays a graph). The runner reads `overhead_s` right after `predict`."""
+
+    form = "stub"
+
+    def __init__(self):
+        self.overhead_s = 1e-3
+
+    def predict(self, rows, context_tokens, new_tokens, prefill_pairs=0.0, extend_rows=0):
+        self.overhead_s = 10e-3 if extend_rows else 1e-3
+        return self.overhead_s + 3e-3
+
+
+def test_overlap_schedule_charges_each_step_its_own_launch():
+    """Under the overlap schedule the period between two steps' ends holds the
+    next step's launch. The records move it to the step launched: a step with
+    a prompt chunk (10 ms to launch) is charged it, the decode step before it
+    is not, and the records still add up to the run's busy time. (Charged to
+    the step before, a latency model fitted on the records would see decode
+    steps that cost 10 ms whenever a request arrives, and prefill steps that
+    cost 3.)"""
+    specs = [_spec(0, 0.0, 10, 30), _spec(1, 0.0, 10, 30), _spec(2, 0.05, 10, 10)]
+    sim = Simulator(_SlowPrefillLaunch(), SimConfig(kv_slots=2000, max_context=256, vocab_size=100,
+                                                    overlap_schedule=True))
+    res = sim.run(specs)
+    recs = sim.core.records
+    assert [r.output_tokens for r in res.records] == [30, 30, 10]
+    prefill = [r for r in recs if r.extend_rows]
+    assert len(prefill) == 2  # the first two prompts together, then the third beside their decode rows
+    # the first: its launch and device part, less the next step's launch that ran beside its device part
+    assert prefill[0].wall_s == pytest.approx(13e-3 - 1e-3)
+    # the second: its 10 ms launch (the step before it had finished on the device meanwhile), then its
+    # device part beside the next launch
+    assert prefill[1].wall_s == pytest.approx(10e-3 + 3e-3 - 1e-3)
+    before = recs[prefill[1].step - recs[0].step - 1]
+    assert before.extend_rows == 0 and before.wall_s == pytest.approx(1e-3)  # its own launch only
+    decode = [r for r in recs if not r.extend_rows and r is not before]
+    assert all(r.wall_s == pytest.approx(3e-3) for r in decode[:-1])  # device-bound: one step per 3 ms
+    assert decode[-1].wall_s == pytest.approx(4e-3)  # the last: its launch and its device part, nothing after
+    assert sum(r.wall_s for r in recs) == pytest.approx(res.duration_s)  # no idle gap in this run
+    assert all(r.forward_s >= 0 for r in recs)
+
+
 def test_overlap_schedule_is_the_roofline_default_without_speculation():
     from argparse import Namespace
 

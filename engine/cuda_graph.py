@@ -17,6 +17,7 @@ is how the CPU test suite checks this module against the eager path.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -130,3 +131,147 @@ class DecodeGraphs:
         else:
             logits, _ = self.model.forward_planned(self._batch(bs), self.backend)
         return logits.index_select(0, fb.logits_indices)
+
+
+# ---------------------------------------------------------------------------
+# Steps with prompt chunks: the forward cut at its attention calls
+# ---------------------------------------------------------------------------
+
+
+def mixed_buckets(max_tokens: int) -> list[int]:
+    """Token counts the mixed-step pieces are captured for: 16, 32, 64, 128,
+    256, then 1.5x and 2x of each power of two (384, 512, 768, 1,024, ...)
+    up to `max_tokens` (always a bucket): a step pads its tokens to the next,
+    at most 1.5x its count past 256."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+    out = [b for b in (16, 32, 64, 128) if b < max_tokens]
+    b = 256
+    while b < max_tokens:
+        out.append(b)
+        if b * 3 // 2 < max_tokens:
+            out.append(b * 3 // 2)
+        b *= 2
+    out.append(max_tokens)
+    return out
+
+
+class PieceBuffers:
+    """The static tensors the pieces of a forward read and write, views of
+    the first `t` tokens of buffers sized for the largest bucket."""
+
+    def __init__(self, full: dict[str, torch.Tensor], t: int):
+        for name, buf in full.items():
+            setattr(self, name, buf[:t])
+
+
+class MixedGraphs:
+    """Steps with prompt chunks (and decode steps too large for the decode
+    graphs), as vLLM's piecewise CUDA graphs run them: the forward is cut at
+    its attention calls into pieces (`LlamaForCausalLM.forward_piece`: the
+    embedding, each layer's halves before and after attention, all of the
+    products, norms, rotary and MLP); each piece is a CUDA graph per token
+    bucket (`mixed_buckets`), and each attention call runs eagerly between
+    two replays, planned for the step as ever (a step's ragged prompt chunks
+    and contexts are a new shape each time; the pieces see only a token
+    count). Eagerly such a step launches ~15 kernels per layer from Python:
+    on a GPU host that took ~8-10 ms for a 28-layer 1.5B model (an H200's
+    host, session 31's step log), against ~2 ms for a graphed decode step.
+
+    The step's tokens are padded to the bucket (id 0 at position 0, written to
+    the padding slot 0; the attention zeroes their outputs). The output head
+    runs after the last piece, eagerly, on the rows that need logits.
+    Without capture (`capture=False`, the CPU) the same buffers, padding and
+    pieces run eagerly: that is how the CPU tests check this against the
+    plain forward."""
+
+    def __init__(self, model, backend, max_tokens: int, capture: bool | None = None):
+        self.model = model
+        self.backend = backend
+        self.device = next(model.parameters()).device
+        self.capture_graphs = self.device.type == "cuda" if capture is None else capture
+        self.buckets = mixed_buckets(max_tokens)
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        dev, t = self.device, self.buckets[-1]
+        hq, hkv, d, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.full = {
+            "input_ids": torch.zeros(t, dtype=torch.long, device=dev),
+            "positions": torch.zeros(t, dtype=torch.long, device=dev),
+            "q": torch.zeros(t, hq, d, dtype=dtype, device=dev),
+            "k": torch.zeros(t, hkv, d, dtype=dtype, device=dev),
+            "v": torch.zeros(t, hkv, d, dtype=dtype, device=dev),
+            "o": torch.zeros(t, hq, d, dtype=dtype, device=dev),
+            "residual": torch.zeros(t, h, dtype=dtype, device=dev),
+            "x": torch.zeros(t, h, dtype=dtype, device=dev),
+        }
+        self.num_pieces = len(model.model.layers) + 1
+        self.graphs: dict[int, list] = {}  # bucket -> a graph per piece
+        self.replays = 0  # steps served (with or without capture)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket's pieces, largest first, in one memory pool
+        (the pieces run one after another, so they may share it); a no-op
+        without CUDA graphs. The attention between them is not captured."""
+        if not self.capture_graphs:
+            return
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        for t in reversed(self.buckets):
+            bufs = PieceBuffers(self.full, t)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up: lazy inits and autotuning stay out of the graphs
+                for i in range(self.num_pieces):
+                    self.model.forward_piece(i, bufs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graphs = []
+            for i in range(self.num_pieces):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self.model.forward_piece(i, bufs)
+                graphs.append(g)
+            self.graphs[t] = graphs
+        torch.cuda.synchronize()
+        log.info("captured %d mixed-step CUDA graph pieces (%d per token bucket %s) in %.1f s",
+                 self.num_pieces * len(self.buckets), self.num_pieces, self.buckets, time.perf_counter() - t0)
+
+    def fits(self, fb: ForwardBatch) -> bool:
+        """A step these pieces serve: at most the largest bucket's tokens, no
+        prompt logprobs (whose hidden states are read between chunks)."""
+        return fb.hidden_indices is None and 0 < fb.input_ids.shape[0] <= self.buckets[-1]
+
+    def run(self, fb: ForwardBatch) -> torch.Tensor:
+        """Logits at `fb.logits_indices` of a step that `fits`."""
+        n = fb.input_ids.shape[0]
+        t = bucket_for(self.buckets, n)
+        full = self.full
+        full["input_ids"][:n].copy_(fb.input_ids)
+        full["positions"][:n].copy_(fb.positions)
+        if t > n:
+            full["input_ids"][n:t].zero_()
+            full["positions"][n:t].zero_()
+            fb = _padded(fb, t - n)
+        bufs = PieceBuffers(full, t)
+        self.backend.prepare(fb)
+        graphs = self.graphs.get(t) if self.capture_graphs else None
+        forward = self.backend.forward
+        for i in range(self.num_pieces):
+            if graphs is not None:
+                graphs[i].replay()
+            else:
+                self.model.forward_piece(i, bufs)
+            if i < self.num_pieces - 1:
+                bufs.o.copy_(forward(i, bufs.q, bufs.k, bufs.v, fb))
+        self.replays += 1
+        logits, _ = self.model.logits_of(bufs.x, bufs.residual, fb)
+        return logits
+
+
+def _padded(fb: ForwardBatch, pad: int) -> ForwardBatch:
+    """`fb` with `pad` more padding tokens (id 0, position 0, slot 0) at its end."""
+    z = torch.zeros(pad, dtype=torch.long, device=fb.input_ids.device)
+    return dataclasses.replace(
+        fb, input_ids=torch.cat([fb.input_ids, z]), positions=torch.cat([fb.positions, z]),
+        out_slots=torch.cat([fb.out_slots, z.to(fb.out_slots.device)]), num_padding=fb.num_padding + pad)

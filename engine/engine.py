@@ -18,7 +18,7 @@ import torch
 from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from stepserve.engine.attention import TorchAttention
 from stepserve.engine.attention_flashinfer import FlashInferAttention, flashinfer_unavailable
-from stepserve.engine.cuda_graph import DecodeGraphs
+from stepserve.engine.cuda_graph import DecodeGraphs, MixedGraphs
 from stepserve.engine.detokenizer import IncrementalDetokenizer
 from stepserve.engine.loader import load_model
 from stepserve.engine.model_runner import ModelRunner
@@ -60,6 +60,10 @@ class EngineConfig:
     # builds) | torch (SDPA, the reference) | flashinfer
     attention_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps (they are used with flashinfer on CUDA)
+    # steps with prompt chunks as CUDA graphs cut at the attention calls (`cuda_graph.MixedGraphs`): auto = where
+    # decode steps run graphs (flashinfer on CUDA, not enforce_eager) | on (on the CPU: the same pieces, uncaptured)
+    # | off
+    mixed_step_graphs: str = "auto"
     # schedule and launch each step while the one before runs on the device (`EngineCore._step_overlap`):
     # auto = on CUDA without speculation | on | off. On the CPU the host is the device: nothing to hide.
     overlap_schedule: str = "auto"
@@ -90,6 +94,8 @@ class EngineConfig:
             SpecLengthSpec.parse(self.spec_length)
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, not {self.overlap_schedule!r}")
+        if self.mixed_step_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"mixed_step_graphs must be auto, on or off, not {self.mixed_step_graphs!r}")
         if self.overlap_schedule == "on" and self.speculative != "none":
             raise ValueError("overlap_schedule 'on' cannot be combined with speculative decoding (a step's "
                              "drafts need the tokens of the step before on the host)")
@@ -114,15 +120,19 @@ class EngineConfig:
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
-def activation_reserve_bytes(cfg, dtype: torch.dtype, max_batched_tokens: int, max_rows: int) -> int:
+def activation_reserve_bytes(cfg, dtype: torch.dtype, max_batched_tokens: int, max_rows: int,
+                             mixed_graphs: bool = False) -> int:
     """GPU memory kept free of the KV pool for one step's work: the largest
     step's activations (twice: a layer's input and output coexist with its
     temporaries), float32 logits of every sampled row four times over (the
     sampler's copies), and 256 MiB for flashinfer's workspaces, the CUDA graphs
-    and the allocator's slack."""
+    and the allocator's slack. With `mixed_graphs` (`MixedGraphs`), once more
+    the largest step's activations: the pieces' static buffers and their
+    graphs' memory pool hold them for good, beside what an eager step uses."""
     per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size
                  + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim) * dtype.itemsize
-    return 2 * max_batched_tokens * per_token + 4 * max_rows * cfg.vocab_size * 4 + (256 << 20)
+    steps = 3 if mixed_graphs else 2
+    return steps * max_batched_tokens * per_token + 4 * max_rows * cfg.vocab_size * 4 + (256 << 20)
 
 
 def gpu_kv_bytes(free: int, total: int, utilization: float, reserve: int) -> int:
@@ -320,7 +330,9 @@ class Engine:
             else:
                 torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info(self.device)
-                reserve = activation_reserve_bytes(mc, self.dtype, config.max_batched_tokens, config.max_running)
+                reserve = activation_reserve_bytes(mc, self.dtype, config.max_batched_tokens, config.max_running,
+                                                   mixed_graphs=config.mixed_step_graphs != "off"
+                                                   and not config.enforce_eager)
                 kv_bytes = gpu_kv_bytes(free, total, config.gpu_memory_utilization, reserve)
             kv_slots = min(kv_bytes // per_tok, config.max_running * self.max_model_len)
             if kv_slots < self.max_model_len // 8:
@@ -353,11 +365,14 @@ class Engine:
                                 self.device)
             proposer = DraftModelProposer(dmodel, self._attention(dpool, dcfg, dmodel), dpool, self.req_pool, self.device,
                                           pad_tokens=self.device.type == "cpu" and self.dtype == torch.bfloat16)
-        graphs = None
+        graphs = mixed = None
         if isinstance(backend, FlashInferAttention) and not config.enforce_eager:
             graphs = DecodeGraphs(self.model, backend, self.req_pool.table, config.max_running)
             graphs.capture()
-        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer, graphs=graphs)
+        if config.mixed_step_graphs == "on" or (config.mixed_step_graphs == "auto" and graphs is not None):
+            mixed = self._mixed_graphs(backend, config.max_batched_tokens)
+        self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer, graphs=graphs,
+                                  mixed_graphs=mixed)
         limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
         overlap = config.overlap_schedule == "on" or (
             config.overlap_schedule == "auto" and self.device.type == "cuda" and proposer is None)
@@ -373,6 +388,19 @@ class Engine:
         # (step, tokens) of recent steps as vLLM counts an iteration's tokens: those generated, plus the
         # whole prompt of each sequence that got its first token (what its iteration_tokens_total reads)
         self._iteration_tokens: collections.deque = collections.deque(maxlen=4096)
+
+    def _mixed_graphs(self, backend, max_tokens: int) -> MixedGraphs | None:
+        """The mixed-step pieces, captured; None (and a warning: those steps
+        then run eagerly) where the capture fails."""
+        mixed = MixedGraphs(self.model, backend, max_tokens)
+        try:
+            mixed.capture()
+        except Exception as e:  # pragma: no cover - needs CUDA
+            log.warning("mixed-step CUDA graphs could not be captured, those steps run eagerly: %s", e)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            return None
+        return mixed
 
     def _attention(self, pool: TokenKVPool, mc, model):
         """The attention backend `config.attention_backend` names for `model`

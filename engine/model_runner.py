@@ -100,6 +100,7 @@ class ModelRunner:
         sampler: Sampler | None = None,
         proposer=None,
         graphs=None,
+        mixed_graphs=None,
     ):
         self.model = model
         self.backend = backend
@@ -108,6 +109,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.proposer = proposer  # speculative decoding (engine/speculative.py): drafts the verify rows
         self.graphs = graphs  # DecodeGraphs (engine/cuda_graph.py): pure decode steps replay a CUDA graph
+        self.mixed_graphs = mixed_graphs  # MixedGraphs: other steps replay graphs between eager attention calls
         self.penalty_counts: PenaltyCounts | None = None  # made when a sequence first samples with penalties
         self.vocab_size = model.config.vocab_size
         # bf16 matmuls on CPU (oneDNN) build a kernel per input shape on first
@@ -235,6 +237,8 @@ class ModelRunner:
             cold |= self.proposer.cold  # the draft model's forwards, run above
         if self.graphs is not None and self.graphs.fits(fb):
             logits, hidden = self.graphs.run(fb), None
+        elif self.mixed_graphs is not None and self.mixed_graphs.fits(fb) and not self.model.runs_natively(fb, self.backend):
+            logits, hidden = self.mixed_graphs.run(fb), None
         else:
             logits, hidden = self.model(fb, self.backend)
         a, b = plan.verify_samples() if nv else (0, 0)

@@ -27,6 +27,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "kernel where it builds)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs: every decode step launches its kernels from Python")
+    g.add_argument("--mixed-step-graphs", default="auto", choices=["auto", "on", "off"],
+                   help="run steps with prompt chunks as CUDA graphs cut at the attention calls, the attention "
+                        "eager between them (auto: where decode steps run CUDA graphs)")
     g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
                    help="schedule and launch each step while the one before runs on the GPU (auto: on CUDA "
                         "without speculative decoding)")
@@ -105,6 +108,7 @@ def _engine_config(EngineConfig, args):
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
+        mixed_step_graphs=args.mixed_step_graphs,
         overlap_schedule=args.overlap_schedule,
         admission=args.admission,
         prefix_caching=not args.no_prefix_caching,

@@ -19,7 +19,7 @@ import torch
 import fake_flashinfer
 from stepserve import LLM, SamplingParams
 from stepserve.engine.attention_flashinfer import PageListStaging, indptr_of, paged_indices
-from stepserve.engine.cuda_graph import bucket_for, graph_buckets
+from stepserve.engine.cuda_graph import bucket_for, graph_buckets, mixed_buckets
 from stepserve.engine.engine import activation_reserve_bytes, gpu_kv_bytes
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -50,6 +50,18 @@ def test_graph_buckets():
     assert [bucket_for(b, n) for n in (1, 3, 33, 64, 65, 256, 257)] == [1, 4, 64, 64, 96, 256, None]
     with pytest.raises(ValueError):
         graph_buckets(0)
+
+
+def test_mixed_buckets():
+    assert mixed_buckets(2048) == [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert mixed_buckets(48) == [16, 32, 48]
+    assert mixed_buckets(1000) == [16, 32, 64, 128, 256, 384, 512, 768, 1000]
+    assert mixed_buckets(10) == [10]
+    for n in range(1, 2049):  # a step pads to at most 2x its tokens, 1.5x past 256 (and 16 at least)
+        b = bucket_for(mixed_buckets(2048), n)
+        assert n <= b <= max(16, 2 * n if n <= 256 else 1.5 * n)
+    with pytest.raises(ValueError):
+        mixed_buckets(0)
 
 
 def test_paged_indices_equal_a_naive_gather():
@@ -105,6 +117,8 @@ def test_gpu_memory_sizing_arithmetic():
     per_token = (4 * 4096 + 3 * 14336 + 48 * 128) * 2
     assert r == 2 * 2048 * per_token + 4 * 256 * 128256 * 4 + (256 << 20)
     assert 1.0 < r / gib < 2.0
+    # the mixed-step graphs hold one more step's activations for good
+    assert activation_reserve_bytes(Llama8B, torch.bfloat16, 2048, 256, mixed_graphs=True) == r + 2048 * per_token
 
 
 def test_cpu_engine_sizes_kv_from_kv_memory_gb(llama_ckpt):
@@ -194,6 +208,40 @@ def test_decode_graphs_equal_eager(fake_fi, ckpt_factory):
     graphs.engine.kv_report()
 
 
+@pytest.mark.parametrize("backend", ["flashinfer", "torch"])
+def test_mixed_step_graphs_equal_eager(fake_fi, ckpt_factory, backend):
+    """Steps with prompt chunks cut at their attention calls (`MixedGraphs`,
+    its pieces run uncaptured on the CPU): chunked prompts beside decode rows,
+    token counts padded into buckets (16, 32, 48), a warm radix cache, forks
+    (n = 3, seeded sampling) and a prompt-logprobs request (which runs
+    eagerly) give the tokens, and logprobs within rounding, of the same steps
+    run whole; the KV check holds after every step."""
+    path = ckpt_factory("qwen2")  # q/k/v bias
+    kw = dict(attention_backend=backend, device="cpu", max_batched_tokens=48, check_invariants=True)
+    whole = LLM(path, mixed_step_graphs="off", **kw)
+    pieces = LLM(path, mixed_step_graphs="auto" if backend == "flashinfer" else "on", **kw)
+    mixed = pieces.engine.runner.mixed_graphs
+    assert mixed is not None and not mixed.capture_graphs and whole.engine.runner.mixed_graphs is None
+    prompts = prompts_of([70, 5, 33, 12, 90, 1], seed=6)
+    params = [SamplingParams(max_tokens=6 + 3 * i, logprobs=2, **GREEDY) for i in range(len(prompts))]
+    for _ in range(2):  # the second pass hits the radix cache
+        a, b = whole.generate(prompts, params), pieces.generate(prompts, params)
+        for x, y in zip(a, b):
+            assert x.outputs[0].token_ids == y.outputs[0].token_ids
+            torch.testing.assert_close(torch.tensor([t.logprob for t in x.outputs[0].logprobs]),
+                                       torch.tensor([t.logprob for t in y.outputs[0].logprobs]), atol=1e-4, rtol=0)
+    assert mixed.replays >= 4
+    p = SamplingParams(max_tokens=8, n=3, temperature=1.0, seed=11)
+    assert ([c.token_ids for c in pieces.generate(prompts[:3], p)[2].outputs]
+            == [c.token_ids for c in whole.generate(prompts[:3], p)[2].outputs])
+    p = SamplingParams(max_tokens=3, prompt_logprobs=1, **GREEDY)  # its chunks' steps run eagerly (`fits`)
+    x, y = whole.generate(prompts[4:5], p)[0], pieces.generate(prompts[4:5], p)[0]
+    assert x.outputs[0].token_ids == y.outputs[0].token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in x.prompt_logprobs[1:]]),
+                               torch.tensor([lp.logprob for lp in y.prompt_logprobs[1:]]), atol=1e-4, rtol=0)
+    pieces.engine.kv_report()
+
+
 def test_decode_graphs_serve_verify_rows(fake_fi, ckpt_factory):
     path = ckpt_factory("llama")
     prompts = prompts_of([30, 12, 50], seed=5)
@@ -276,7 +324,7 @@ def test_gpu_graphs_equal_eager(ckpt_factory):
     lens = [8 + 2 * i for i in range(19)]
     kw = dict(device="cuda", dtype="bfloat16", max_running=64, kv_memory_gb=1)
     eager = LLM(path, enforce_eager=True, **kw)
-    graphs = LLM(path, **kw)
+    graphs = LLM(path, mixed_step_graphs="off", **kw)
     params = [SamplingParams(max_tokens=n, logprobs=1, **GREEDY) for n in lens]
     a, b = eager.generate(prompts, params), graphs.generate(prompts, params)
     for x, y in zip(a, b):
@@ -284,6 +332,29 @@ def test_gpu_graphs_equal_eager(ckpt_factory):
         torch.testing.assert_close(torch.tensor([t.logprob for t in x.outputs[0].logprobs]),
                                    torch.tensor([t.logprob for t in y.outputs[0].logprobs]), atol=2e-2, rtol=0)
     assert graphs.engine.runner.graphs.replays > 0
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_step_graphs_equal_eager(ckpt_factory):
+    """Steps with prompt chunks as captured pieces between eager attention
+    calls: greedy tokens equal the same steps run eagerly, or where a row
+    parts (its chunk's products run padded to a bucket), both within bf16
+    noise of float32 transformers."""
+    _real_flashinfer()
+    path = ckpt_factory("qwen2", head_dim=128, dtype=torch.bfloat16)
+    prompts = prompts_of([5 + 23 * i for i in range(12)], seed=4)
+    kw = dict(device="cuda", dtype="bfloat16", max_running=64, max_batched_tokens=256, kv_memory_gb=1)
+    eager = LLM(path, mixed_step_graphs="off", **kw)
+    pieces = LLM(path, **kw)
+    assert pieces.engine.runner.mixed_graphs is not None and pieces.engine.runner.mixed_graphs.capture_graphs
+    for _ in range(2):  # the second pass hits the radix cache
+        a, b = tokens(eager, prompts, 16), tokens(pieces, prompts, 16)
+        differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+        if differ:
+            pick = [prompts[i] for i in differ]
+            assert_greedy_within_bf16_noise(path, pick, [a[i] for i in differ], "eager")
+            assert_greedy_within_bf16_noise(path, pick, [b[i] for i in differ], "mixed-step graphs")
+    assert pieces.engine.runner.mixed_graphs.replays > 0
 
 
 @pytest.mark.gpu

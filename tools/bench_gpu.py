@@ -242,18 +242,22 @@ def prefill_point(args) -> dict:
             "seconds": res[-1], "tok_per_s": n / res[-1]}
 
 
-def entry_point(args) -> dict:
+def entry_point(args, mixed: str = "auto") -> dict:
     """An idle engine given `entry_rows` new prompts at once: a prefill-only
     step that nothing overlaps, as after every idle spell in serving. In a
-    server on an H200 (qwen2.5-1.5b shape) such steps took 12-24 ms where a
-    mixed step of as many prefill tokens beside decode rows took ~2 ms, and
-    the profile fitted it as a wake-up cost. Times the first tokens (median
-    of `entry_repeats`), splits the host's part (launch, schedule, finish's
-    own work) from the wait, and with --profile-entry prints a torch profile
-    of one entry."""
+    server on an H200 (qwen2.5-1.5b shape) such steps took 12-24 ms; under the
+    overlap schedule the decode step before a request's first chunk was
+    charged 10.5 ms (median) against 1.75 ms for other decode steps: the
+    chunk's step, launched eagerly from Python, was charged to the step
+    before (records now charge each step its own launch). `mixed`: the
+    engine's `mixed_step_graphs` (auto: those steps as CUDA graph pieces
+    between eager attention calls; off: eager). Times the first tokens
+    (median of `entry_repeats`), splits the host's part (launch, schedule,
+    finish's own work) from the wait, and with --profile-entry prints a
+    torch profile of one entry."""
     from stepserve.engine.sampling_params import SamplingParams
 
-    eng = engine(args, max_running=max(8, args.entry_rows))
+    eng = engine(args, max_running=max(8, args.entry_rows), mixed_step_graphs=mixed)
     host = HostTimes()
     for obj, attr in ((eng.runner, "launch"), (eng.runner, "finish"), (eng.runner, "build_batch"),
                       (eng.runner.backend, "prepare"), (eng.scheduler, "schedule")):
@@ -292,6 +296,7 @@ def entry_point(args) -> dict:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60))
     out = {"rows": args.entry_rows, "context": args.context, "overlap_schedule": eng.overlap_schedule,
+           "mixed_step_graphs": mixed, "mixed_graphs_captured": eng.runner.mixed_graphs is not None,
            "first_tokens_ms_median": statistics.median(r[0] for r in runs),
            "steps_median": statistics.median(r[1] for r in runs),
            "host_ms_median": {k: statistics.median(r[2].get(k, 0.0) for r in runs) for k in host.calls}}
@@ -321,6 +326,7 @@ def entry_point(args) -> dict:
     out["join_step_ms_median"] = statistics.median(a[0] for a, _ in pairs)
     out["plain_step_ms_median"] = statistics.median(b[0] for _, b in pairs)
     out["join_host_ms_median"] = {k: statistics.median(a[1].get(k, 0.0) for a, _ in pairs) for k in host.calls}
+    out["mixed_graph_replays"] = getattr(eng.runner.mixed_graphs, "replays", 0)
     if args.profile_entry:
         from torch.profiler import ProfilerActivity, profile
 
@@ -356,6 +362,8 @@ def main() -> int:
     p.add_argument("--entry-rows", type=int, default=4, help="prompts given to an idle engine at once (0: skip)")
     p.add_argument("--entry-repeats", type=int, default=10)
     p.add_argument("--profile-entry", action="store_true", help="print a torch profile of one entry")
+    p.add_argument("--entry-mixed", default="auto,off",
+                   help="the entry and join measurements for each of these mixed_step_graphs settings")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.profile_batches = {int(x) for x in args.profile_batches.split(",") if x}
@@ -399,15 +407,15 @@ def main() -> int:
     attention_flashinfer.TENSOR_CORE_MIN_GROUP = default_group
     pre = prefill_point(args)
     print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)
-    entry = None
-    if args.entry_rows:
-        entry = entry_point(args)
-        print(f"entry: an idle engine given {entry['rows']} x {entry['context']} tokens: first tokens in "
-              f"{entry['first_tokens_ms_median']:.2f} ms over {entry['steps_median']:g} steps; host ms "
-              + ", ".join(f"{k} {v:.2f}" for k, v in entry["host_ms_median"].items()), flush=True)
-        print(f"join: the step() that admits a request into 8 decoding rows {entry['join_step_ms_median']:.2f} ms, "
-              f"a plain one {entry['plain_step_ms_median']:.2f} ms; host ms "
-              + ", ".join(f"{k} {v:.2f}" for k, v in entry["join_host_ms_median"].items()), flush=True)
+    entry = {}
+    for mixed in (args.entry_mixed.split(",") if args.entry_rows else []):
+        e = entry[mixed] = entry_point(args, mixed)
+        print(f"entry (mixed-step graphs {mixed}): an idle engine given {e['rows']} x {e['context']} tokens: first "
+              f"tokens in {e['first_tokens_ms_median']:.2f} ms over {e['steps_median']:g} steps; host ms "
+              + ", ".join(f"{k} {v:.2f}" for k, v in e["host_ms_median"].items()), flush=True)
+        print(f"join (mixed-step graphs {mixed}): the step() that admits a request into 8 decoding rows "
+              f"{e['join_step_ms_median']:.2f} ms, a plain one {e['plain_step_ms_median']:.2f} ms; host ms "
+              + ", ".join(f"{k} {v:.2f}" for k, v in e["join_host_ms_median"].items()), flush=True)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
               "shape": args.make, "copy_bandwidth_tb_s": bw / 1e12, "decode": points, "prefill": pre, "entry": entry,
               "command": " ".join(sys.argv)}

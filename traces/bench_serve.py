@@ -156,6 +156,8 @@ def _engine_argv(args) -> list[str]:
         out.append("--no-prefix-caching")
     if args.enforce_eager:
         out.append("--enforce-eager")
+    if args.mixed_step_graphs != "auto":
+        out += ["--mixed-step-graphs", args.mixed_step_graphs]
     return out
 
 

@@ -368,6 +368,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, rope, backend: AttentionBackend, fb: ForwardBatch, kern: TorchKernels):
+        q, k, v = self.qkv(x, rope, kern)
+        return self.output(backend.forward(self.layer_id, q, k, v, fb))
+
+    def qkv(self, x, rope, kern: TorchKernels):
+        """The attention's inputs: q [T, Hq, D] and k [T, Hkv, D] normed (q/k
+        norm) and rotated, v [T, Hkv, D]."""
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t, d = x.shape[0], self.head_dim
@@ -375,7 +381,9 @@ class Attention(nn.Module):
             q = kern.rmsnorm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps).view(t, self.q_size)
             k = kern.rmsnorm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps).view(t, self.kv_size)
         q, k = kern.rope(rope, q, k, d)
-        o = backend.forward(self.layer_id, q, k, v.view(t, self.num_kv_heads, d), fb)
+        return q, k, v.view(t, self.num_kv_heads, d)
+
+    def output(self, o):
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -401,13 +409,23 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, rope, backend, fb, kern: TorchKernels):
         """(this layer's MLP output, the residual stream before it): the
         residual add is fused into the next norm (`kern.add_rmsnorm`)."""
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        q, k, v, residual = self.attention_input(x, residual, rope, kern)
+        return self.attention_output(backend.forward(self.self_attn.layer_id, q, k, v, fb), residual, kern)
+
+    def attention_input(self, x, residual, rope, kern: TorchKernels):
+        """The half before attention: (q, k, v, the residual stream)."""
+        n1 = self.input_layernorm
         if residual is None:
             residual, h = x, kern.rmsnorm(x, n1.weight, n1.eps)
         else:
             h, residual = kern.add_rmsnorm(x, residual, n1.weight, n1.eps)
-        h = self.self_attn(h, rope, backend, fb, kern)
-        h, residual = kern.add_rmsnorm(h, residual, n2.weight, n2.eps)
+        return (*self.self_attn.qkv(h, rope, kern), residual)
+
+    def attention_output(self, o, residual, kern: TorchKernels):
+        """The half after attention, from its output `o`: (the MLP's output,
+        the residual stream before it)."""
+        n2 = self.post_attention_layernorm
+        h, residual = kern.add_rmsnorm(self.self_attn.output(o), residual, n2.weight, n2.eps)
         return self.mlp(h, kern), residual
 
 
@@ -452,11 +470,15 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the batch; returns logits (float32) for `fb.logits_indices` only,
         and the final (normed) hidden states at `fb.hidden_indices` (None if none)."""
-        if (self._native_decode is not None and fb.num_decode == fb.input_ids.shape[0] <= SMALL_M
-                and fb.hidden_indices is None and getattr(backend, "native_decode_ok", False)):
+        if self.runs_natively(fb, backend):
             return self._forward_native(fb, backend), None
         backend.prepare(fb)
         return self.forward_planned(fb, backend)
+
+    def runs_natively(self, fb: ForwardBatch, backend) -> bool:
+        """Whether `forward` runs `fb` as one native call (the CPU's small decode steps)."""
+        return (self._native_decode is not None and fb.num_decode == fb.input_ids.shape[0] <= SMALL_M
+                and fb.hidden_indices is None and getattr(backend, "native_decode_ok", False))
 
     def _forward_native(self, fb: ForwardBatch, backend) -> torch.Tensor:
         """`forward_planned` for a batch of at most `SMALL_M` decode-shaped
@@ -510,6 +532,40 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, backend, fb, kern)
+        return self.logits_of(x, residual, fb)
+
+    def forward_piece(self, i: int, bufs) -> None:
+        """Piece `i` of a forward cut at its attention calls (`cuda_graph.
+        MixedGraphs`), on the static buffers `bufs` (`PieceBuffers`, views of
+        the step's tokens): piece 0 is the embedding and layer 0's half before
+        attention, piece i (0 < i < layers) layer i-1's half after attention
+        (from `bufs.o`) and layer i's before, and the last piece the last
+        layer's half after attention. Each writes what it hands on into
+        `bufs` (q, k, v; the residual stream; the last piece's output, `x`),
+        so that the pieces compose into `forward_planned` with each attention
+        call between two of them. Pieces hold no attention: each can be
+        captured as a CUDA graph of its own."""
+        kern = self.kernels
+        layers = self.model.layers
+        if i == 0:
+            x, residual = self.model.embed_tokens(bufs.input_ids), None
+        else:
+            x, residual = layers[i - 1].attention_output(bufs.o, bufs.residual, kern)
+        if i == len(layers):
+            bufs.x.copy_(x)
+        else:
+            rope = kern.rope_prepare(bufs.positions, x.dtype)
+            q, k, v, residual = layers[i].attention_input(x, residual, rope, kern)
+            bufs.q.copy_(q)
+            bufs.k.copy_(k)
+            bufs.v.copy_(v)
+        if residual.data_ptr() != bufs.residual.data_ptr():  # (fused kernels add into the buffer in place)
+            bufs.residual.copy_(residual)
+
+    def logits_of(self, x, residual, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The last residual add and norm, the output head: logits at
+        `fb.logits_indices` and hidden states at `fb.hidden_indices`."""
+        kern = self.kernels
         norm = self.model.norm
 
         def final(idx):  # the last residual add and norm, for the rows that need them only

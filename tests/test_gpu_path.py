@@ -292,6 +292,16 @@ def assert_greedy_within_bf16_noise(path, prompts, outputs, what):
                          f"(gaps {gap[bad].tolist()}, bf16 noise {noise[bad].tolist()})")
 
 
+def assert_agree_or_within_bf16_noise(path, prompts, a, b, name_a, name_b):
+    """Two paths' greedy tokens `a`, `b` for `prompts`: equal, or for each
+    prompt where they part, both within bf16 noise of float32 transformers."""
+    differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if differ:
+        pick = [prompts[i] for i in differ]
+        assert_greedy_within_bf16_noise(path, pick, [a[i] for i in differ], name_a)
+        assert_greedy_within_bf16_noise(path, pick, [b[i] for i in differ], name_b)
+
+
 @pytest.mark.gpu
 def test_gpu_flashinfer_equals_torch_backend(ckpt_factory):
     """Greedy tokens of flashinfer (fused kernels, CUDA graphs) and of the
@@ -308,11 +318,7 @@ def test_gpu_flashinfer_equals_torch_backend(ckpt_factory):
     for _ in range(2):  # the second pass hits the radix cache
         a, b = tokens(fi, prompts, 24), tokens(ref, prompts, 24)
         print(f"flashinfer and torch agree on {sum(x == y for x, y in zip(a, b))} of {len(prompts)} rows")
-        differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-        if differ:
-            pick = [prompts[i] for i in differ]
-            assert_greedy_within_bf16_noise(path, pick, [a[i] for i in differ], "flashinfer")
-            assert_greedy_within_bf16_noise(path, pick, [b[i] for i in differ], "torch")
+        assert_agree_or_within_bf16_noise(path, prompts, a, b, "flashinfer", "torch")
     assert fi.engine.runner.graphs.replays > 0
 
 
@@ -349,11 +355,7 @@ def test_gpu_mixed_step_graphs_equal_eager(ckpt_factory):
     assert pieces.engine.runner.mixed_graphs is not None and pieces.engine.runner.mixed_graphs.capture_graphs
     for _ in range(2):  # the second pass hits the radix cache
         a, b = tokens(eager, prompts, 16), tokens(pieces, prompts, 16)
-        differ = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
-        if differ:
-            pick = [prompts[i] for i in differ]
-            assert_greedy_within_bf16_noise(path, pick, [a[i] for i in differ], "eager")
-            assert_greedy_within_bf16_noise(path, pick, [b[i] for i in differ], "mixed-step graphs")
+        assert_agree_or_within_bf16_noise(path, prompts, a, b, "eager", "mixed-step graphs")
     assert pieces.engine.runner.mixed_graphs.replays > 0
 
 
@@ -376,12 +378,9 @@ def test_gpu_speculation_equals_plain_decoding(ckpt_factory, spec):
     llm = LLM(path, speculative=spec, spec_length="fixed:3", **extra, **kw)
     got = tokens(llm, prompts, 24)
     assert llm.engine.stats().policy.get("spec_draft_tokens", 0) > 0
-    differ = [i for i, (x, y) in enumerate(zip(got, plain)) if x != y]
-    print(f"{spec}: speculation and plain decoding agree on {len(prompts) - len(differ)} of {len(prompts)} rows")
-    if differ:
-        pick = [prompts[i] for i in differ]
-        assert_greedy_within_bf16_noise(path, pick, [got[i] for i in differ], spec)
-        assert_greedy_within_bf16_noise(path, pick, [plain[i] for i in differ], "plain")
+    print(f"{spec}: speculation and plain decoding agree on {sum(x == y for x, y in zip(got, plain))} of "
+          f"{len(prompts)} rows")
+    assert_agree_or_within_bf16_noise(path, prompts, got, plain, spec, "plain")
     llm.engine.kv_report()
 
 

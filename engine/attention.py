@@ -20,9 +20,11 @@ class AttentionBackend(Protocol):
     def prepare(self, fb: ForwardBatch) -> None: ...
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D].
+        """q [T, Hq, D], k/v [T, Hkv, D] for this step's tokens -> [T, Hq, D]
+        (into `out` where given: a static buffer of `MixedGraphs`).
 
         Writes k/v into the pool at `fb.out_slots` first.
         """
@@ -121,17 +123,18 @@ class TorchAttention:
                 masks.append(kpos <= qpos)
         self._extend_masks = masks
 
-    def forward(self, layer, q, k, v, fb):
+    def forward(self, layer, q, k, v, fb, out=None):
         k_buf, v_buf = self.pool.k_buffers[layer], self.pool.v_buffers[layer]
         nd = fb.num_decode
         if self.kernel is not None and k.dtype == k_buf.dtype and v.dtype == v_buf.dtype:
             self.kernel.store_kv(k_buf, v_buf, fb.out_slots, k, v)  # one native call for both
-            if nd == q.shape[0]:  # decode-shaped queries only (no chunk, no padding): the kernel's output is it
+            if nd == q.shape[0] and out is None:  # decode-shaped queries only: the kernel's output is it
                 return self.kernel.paged_decode(q.contiguous(), k_buf, v_buf, fb.req_to_token, fb.decode_rows,
                                                 fb.decode_kv_lens, self.scale)
         else:
             self.pool.write(layer, fb.out_slots, k, v)
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         if fb.num_padding:
             out[-fb.num_padding :].zero_()  # belongs to no row; keep it finite
         if nd and self.kernel is not None:

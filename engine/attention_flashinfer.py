@@ -237,12 +237,13 @@ class FlashInferAttention:
         self._plans_done()
 
     # -- per layer ----------------------------------------------------------------
-    def forward(self, layer, q, k, v, fb):
+    def forward(self, layer, q, k, v, fb, out=None):
         self.pool.write(layer, fb.out_slots, k, v)
         kv = self._kv[layer]
         # q may be a strided view of the qkv projection (fused rotary works in place there):
         # flashinfer's kernels take a query's row and head strides, so it is not copied
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         nd = fb.num_decode
         if nd:
             self._active.run(q[:nd], kv, out=out[:nd])

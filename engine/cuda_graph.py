@@ -263,7 +263,7 @@ class MixedGraphs:
             else:
                 self.model.forward_piece(i, bufs)
             if i < self.num_pieces - 1:
-                bufs.o.copy_(forward(i, bufs.q, bufs.k, bufs.v, fb))
+                forward(i, bufs.q, bufs.k, bufs.v, fb, out=bufs.o)
         self.replays += 1
         logits, _ = self.model.logits_of(bufs.x, bufs.residual, fb)
         return logits

@@ -36,6 +36,7 @@ reaps it and reports the death.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing
 import operator
@@ -235,6 +236,21 @@ def _exit_status(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def freeze_heap() -> None:
+    """Moves every object alive now out of the cyclic garbage collector's
+    reach (`gc.freeze`), after one last collection: for a process whose
+    start-up objects (torch, transformers, the model, the app) live as long as
+    it does. Python's full collections walk every tracked object: with the
+    engine loaded that is ~215,000 objects and a 93-98 ms pause, which came
+    once in 4.4 s of generating at batch 64 (measured in-process on the
+    embedded model), a stall of every stream in flight. Frozen, they are not
+    walked again. Not for a process that makes and drops engines (an `LLM`
+    in a user's program, the tests): an engine dropped after the freeze is
+    never collected if it holds a reference cycle."""
+    gc.collect()
+    gc.freeze()
+
+
 def _child_main(config: EngineConfig, conn, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -246,6 +262,7 @@ def _child_main(config: EngineConfig, conn, log_level: int) -> None:
     except BaseException:
         conn.send(EngineFailed(traceback.format_exc()))
         return
+    freeze_heap()
     conn.send(EngineReady(engine.info()))
     owed_ids: set[str] = set()  # requests whose prompt the parent sent as text alone: it lacks their ids
 

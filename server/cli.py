@@ -81,6 +81,7 @@ def run_serve(args) -> int:
 
     from stepserve.cli import engine_config
     from stepserve.engine.async_engine import AsyncEngine
+    from stepserve.engine.engine_process import freeze_heap
     from stepserve.server.app import create_app
     from stepserve.server.serving import ServerSettings
 
@@ -118,6 +119,7 @@ def run_serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     log.info("serving %s on http://%s:%d", settings.served_model_name, args.host, args.port)
+    freeze_heap()  # the front end's (and with --engine-thread the engine's) start-up objects live as long as it
     server = Server(config)
     try:
         server.run()

@@ -674,34 +674,87 @@ def apply_sampling_transforms(
     """
     s = x / temperature[:, None]
     V = s.shape[-1]
-    if top_k is not None or top_p is not None:
-        if top_p is not None or max_top_k <= 0:
-            sorted_vals = s.sort(dim=-1, descending=True).values
-        else:
-            sorted_vals = s.topk(min(max_top_k, V), dim=-1).values
-        if top_k is not None:
-            kk = (top_k.clamp(1, sorted_vals.shape[-1]) - 1)[:, None]
-            kth = sorted_vals.gather(1, kk)
-            # rows with top-k off carry k >= V (and ``sorted_vals`` may hold only
-            # max_top_k columns): their threshold is -inf, nothing dropped
-            kth = kth.masked_fill(top_k[:, None] >= V, -math.inf)
-            s = s.masked_fill(s < kth, -math.inf)
-            if top_p is not None:
-                sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, -math.inf)
-        if top_p is not None:
-            probs = sorted_vals.softmax(dim=-1)
-            cum = probs.cumsum(dim=-1)
-            # exclusive cumsum: keep sorted position i iff mass before it < top_p
-            cum_excl = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
-            n_keep = (cum_excl < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
-            cutoff = sorted_vals.gather(1, n_keep - 1)
-            cutoff = torch.where(top_p[:, None] < 1.0, cutoff, torch.full_like(cutoff, -math.inf))
-            s = s.masked_fill(s < cutoff, -math.inf)
+    if top_p is not None:
+        s = _top_k_top_p(s, top_k, top_p)
+    elif top_k is not None:
+        sorted_vals = s.topk(min(max_top_k, V), dim=-1).values if max_top_k > 0 else s.sort(dim=-1, descending=True).values
+        s = s.masked_fill(s < _kth(sorted_vals, top_k, V), -math.inf)
     if min_p is not None:
         # p_i < min_p * p_max  <=>  s_i < s_max + log(min_p)   (log 0 = -inf: no-op)
         thr = s.amax(dim=-1, keepdim=True) + torch.log(min_p)[:, None]
         s = s.masked_fill(s < thr, -math.inf)
     return s
+
+
+TOP_P_CANDIDATES = 256  # the sorted candidates top-p looks at before it sorts a whole row
+
+
+def _kth(sorted_vals: Tensor, top_k: Tensor, V: int) -> Tensor:
+    """Each row's top-k threshold [N, 1] from its values sorted descending
+    (all V of them, or at least its k); -inf where top-k is off (k >= V)."""
+    kk = (top_k.clamp(1, sorted_vals.shape[-1]) - 1)[:, None]
+    return sorted_vals.gather(1, kk).masked_fill(top_k[:, None] >= V, -math.inf)
+
+
+def _nucleus_cutoff(sorted_vals: Tensor, probs: Tensor, top_p: Tensor) -> tuple[Tensor, Tensor]:
+    """(the top-p threshold [N, 1], how many sorted positions it keeps
+    [N, 1]) from values sorted descending and their probabilities: position
+    i is kept iff the mass before it is under top_p; -inf where top_p >= 1."""
+    cum = probs.cumsum(dim=-1)
+    cum_excl = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+    n_keep = (cum_excl < top_p[:, None]).sum(dim=-1, keepdim=True).clamp_(min=1)
+    cutoff = sorted_vals.gather(1, n_keep - 1)
+    return torch.where(top_p[:, None] < 1.0, cutoff, torch.full_like(cutoff, -math.inf)), n_keep
+
+
+def _top_k_top_p_sorted(s: Tensor, top_k: Optional[Tensor], top_p: Tensor) -> Tensor:
+    """Top-k (if given), then top-p over whole rows sorted."""
+    V = s.shape[-1]
+    sorted_vals = s.sort(dim=-1, descending=True).values
+    if top_k is not None:
+        kth = _kth(sorted_vals, top_k, V)
+        s = s.masked_fill(s < kth, -math.inf)
+        sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, -math.inf)
+    cutoff, _ = _nucleus_cutoff(sorted_vals, sorted_vals.softmax(dim=-1), top_p)
+    return s.masked_fill(s < cutoff, -math.inf)
+
+
+def _top_k_top_p(s: Tensor, top_k: Optional[Tensor], top_p: Tensor) -> Tensor:
+    """Top-k, then top-p, without sorting whole rows where it can: each row's
+    `TOP_P_CANDIDATES` largest values (`topk`: 5x less than a sort of 256
+    rows of 4,096, 15x of 32,000, on the CPU) settle its nucleus when the
+    nucleus ends inside them, with its probabilities over the whole row (or
+    over its top k, which the candidates then hold: k <= the candidates and
+    the last candidate below the k-th value, ties included). The other rows
+    (flat distributions, a large k) are sorted whole. Which way a row goes
+    depends on the row alone, so a row's result does not depend on its
+    batch; the two ways keep the same tokens but for rounding of the
+    cumulative mass at the cutoff."""
+    N, V = s.shape
+    K = min(V, TOP_P_CANDIDATES)
+    if K >= V or N == 0:
+        return _top_k_top_p_sorted(s, top_k, top_p)
+    cand = s.topk(K, dim=-1).values  # sorted descending
+    m = cand[:, :1]
+    if top_k is not None:
+        kth = _kth(cand, top_k, V)
+        k_on = top_k[:, None] < V
+        settled = ~k_on | ((top_k[:, None] <= K) & (cand[:, -1:] < kth))
+        cand = cand.masked_fill(cand < kth, -math.inf)
+        # the mass over the row's top k (all among the candidates where settled), or over the whole row
+        denom = torch.where(k_on, torch.exp(cand - m).sum(-1, keepdim=True), torch.exp(s - m).sum(-1, keepdim=True))
+    else:
+        kth, settled = None, torch.ones_like(m, dtype=torch.bool)
+        denom = torch.exp(s - m).sum(-1, keepdim=True)
+    cutoff, n_keep = _nucleus_cutoff(cand, torch.exp(cand - m) / denom, top_p)
+    settled &= (n_keep < K) | (top_p[:, None] >= 1.0)  # the first position past the nucleus is a candidate
+    out = s if kth is None else s.masked_fill(s < kth, -math.inf)
+    out = out.masked_fill(out < cutoff, -math.inf)
+    rest = (~settled).flatten().nonzero().flatten()
+    if rest.numel():
+        out.index_copy_(0, rest, _top_k_top_p_sorted(s.index_select(0, rest), None if top_k is None else
+                                                     top_k.index_select(0, rest), top_p.index_select(0, rest)))
+    return out
 
 
 # ----------------------------------------------------------------------------

@@ -444,6 +444,56 @@ def test_top_p_never_outside_nucleus():
         assert toks[i] in nucleus
 
 
+def _nucleus_reference(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The tokens top-k then top-p keep, in float64, row by row: a whole sort."""
+    z = logits / temperature
+    order = np.argsort(-z, kind="stable")
+    keep = np.zeros(len(z), dtype=bool)
+    k = len(z) if top_k <= 0 else min(top_k, len(z))
+    kth = z[order[k - 1]]
+    allowed = z >= kth
+    p = np.exp(z - z.max()) * allowed
+    p /= p.sum()
+    ranked = order[allowed[order]]
+    before = np.concatenate([[0.0], np.cumsum(p[ranked])[:-1]])
+    n = max(1, int((before < top_p).sum())) if top_p < 1.0 else len(ranked)
+    keep[z >= z[ranked[n - 1]]] = True
+    return keep & allowed
+
+
+@pytest.mark.parametrize("candidates", [64, 256])
+def test_top_p_from_candidates_keeps_the_whole_sorts_tokens(monkeypatch, candidates):
+    """Top-p settles a row from its largest few values (`TOP_P_CANDIDATES`)
+    where its nucleus ends among them, and sorts the row whole otherwise:
+    peaked and flat rows, top-k off, small, larger than the candidates and the
+    vocabulary, top-p from 0.3 to 1. Every row keeps the tokens a float64
+    reference keeps, both ways are taken, and a row's result is the same
+    bits alone as in the batch."""
+    import stepserve.engine.sampler as sampler_mod
+
+    monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", candidates)
+    rng = np.random.default_rng(7)
+    R, Vb = 480, 1000
+    logits = (rng.standard_normal((R, Vb)) * rng.choice([0.3, 2.0, 6.0], R)[:, None]).astype(np.float32)
+    temps = rng.choice([0.5, 1.0, 1.3], R)
+    ks = rng.choice([0, 3, 40, candidates - 1, candidates + 50, Vb], R)
+    ps = rng.choice([0.3, 0.8, 0.95, 0.999, 1.0], R)
+    x = torch.from_numpy(logits)
+    args = (torch.tensor(temps, dtype=torch.float32), torch.tensor(np.where(ks > 0, ks, Vb)),
+            torch.tensor(ps, dtype=torch.float32))
+    sorted_rows = []
+    real = sampler_mod._top_k_top_p_sorted
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted", lambda s, *a: sorted_rows.append(s.shape[0]) or real(s, *a))
+    out = apply_sampling_transforms(x, args[0], args[1], args[2], None)
+    assert 0 < sorted_rows[0] < R  # some rows settled from their candidates, the others sorted whole
+    for i in range(R):
+        want = _nucleus_reference(logits[i].astype(np.float64), float(np.float32(temps[i])), int(ks[i]), float(np.float32(ps[i])))
+        assert np.array_equal(torch.isfinite(out[i]).numpy(), want), i
+    for i in (0, 1, 2, 100):
+        alone = apply_sampling_transforms(x[i : i + 1], args[0][i : i + 1], args[1][i : i + 1], args[2][i : i + 1], None)
+        assert torch.equal(alone[0], out[i])
+
+
 def test_min_p_never_below_threshold():
     R, Vb = 600, 64
     logits = _random_logits(R, Vb, 5)

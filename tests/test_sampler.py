@@ -464,11 +464,11 @@ def _nucleus_reference(logits: np.ndarray, temperature: float, top_k: int, top_p
 @pytest.mark.parametrize("candidates", [64, 256])
 def test_top_p_from_candidates_keeps_the_whole_sorts_tokens(monkeypatch, candidates):
     """Top-p settles a row from its largest few values (`TOP_P_CANDIDATES`)
-    where its nucleus ends among them, and sorts the row whole otherwise:
-    peaked and flat rows, top-k off, small, larger than the candidates and the
-    vocabulary, top-p from 0.3 to 1. Every row keeps the tokens a float64
-    reference keeps, both ways are taken, and a row's result is the same
-    bits alone as in the batch."""
+    where its nucleus ends among them, else from 4x as many (and so on), and
+    sorts the row whole once that reaches the vocabulary: peaked and flat rows, top-k off, small, larger than
+    the candidates and the vocabulary, top-p from 0.3 to 1. Every row keeps
+    the tokens a float64 reference keeps, each way is taken, and a row's
+    result is the same bits alone as in the batch."""
     import stepserve.engine.sampler as sampler_mod
 
     monkeypatch.setattr(sampler_mod, "TOP_P_CANDIDATES", candidates)
@@ -481,11 +481,18 @@ def test_top_p_from_candidates_keeps_the_whole_sorts_tokens(monkeypatch, candida
     x = torch.from_numpy(logits)
     args = (torch.tensor(temps, dtype=torch.float32), torch.tensor(np.where(ks > 0, ks, Vb)),
             torch.tensor(ps, dtype=torch.float32))
-    sorted_rows = []
-    real = sampler_mod._top_k_top_p_sorted
-    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted", lambda s, *a: sorted_rows.append(s.shape[0]) or real(s, *a))
+    calls = []  # (candidates, rows) of each way taken
+    real, real_sorted = sampler_mod._top_k_top_p, sampler_mod._top_k_top_p_sorted
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p", lambda s, k, p, c=0: calls.append((c, s.shape[0])) or real(s, k, p, c))
+    monkeypatch.setattr(sampler_mod, "_top_k_top_p_sorted", lambda s, *a: calls.append((None, s.shape[0])) or real_sorted(s, *a))
     out = apply_sampling_transforms(x, args[0], args[1], args[2], None)
-    assert 0 < sorted_rows[0] < R  # some rows settled from their candidates, the others sorted whole
+    # every row from the candidates, fewer from 4x as many (and so on), the rest sorted whole once 4x reaches
+    # the vocabulary (of 1,000 here)
+    ways, rows = [c for c, _ in calls], [n for _, n in calls]
+    if candidates == 64:
+        assert ways == [0, 256, 1024, None] and R == rows[0] > rows[1] > rows[2] == rows[3] > 0
+    else:
+        assert ways == [0, 1024, None] and R == rows[0] > rows[1] == rows[2] > 0
     for i in range(R):
         want = _nucleus_reference(logits[i].astype(np.float64), float(np.float32(temps[i])), int(ks[i]), float(np.float32(ps[i])))
         assert np.array_equal(torch.isfinite(out[i]).numpy(), want), i

@@ -17,7 +17,6 @@ is how the CPU test suite checks this module against the eager path.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -178,9 +177,12 @@ class MixedGraphs:
     on a GPU host that took ~8-10 ms for a 28-layer 1.5B model (an H200's
     host, session 31's step log), against ~2 ms for a graphed decode step.
 
-    The step's tokens are padded to the bucket (id 0 at position 0, written to
-    the padding slot 0; the attention zeroes their outputs). The output head
-    runs after the last piece, eagerly, on the rows that need logits.
+    The pieces run the bucket's token count, the step's tokens first and
+    padding after (id 0 at position 0); the attention runs on the step's own
+    tokens only, so the padding rows write no KV and carry whatever the output
+    buffer holds, which no other row reads (every piece works row by row).
+    The output head runs after the last piece, eagerly, on the rows that need
+    logits.
     Without capture (`capture=False`, the CPU) the same buffers, padding and
     pieces run eagerly: that is how the CPU tests check this against the
     plain forward."""
@@ -252,26 +254,18 @@ class MixedGraphs:
         if t > n:
             full["input_ids"][n:t].zero_()
             full["positions"][n:t].zero_()
-            fb = _padded(fb, t - n)
         bufs = PieceBuffers(full, t)
         self.backend.prepare(fb)
         graphs = self.graphs.get(t) if self.capture_graphs else None
         forward = self.backend.forward
+        q, k, v, o = bufs.q[:n], bufs.k[:n], bufs.v[:n], bufs.o[:n]  # the step's own tokens
         for i in range(self.num_pieces):
             if graphs is not None:
                 graphs[i].replay()
             else:
                 self.model.forward_piece(i, bufs)
             if i < self.num_pieces - 1:
-                forward(i, bufs.q, bufs.k, bufs.v, fb, out=bufs.o)
+                forward(i, q, k, v, fb, out=o)
         self.replays += 1
         logits, _ = self.model.logits_of(bufs.x, bufs.residual, fb)
         return logits
-
-
-def _padded(fb: ForwardBatch, pad: int) -> ForwardBatch:
-    """`fb` with `pad` more padding tokens (id 0, position 0, slot 0) at its end."""
-    z = torch.zeros(pad, dtype=torch.long, device=fb.input_ids.device)
-    return dataclasses.replace(
-        fb, input_ids=torch.cat([fb.input_ids, z]), positions=torch.cat([fb.positions, z]),
-        out_slots=torch.cat([fb.out_slots, z.to(fb.out_slots.device)]), num_padding=fb.num_padding + pad)

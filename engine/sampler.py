@@ -727,9 +727,10 @@ def _top_k_top_p(s: Tensor, top_k: Optional[Tensor], top_p: Tensor, candidates: 
     over its top k, which the candidates then hold: k <= the candidates and
     the last candidate below the k-th value, ties included). The other rows
     (flatter distributions, a larger k) try 4x as many candidates, and so
-    on, until that reaches the row's length and the row is sorted whole. Which way a row goes depends on the row alone, so a row's
-    result does not depend on its batch; the ways keep the same tokens but
-    for rounding of the cumulative mass at the cutoff."""
+    on, until that reaches the row's length and the row is sorted whole.
+    Which way a row goes depends on the row alone, so a row's result does
+    not depend on its batch; the ways keep the same tokens but for rounding
+    of the cumulative mass at the cutoff."""
     N, V = s.shape
     K = min(V, candidates or TOP_P_CANDIDATES)
     if K >= V or N == 0:

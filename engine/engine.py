@@ -363,8 +363,7 @@ class Engine:
             dcfg, dmodel = draft
             dpool = TokenKVPool(kv_slots + 1, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, self.dtype,
                                 self.device)
-            proposer = DraftModelProposer(dmodel, self._attention(dpool, dcfg, dmodel), dpool, self.req_pool, self.device,
-                                          pad_tokens=self.device.type == "cpu" and self.dtype == torch.bfloat16)
+            proposer = DraftModelProposer(dmodel, self._attention(dpool, dcfg, dmodel), dpool, self.req_pool, self.device)
         graphs = mixed = None
         if isinstance(backend, FlashInferAttention) and not config.enforce_eager:
             graphs = DecodeGraphs(self.model, backend, self.req_pool.table, config.max_running)

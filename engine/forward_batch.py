@@ -93,8 +93,10 @@ def logits_rows(n: int, padded: bool) -> int:
 
 
 def token_bucket(n: int) -> int:
-    """Token count rounded up to one of ~50 shapes: multiples of 8 up to 64,
-    of 16 up to 256, of 64 beyond (CPU bf16 matmuls build a kernel per shape:
-    the model runner and the draft model pad their batches to these)."""
-    step = 8 if n <= 64 else 16 if n <= 256 else 64
+    """Token count rounded up to one of ~50 shapes up to 2,048: multiples of 8
+    up to 64, of 16 up to 256, of 64 up to 2,048, and beyond, 16 per doubling
+    (CPU bf16 matmuls build a kernel per shape, and oneDNN keeps the last
+    1,024: a bf16 model's runner and draft pad their batches to these, and a
+    float32 model's bf16 products of many rows their rows, `SmallBatchLinear`)."""
+    step = 8 if n <= 64 else 16 if n <= 256 else 64 if n <= 2048 else 1 << (n.bit_length() - 5)
     return -(-n // step) * step

@@ -112,12 +112,9 @@ class ModelRunner:
         self.mixed_graphs = mixed_graphs  # MixedGraphs: other steps replay graphs between eager attention calls
         self.penalty_counts: PenaltyCounts | None = None  # made when a sequence first samples with penalties
         self.vocab_size = model.config.vocab_size
-        # bf16 matmuls on CPU (oneDNN) build a kernel per input shape on first
-        # sight (~1 ms per matmul, measured); the step's token count changes
-        # every step, so it is padded to a small set of shapes. float32 (MKL)
-        # has no such cost, and CUDA graphs bring their own buckets.
-        dtype = next(model.parameters()).dtype
-        self.pad_tokens = device.type == "cpu" and dtype == torch.bfloat16
+        # bf16 products on the CPU build a kernel per row count: the steps from this many tokens are padded to a
+        # bucket (`LlamaForCausalLM.pads_from`; None: never. CUDA graphs bring their own buckets)
+        self.pads_from = model.pads_from()
         # a step whose forward shape is new pays one-off work on top, and says so (`StepOutput.cold`), and so
         # does a step whose draft forwards ran a new shape (`Proposer.cold`), so that what is priced from step
         # times leaves it out
@@ -169,7 +166,7 @@ class ModelRunner:
             last_index.append(len(ids) - 1)
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
         real = len(ids)
-        pad = token_bucket(real) - real if self.pad_tokens else 0
+        pad = token_bucket(real) - real if self.pads_from is not None and real >= self.pads_from else 0
         if pad:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
@@ -198,7 +195,7 @@ class ModelRunner:
             logits_indices=logits_indices,
             hidden_indices=hidden_indices if prompt_rows else None,
             num_padding=pad,
-            pad_logits=self.pad_tokens,
+            pad_logits=self.pads_from is not None and len(sampled) >= self.pads_from,
         ), prompt_rows
 
     def run(self, plan: StepPlan, features=None) -> StepOutput:

@@ -255,7 +255,7 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, model, backend, pool, req_pool, device: torch.device, pad_tokens: bool = False):
+    def __init__(self, model, backend, pool, req_pool, device: torch.device):
         self.model = model
         self.backend = backend
         self.pool = pool
@@ -265,7 +265,7 @@ class DraftModelProposer:
         # on the host, with the slots and the req->token table it is read through (`kvcache/pool.py`)
         self._valid = torch.zeros(pool.num_slots, dtype=torch.bool)
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
-        self.pad_tokens = pad_tokens
+        self.pads_from = model.pads_from()  # forwards of this many tokens are padded to a bucket (None: never)
         self.forwards = 0  # draft forward passes run
         self.shapes = ShapeLog()  # the draft's forward shapes (`cold`: the last `propose` ran a new one)
         self.cold = False
@@ -378,7 +378,7 @@ class DraftModelProposer:
         ids, pos, tok_rows, last = _flatten(entries, dec + ext)
         nd = sum(len(entries[k][2]) for k in dec)  # decode-shaped queries, first
         n = len(ids)
-        pad = token_bucket(n) - n if self.pad_tokens else 0
+        pad = token_bucket(n) - n if self.pads_from is not None and n >= self.pads_from else 0
         # padding: id 0 at position 0 of row 0, written to the padding slot
         zeros = [0] * pad
         positions = torch.tensor(pos + zeros, dtype=torch.long)
@@ -404,7 +404,7 @@ class DraftModelProposer:
             extend_rows=extend_meta,
             logits_indices=logits_indices,
             num_padding=pad,
-            pad_logits=self.pad_tokens,
+            pad_logits=self.pads_from is not None and len(last) >= self.pads_from,
         )
         self.cold |= self.shapes.first_run(fb)
         logits, _ = self.model(fb, self.backend)

@@ -131,3 +131,61 @@ def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckp
     assert abs(big.num_parameters() - 1_100_048_384) < 1e6  # its weights, norms left out
     assert resolve_dtype("auto", big, cpu) == (torch.bfloat16 if cpu_features.has_bf16_matmul() else torch.float32)
     assert not bf16_large_steps("auto", big, cpu)
+
+
+def test_bf16_products_of_many_rows_run_on_bucketed_row_counts(ckpt_factory, monkeypatch):
+    """oneDNN builds a bf16 product's kernel per row count: a float32 model
+    with bf16 products past SMALL_M rows pads those forwards' tokens (and
+    their output head's rows) to a `token_bucket`, so every bf16 product runs
+    on a bucketed row count, while forwards of up to SMALL_M tokens stay
+    unpadded (the native panels take any count). A padded step's logits are
+    the unpadded forward's within bf16 rounding, and its generations are
+    complete."""
+    import dataclasses
+
+    import stepserve.engine.models.llama as llama
+    from stepserve.engine.forward_batch import logits_rows, token_bucket
+
+    path = ckpt_factory("qwen2", dtype=torch.bfloat16)
+    llm = LLM(path, device="cpu", max_batched_tokens=96)
+    runner = llm.engine.runner
+    if not llm.engine.bf16_large_steps:
+        assert runner.pads_from is None  # float32 throughout: MKL builds nothing per shape, nothing is padded
+        pytest.skip("no bf16 products on this CPU")
+    assert runner.pads_from == llama.SMALL_M + 1
+    assert [token_bucket(m) for m in (33, 64, 65, 250, 257, 2048, 2049, 5000)] == [40, 64, 80, 256, 320, 2048, 2176, 5120]
+    model = llm.engine.model
+    rows, steps, bare_run = [], [], []
+    product = llama.packed_linear
+
+    def spy_product(x, w, b):
+        if not bare_run:
+            rows.append(x.shape[0])
+        return product(x, w, b)
+
+    forward = model.forward_planned
+
+    def spy(fb, backend):
+        logits, hidden = forward(fb, backend)
+        real = fb.input_ids.numel() - fb.num_padding
+        steps.append((real, fb.num_padding, fb.logits_indices.numel(), fb.pad_logits))
+        if fb.num_padding or fb.pad_logits:  # the same forward unpadded (the same KV written again)
+            bare = dataclasses.replace(fb, input_ids=fb.input_ids[:real], positions=fb.positions[:real],
+                                       out_slots=fb.out_slots[:real], num_padding=0, pad_logits=False)
+            bare_run.append(True)
+            again, _ = forward(bare, backend)
+            bare_run.clear()
+            torch.testing.assert_close(logits, again, rtol=2e-2, atol=2e-2)
+        return logits, hidden
+
+    monkeypatch.setattr(llama, "packed_linear", spy_product)
+    model.forward_planned = spy
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 380, (n,), generator=g).tolist() for n in (37, 45, 70, 9, 5)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 40 for o in outs)
+    assert rows and all(token_bucket(m) == m for m in rows), sorted(set(rows))  # every bf16 product on a bucket
+    assert any(pad for _, pad, _, _ in steps)  # some steps padded
+    for real, pad, logits_n, pad_logits in steps:
+        assert (real + pad == token_bucket(real)) if real > llama.SMALL_M else not pad
+        assert pad_logits == (logits_n > llama.SMALL_M) and logits_rows(logits_n, pad_logits) >= logits_n

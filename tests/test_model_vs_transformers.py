@@ -393,7 +393,7 @@ def test_padded_output_head_rows_change_no_logits(ckpt_factory):
     path = ckpt_factory("qwen3", dtype=torch.bfloat16)
     llm = LLM(path, dtype="bfloat16", device="cpu", speculative="ngram", spec_length="fixed:3")
     model = llm.engine.model
-    assert llm.engine.runner.pad_tokens
+    assert llm.engine.runner.pads_from == 1
     forward, head = model.forward_planned, model.compute_logits
     head_rows, steps = [], []
 

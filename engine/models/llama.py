@@ -465,6 +465,22 @@ class LlamaForCausalLM(nn.Module):
         self._native_decode: tuple | None = None  # (native module, its weight lists): `use_cpu_kernels`
         self._native_args: tuple | None = None  # (backend, `_native_model_args` for it)
 
+    def pads_from(self) -> int | None:
+        """The token count from which a forward's tokens (and its output head's
+        rows, `logits_rows`) are padded to a `token_bucket`, or None: never.
+        On the CPU, oneDNN builds a bf16 product's kernel for each row count
+        it is first given, and keeps the last 1,024: 0.3-0.6 ms per product
+        (against 0.1 warm at 61 rows on the 2-core EPYC), so a prefill step of
+        a new token count paid 1.5-2.3 ms on top, and once a server's counts
+        outgrew the cache, paid it again and again. A bf16 model pads every
+        forward; a float32 one whose products of more than `SMALL_M` rows run
+        in bf16 (`bf16_large_steps`) pads those only (fewer run on the native
+        panels, for any count)."""
+        if self.bf16_large_steps:
+            return SMALL_M + 1
+        p = next(self.parameters())
+        return 1 if p.device.type == "cpu" and p.dtype == torch.bfloat16 else None
+
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:

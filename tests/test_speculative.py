@@ -17,6 +17,7 @@ from stepserve.engine.speculative import NgramProposer, verify_rows
 from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
+from stepserve.scheduler.sequence import Seq
 from stepserve.scheduler.speculation import (AcceptanceEstimate, DraftCostTable, ReplayedLength, SpecLengthPolicy,
                                              RowSpread, SpecLengthSpec, TRUSTED, row_bucket)
 
@@ -28,6 +29,17 @@ PROMPTS = [
     "And it came to pass, when the king heard the words of the law, that he rent his clothes. And",
 ]
 
+
+
+_SEQ_IDS = iter(range(1 << 30))
+
+
+def _spec_seq(num_output: int, remaining_tokens: int, num_tokens: int, token_ids=None, **fields) -> Seq:
+    """A running sequence for the policy tests: `num_tokens` tokens, the last
+    `num_output` of them its output, `remaining_tokens` more allowed."""
+    ids = list(token_ids) if token_ids is not None else [0] * num_tokens
+    assert len(ids) == num_tokens
+    return Seq(next(_SEQ_IDS), ids, num_tokens - num_output, num_output + remaining_tokens, 0.0, **fields)
 
 def _tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
@@ -462,7 +474,7 @@ def test_a_low_first_read_of_acceptance_does_not_stop_drafting_for_good(optimism
 def _decode_plan(n: int, start: int = 100) -> StepPlan:
     rows = []
     for i in range(n):
-        seq = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10, fork_children=[], remaining_tokens=50,
+        seq = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10, fork_children=[], remaining_tokens=50,
                               num_tokens=start + 1)
         rows.append(ScheduledRow(seq, start, 1, True))
     return StepPlan(rows=rows)  # as the policies see it: before commit, `samples` not yet frozen
@@ -573,7 +585,7 @@ def _drive_rows(pol, alphas, steps: int, seed: int = 0, base_s: float = 3.6e-3, 
     half of the steps."""
     rng = np.random.default_rng(seed)
     n = len(alphas)
-    seqs = [SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10, fork_children=[],
+    seqs = [_spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10, fork_children=[],
                             remaining_tokens=1 << 20, num_tokens=101) for _ in range(n)]
     view = EngineView(0.0, n, 0, 10_000, 10_000, 4096, 2048)
     index = {id(s): j for j, s in enumerate(seqs)}  # (namespaces compare equal by value)
@@ -681,7 +693,7 @@ def _mixed_choices(pol, busy: bool, steps: int = 40) -> list[int]:
     ks = []
     for i in range(steps):
         plan = _decode_plan(32, start=300 + i)
-        chunk = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
+        chunk = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=0, fork_children=[], remaining_tokens=50, num_tokens=0)
         plan.rows.append(ScheduledRow(chunk, 0, 1024, not busy))
         plan = pol.plan(plan, view)
         ks.append(max(r.draft_len for r in plan.rows))
@@ -736,7 +748,7 @@ def test_per_row_drafts_in_steps_with_prefill_chunks():
         r.seq.spec_tried = 200
         r.seq.spec_accepted = 190 if i % 2 == 0 else 20
     pol.spread = _spread_of([0.95, 0.1] * 100, steps=24)  # rows like these seen before
-    chunk = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=0, fork_children=[],
+    chunk = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=0, fork_children=[],
                             remaining_tokens=50, num_tokens=0)
     plan.rows.append(ScheduledRow(chunk, 0, 1024, True))  # the last of a prompt
     plan = pol.plan(plan, view)
@@ -757,8 +769,9 @@ class _History:
     speculative = True
     finished = False
     fork_children: list = []
-    remaining_tokens = 1 << 20
+    max_tokens = 1 << 20
     spec_replayed = 0
+    spec_last = -1
 
     def __init__(self, prompt: list[int]):
         self.token_ids = list(prompt)
@@ -773,6 +786,10 @@ class _History:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.max_tokens - self.num_output
 
 
 def test_ngram_matches_replay_the_lookup():
@@ -983,7 +1000,7 @@ def _lookup_plan(lasts: list[int]) -> StepPlan:
     """A decode plan whose rows' histories end in `lasts`."""
     rows = []
     for last in lasts:
-        seq = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10, fork_children=[], remaining_tokens=50,
+        seq = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10, fork_children=[], remaining_tokens=50,
                               num_tokens=101, token_ids=[0] * 100 + [last])
         rows.append(ScheduledRow(seq, 100, 1, True))
     return StepPlan(rows=rows)
@@ -1137,7 +1154,7 @@ def _drive_switching(pol, ratio, alpha: float, steps: int, switch: float = 0.0, 
     seq, drafted = None, 0
     for i in range(steps):
         if seq is None or seq.remaining_tokens < 2:
-            seq = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10,
+            seq = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=10,
                                   fork_children=[], remaining_tokens=left, num_tokens=101)
             drafted = -(1 << 20)
         plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, 100 + i, 1, True)]), view)
@@ -1154,7 +1171,7 @@ def _drive_switching(pol, ratio, alpha: float, steps: int, switch: float = 0.0, 
         catch_up = switch * min(max(i - drafted - 2, 0), 30) / 30 if k else 0.0
         wall = base_s * (ratio(k) + catch_up) * (1 + 0.02 * rng.standard_normal())
         pol.observe(plan, StepRecord(i, 1, plan.num_decode, 100 + i, plan.num_new_tokens, wall, wall, 0.0))
-        seq.remaining_tokens -= emitted
+        seq.max_tokens -= emitted  # (its tokens left, as if emitted: the sequence itself does not grow)
         tokens += emitted
         seconds += wall
         ks.append(k)
@@ -1322,7 +1339,7 @@ def test_per_row_choice_in_plain_floats_equals_numpys(monkeypatch):
         slope = float(rng.uniform(0.01, 0.8))
         for k in (1, 4):
             pol.costs.add(row_bucket(n), k, 1.0 + 0.1 * rng.random() + slope * k)
-        seqs = [SimpleNamespace(speculative=True, spec_tried=int(t), spec_accepted=int(min(a, t)), spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1,
+        seqs = [_spec_seq(speculative=True, spec_tried=int(t), spec_accepted=int(min(a, t)), spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1,
                                 num_output=10, fork_children=[], remaining_tokens=50, num_tokens=101)
                 for t, a in zip(rng.integers(0, 60, n), rng.integers(0, 60, n))]
         plan = StepPlan(rows=[ScheduledRow(q, 100, 1, True) for q in seqs])
@@ -1485,9 +1502,9 @@ def _drive_under_load(pol, cost, alpha: float, steps: int, rows: int = 160, run:
         if mixed:
             n = rows - 1
         plan = _decode_plan(n, start=300 + i)
-        plan.rows[0].seq.remaining_tokens = 2
+        plan.rows[0].seq.max_tokens = plan.rows[0].seq.num_output + 2  # two tokens left
         if mixed:
-            chunk = SimpleNamespace(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=0,
+            chunk = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0, spec_last=-1, num_output=0,
                                     fork_children=[], remaining_tokens=50, num_tokens=0)
             plan.rows.append(ScheduledRow(chunk, 0, 512, True))
         view = EngineView(0.0, len(plan.rows), 0, 100_000, 100_000, 8192, 8192)
@@ -1558,3 +1575,57 @@ def test_a_pair_from_drafting_that_a_chunk_always_breaks_is_held_back():
     late = ks[len(ks) // 2:]
     assert late.count(0) <= 0.05 * len(late), {k: late.count(k) for k in set(late)}
     assert pol.costs.count(bucket, 5) >= TRUSTED
+
+
+@pytest.mark.parametrize("per_row", [1, 0])
+def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
+    """A pure decode step's choice is remembered with what it depends on
+    (`SpecLengthPolicy._decision_key`) and reused while none of it moves:
+    at every step of a run whose batch keeps changing (requests of
+    different acceptance finishing and joining, lengths near a tie, a price
+    of starting to draft), the choice made is the one a copy of the policy
+    with nothing remembered makes."""
+    import copy
+
+    rng = np.random.default_rng(per_row)
+    pol = SpecLengthPolicy(f"adaptive:kmax=4,per_row={per_row}", explore_every=8)
+    view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
+    seqs, rates = [], []
+    compared = drafted = 0
+    for i in range(1500):
+        for j in reversed(range(len(seqs))):
+            if seqs[j].remaining_tokens < 2:
+                del seqs[j], rates[j]
+        while len(seqs) < 3 or (len(seqs) < 4 and rng.random() < 0.05):
+            rate = float(rng.choice([0.2, 0.95]))  # a request with a record of its own (a retracted one, say)
+            tried = int(rng.integers(0, 80))
+            seqs.append(_spec_seq(speculative=True, num_output=1, remaining_tokens=int(rng.integers(8, 60)),
+                                  num_tokens=101, spec_tried=tried, spec_accepted=int(rate * tried)))
+            rates.append(rate)
+        plan = StepPlan(rows=[ScheduledRow(s, s.num_tokens - 1, 1, True) for s in seqs])
+        current = {id(s) for s in seqs if s.spec_last == pol.steps}  # drafted last step: no catch-up
+        fresh, fresh_plan = copy.deepcopy((pol, plan))
+        fresh._memo = []
+        plan = pol.plan(plan, view)
+        fresh.plan(fresh_plan, view)
+        assert [r.draft_len for r in plan.rows] == [r.draft_len for r in fresh_plan.rows], i
+        compared += 1
+        plan.sort_decode_first()
+        k = 0
+        for r in plan.rows:
+            if r.draft_len:
+                r.draft = [0] * r.draft_len
+                a = rates[seqs.index(r.seq)]
+                r.num_accepted = 0
+                while r.num_accepted < r.draft_len and rng.random() < a:
+                    r.num_accepted += 1
+                k = max(k, r.draft_len)
+        drafted += k > 0
+        n = len(plan.rows)
+        first_draft = sum(id(r.seq) not in current for r in plan.rows if r.draft_len)
+        wall = 1e-3 * (1.2 + 0.25 * k + 0.3 * first_draft / n if k else 1.0) * (1 + 0.02 * rng.standard_normal())
+        pol.observe(plan, StepRecord(i, n, plan.num_decode, 100 * n, plan.num_new_tokens, wall, wall, 0.0))
+        for r in plan.rows:
+            r.seq.token_ids.extend([0] * (1 + r.num_accepted))
+    assert compared == 1500 and 0 < drafted < 1500
+    assert pol.costs.switch  # a price of starting to draft was measured, and priced in

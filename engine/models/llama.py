@@ -481,7 +481,6 @@ class LlamaForCausalLM(nn.Module):
         p = next(self.parameters())
         return 1 if p.device.type == "cpu" and p.dtype == torch.bfloat16 else None
 
-
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the batch; returns logits (float32) for `fb.logits_indices` only,

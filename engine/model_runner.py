@@ -115,6 +115,8 @@ class ModelRunner:
         # bf16 products on the CPU build a kernel per row count: the steps from this many tokens are padded to a
         # bucket (`LlamaForCausalLM.pads_from`; None: never. CUDA graphs bring their own buckets)
         self.pads_from = model.pads_from()
+        # a step of at most this many tokens runs as one native call, prompt chunks included (0: never)
+        self.fold_tokens = model.native_step_tokens(backend)
         # a step whose forward shape is new pays one-off work on top, and says so (`StepOutput.cold`), and so
         # does a step whose draft forwards ran a new shape (`Proposer.cold`), so that what is priced from step
         # times leaves it out
@@ -151,11 +153,24 @@ class ModelRunner:
                 pieces.append(r.slots[:n])
             pieces.extend(r.slots for r in rows[nd + nv :])
             out_slots = torch.cat(pieces)
-        num_dq = len(ids)  # decode-shaped queries: decode rows and every verify position
+        ext = rows[nd + nv :]
+        fold = self.fold_tokens
+        if (ext and fold and plan.samples and len(ids) + sum(r.num_new for r in ext) <= fold
+                and not any(r.seq.full_prefill for r in ext)):
+            # a step of few tokens runs as one native call: its prompt chunks as decode-shaped queries too,
+            # one per position, each reading its context through the table (the step's KV is written first,
+            # as for a verify row's drafts)
+            for r in ext:
+                ids.extend(r.seq.token_ids[r.start : r.start + r.num_new])
+                pos.extend(range(r.start, r.start + r.num_new))
+                dec_rows.extend([r.seq.row] * r.num_new)
+                last_index.append(len(ids) - 1)
+            ext = []
+        num_dq = len(ids)  # decode-shaped queries: decode rows, every verify position, folded prompt chunks
         extend_meta = []
         table = self.req_pool.table
         prompt_rows = []
-        for r in rows[nd + nv :]:
+        for r in ext:
             first = len(ids)
             if r.seq.full_prefill:  # positions p < prompt_len - 1 score the prompt token at p + 1
                 k = min(r.start + r.num_new, r.seq.prompt_len - 1) - r.start

@@ -66,7 +66,8 @@ from stepserve.scheduler.speculation import PROPOSERS
 # per token, in the batched decode attention) rather than as an extend row (an
 # attention call per row and layer: at batch 64 with fixed:1, 3,500 calls made
 # 30% of the step's time on the 2-core CPU). Each query reads its whole context,
-# so a long entry (an unseen prompt) stays an extend row.
+# so a long entry (an unseen prompt) stays an extend row, except in a forward
+# of few enough tokens to run as one native call (`native_step_tokens`).
 DECODE_SHAPED_MAX = 16
 
 
@@ -351,7 +352,7 @@ class DraftModelProposer:
         if self.device.type != "cpu" or not all(r.seq.plain_greedy for r in rows):
             return False
         n = sum(len(e[2]) for e in entries)
-        if any(len(e[2]) > DECODE_SHAPED_MAX for e in entries) or not self.model.native_greedy_steps_ok(n, self.backend):
+        if not self.model.native_greedy_steps_ok(n, self.backend):  # (any entry: every query is decode-shaped)
             return False
         ids, pos, tok_rows, last = _flatten(entries, range(len(entries)))
         steps = [r.draft_len for r in rows]
@@ -371,10 +372,15 @@ class DraftModelProposer:
         catching up on the tokens its last verify accepted) runs as that many
         decode-shaped queries, each reading its context through the table, as
         a verify row does in the target; only a longer one (a prompt the draft
-        has not seen) runs as an extend row, one attention call of its own."""
+        has not seen) runs as an extend row, one attention call of its own,
+        unless the whole forward is few enough tokens to run as one native
+        call (`native_step_tokens`), where every entry is decode-shaped."""
         dev = self.device
-        dec = [k for k, e in enumerate(entries) if len(e[2]) <= DECODE_SHAPED_MAX]
-        ext = [k for k, e in enumerate(entries) if len(e[2]) > DECODE_SHAPED_MAX]
+        short = DECODE_SHAPED_MAX
+        if sum(len(e[2]) for e in entries) <= self.model.native_step_tokens(self.backend):
+            short = 1 << 62  # one native call: every entry decode-shaped
+        dec = [k for k, e in enumerate(entries) if len(e[2]) <= short]
+        ext = [k for k, e in enumerate(entries) if len(e[2]) > short]
         ids, pos, tok_rows, last = _flatten(entries, dec + ext)
         nd = sum(len(entries[k][2]) for k in dec)  # decode-shaped queries, first
         n = len(ids)

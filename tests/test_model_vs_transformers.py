@@ -367,6 +367,63 @@ def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
     _fast_matches_torch_path(path, prompts, params, fast, plain)
 
 
+def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monkeypatch):
+    """A step of at most SMALL_M tokens runs as one native call with its
+    prompt chunks too, each chunk's tokens as decode-shaped queries (a short
+    prompt, a suffix past a radix-cache hit, a prompt beside decode rows):
+    such steps generate transformers' greedy tokens, with logprobs within
+    float rounding of the layer-by-layer forward (STEPSERVE_NATIVE_DECODE=0),
+    whose chunks run through the extend path. A step with more tokens, or
+    with a row that scores its prompt, keeps the extend path."""
+    from stepserve.engine.models.llama import SMALL_M
+
+    path = ckpt_factory("qwen2")  # q/k/v bias
+    fast = LLM(path, device="cpu", check_invariants=True)
+    model = fast.engine.model
+    if model._native_decode is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    assert fast.engine.runner.fold_tokens == SMALL_M
+    native, steps = model._forward_native, []
+
+    def spy(fb, backend):
+        steps.append((fb.input_ids.numel(), fb.positions.tolist()))
+        return native(fb, backend)
+
+    model._forward_native = spy
+    monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
+    layerwise = LLM(path, device="cpu", check_invariants=True)
+    assert layerwise.engine.runner.fold_tokens == 0
+    params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
+    short = prompts_of([6, 11, 3], seed=4)
+    _fast_matches_torch_path(path, short, params, fast, layerwise)  # one step of 20 prompt tokens
+    assert any(n == 20 and pos[:6] == list(range(6)) for n, pos in steps)
+    # a continuation past a radix-cache hit, prefilled beside another request's decode rows
+    base = prompts_of([40], seed=5)[0]
+    fast.generate([base], params)
+    layerwise.generate([base], params)
+    steps.clear()
+    out = {}
+    for name, llm in (("fast", fast), ("layerwise", layerwise)):
+        eng = llm.engine
+        first = eng.add_request(prompts_of([9], seed=6)[0], params)
+        for _ in range(3):
+            eng.step()
+        second = eng.add_request(base + [17, 18, 19], params)
+        while eng.has_unfinished():
+            eng.step()
+        out[name] = [(r.outputs[0].token_ids, [x.logprob for x in r.outputs[0].logprobs])
+                     for r in (first.output(False), second.output(False))]
+    assert any(len(pos) == 4 and pos[-3:] == [40, 41, 42] for _, pos in steps)  # the suffix, beside a decode row
+    for (ta, la), (tb, lb) in zip(out["fast"], out["layerwise"]):
+        assert ta == tb and la == pytest.approx(lb, abs=1e-4)
+    assert out["fast"][1][0] == reference(path, [base + [17, 18, 19]], 8)[0]
+    # more tokens than SMALL_M, or prompt logprobs: the extend path
+    steps.clear()
+    fast.generate(prompts_of([SMALL_M + 1], seed=8), params)
+    fast.generate(prompts_of([7], seed=9), SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))
+    assert all(n == 1 for n, _ in steps)  # only the one-row decode steps ran natively
+
+
 def _fast_matches_torch_path(path, prompts, params, fast, plain):
     """`fast` (a native CPU path on) generates transformers' greedy tokens
     for `prompts`, and the tokens of `plain` (that path off) with logprobs

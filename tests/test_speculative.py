@@ -75,10 +75,14 @@ def test_greedy_output_equals_plain(plain, proposer, length):
 
 @pytest.mark.parametrize("shaped_max", [0, 64])
 def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shaped_max):
-    """The draft model's catch-up entries, all as extend rows (0) or all as
-    decode-shaped queries (64, prompts included), and the default split: the
-    plain output, with drafts accepted."""
+    """The draft model's catch-up entries, all as extend rows (0; with the
+    one-call native path off, which takes every entry of a forward of few
+    tokens as decode-shaped queries) or all as decode-shaped queries (64,
+    prompts included), and the default split: the plain output, with drafts
+    accepted."""
     ref = _tokens(plain.generate(PROMPTS, _mixed_params()))
+    if not shaped_max:
+        monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
     for m in (shaped_max, speculative.DECODE_SHAPED_MAX):
         monkeypatch.setattr(speculative, "DECODE_SHAPED_MAX", m)
         llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:4")

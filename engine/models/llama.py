@@ -492,8 +492,13 @@ class LlamaForCausalLM(nn.Module):
 
     def runs_natively(self, fb: ForwardBatch, backend) -> bool:
         """Whether `forward` runs `fb` as one native call (the CPU's small decode steps)."""
-        return (self._native_decode is not None and fb.num_decode == fb.input_ids.shape[0] <= SMALL_M
-                and fb.hidden_indices is None and getattr(backend, "native_decode_ok", False))
+        return (fb.num_decode == fb.input_ids.shape[0] <= self.native_step_tokens(backend)
+                and fb.hidden_indices is None)
+
+    def native_step_tokens(self, backend) -> int:
+        """The most decode-shaped tokens `forward` runs as one native call
+        with `backend` (0: it runs none natively)."""
+        return SMALL_M if self._native_decode is not None and getattr(backend, "native_decode_ok", False) else 0
 
     def _forward_native(self, fb: ForwardBatch, backend) -> torch.Tensor:
         """`forward_planned` for a batch of at most `SMALL_M` decode-shaped

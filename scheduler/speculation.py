@@ -131,6 +131,7 @@ MIN_REPLAY = 8  # a running row is replayed once this many of its positions are 
 FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is measured 8x less often
 TRUSTED = 3  # ... once its cost cell holds this many pairs
 EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range's step time to the choice
+EXPLORE_TURNS = 32  # ... and come at least once in this many exploration turns (`explore_every` steps each)
 LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
 MIN_SPREAD = 2.0  # the least weight `RowSpread` gives the rows' spread
@@ -1356,11 +1357,14 @@ class SpecLengthPolicy:
         k = 0. Once the acceptance is learned (`LEARNED` tries of the first
         position: where k = 0 runs, the pairs are also what it is learned
         from), the range's next pair waits until that loss is at most
-        `EXPLORE_SHARE` of the steps between (and at most 8 turns): where
-        the lengths tie, a pair costs about its priming step, in which the
-        draft model catches up on every token since its rows last drafted
-        (measured at batch 1 on the 2-core EPYC: pairs every 32 steps cost
-        the adaptive length 7% against plain decoding, every 128 steps 2.5%)."""
+        `EXPLORE_SHARE` of the steps between (and at most `EXPLORE_TURNS`
+        turns): where the lengths tie, a pair costs about its priming step,
+        in which the draft model catches up on every token since its rows
+        last drafted (measured at batch 1 on the 2-core EPYC: pairs every 32
+        steps cost the adaptive length 7% against plain decoding, every 128
+        steps 2.5%; at batch 2, where plain decoding won by 5-8%, a pair
+        cost 3-10 plain steps, the draft catching up on two rows' histories,
+        and 8 turns apart the pairs cost 3.5%)."""
         k = pair.next_k
         n = len(plan.rows)
         if k == 0:
@@ -1406,7 +1410,7 @@ class SpecLengthPolicy:
             self.pairs += 1
             if pair.rate > 0.0 and self.acceptance.tried[0] >= LEARNED:
                 loss = pair.spent / unit - pair.tokens / pair.rate
-                wait = min(max(loss, 0.0) / EXPLORE_SHARE, 7 * self.explore_every)
+                wait = min(max(loss, 0.0) / EXPLORE_SHARE, (EXPLORE_TURNS - 1) * self.explore_every)
                 self._explore_at[pair.bucket] = self.steps + int(wait)
             self._pair = None
             return

@@ -281,7 +281,9 @@ def test_small_linear_rows_do_not_depend_on_their_batch():
     threads: 1-3 rows take several panels at a time (more independent sums
     in flight), more rows one panel in blocks of rows, and every output's sum
     runs over k in the same order either way. Batch-invariant sampling needs
-    this: a seeded request draws the same tokens in any batch."""
+    this: a seeded request draws the same tokens in any batch. On a build
+    with AVX-512 (`zmm_panels`), its form (blocks of up to 8 rows against
+    up to 4 panels, from 4 rows up) gives the AVX2 form's bits too."""
     from stepserve.engine.models.llama import SMALL_M, small_batch_kernels
 
     kernels = small_batch_kernels(torch.device("cpu"), torch.float32)
@@ -303,6 +305,8 @@ def test_small_linear_rows_do_not_depend_on_their_batch():
                         assert torch.equal(got, alone[:m]), (k, panels, bf16, t, m)
                     for i in (1, 2):  # rows 1-2 and 1-3 of the batch: the few-row path again, other rows
                         assert torch.equal(kernels.small_linear(x[1 : 1 + i + 1].contiguous(), p), alone[1 : 2 + i])
+                    for m in [4, 8, 9, 21, SMALL_M]:  # the AVX2 form, where the AVX-512 one is built
+                        assert torch.equal(kernels.small_linear(x[:m].contiguous(), p, zmm=False), alone[:m])
     finally:
         torch.set_num_threads(threads)
 

@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 
+import torch
+
 from stepserve.engine.engine import Engine, EngineConfig, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
@@ -149,7 +151,8 @@ class EngineLoop:
         path = eng.config.step_log
         log = StepLog(path) if path else None
         try:
-            self._run(log)
+            with torch.inference_mode():  # once for the loop (`engine.inference`)
+                self._run(log)
         finally:
             if log is not None:
                 log.close()

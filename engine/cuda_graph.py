@@ -23,6 +23,7 @@ import time
 import torch
 
 from stepserve.engine.forward_batch import ForwardBatch
+from stepserve.engine.inference import inference
 
 log = logging.getLogger("stepserve.engine")
 
@@ -78,7 +79,7 @@ class DecodeGraphs:
         """`rows`, `lens`: the real rows' table rows and context lengths, on the host."""
         self.backend.plan_graph(bs, self.max_pages, self.table, rows, lens)
 
-    @torch.inference_mode()
+    @inference
     def capture(self) -> None:
         """Captures every bucket's graph, largest first (later ones reuse its
         memory pool); a no-op without CUDA graphs."""
@@ -211,7 +212,7 @@ class MixedGraphs:
         self.graphs: dict[int, list] = {}  # bucket -> a graph per piece
         self.replays = 0  # steps served (with or without capture)
 
-    @torch.inference_mode()
+    @inference
     def capture(self) -> None:
         """Captures every bucket's pieces, largest first, in one memory pool
         (the pieces run one after another, so they may share it); a no-op

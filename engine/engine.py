@@ -20,6 +20,7 @@ from stepserve.engine.attention import TorchAttention
 from stepserve.engine.attention_flashinfer import FlashInferAttention, flashinfer_unavailable
 from stepserve.engine.cuda_graph import DecodeGraphs, MixedGraphs
 from stepserve.engine.detokenizer import IncrementalDetokenizer
+from stepserve.engine.inference import inference
 from stepserve.engine.loader import load_model
 from stepserve.engine.model_runner import ModelRunner
 from stepserve.engine.request import Branch, Request, TokenLogprob
@@ -577,6 +578,7 @@ class Engine:
         return self.core.has_work()
 
     # -- the step (the loop is EngineCore's; these are its hooks) -----------------
+    @inference
     def step(self) -> list[Request]:
         """Runs one forward pass; returns the requests that changed."""
         self._changed = {}

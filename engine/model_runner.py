@@ -10,6 +10,7 @@ import torch
 
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
+from stepserve.engine.inference import inference
 from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import (PenaltyCounts, Sampler, SamplerOutput, SamplingBatch, argmax_rows,
                                      fill_placeholders, row_input)
@@ -219,7 +220,7 @@ class ModelRunner:
         the proposer first, and verified after."""
         return self.finish(self.launch(plan))
 
-    @torch.inference_mode()
+    @inference
     def launch(self, plan: StepPlan, features=None, prev: "Launched | None" = None, sample: bool = True) -> "Launched":
         """Starts `plan`'s forward pass and sampling on the device and returns
         without waiting for them (on a GPU; on the CPU they are done on
@@ -260,7 +261,7 @@ class ModelRunner:
             self.sample(launched)
         return launched
 
-    @torch.inference_mode()
+    @inference
     def sample(self, l: "Launched") -> None:
         """The second half of `launch`: samples the step's rows from its
         logits (on a GPU without waiting), and starts their copy to the host.
@@ -293,7 +294,7 @@ class ModelRunner:
         if not nv:
             l.logits = None
 
-    @torch.inference_mode()
+    @inference
     def finish(self, l: "Launched") -> StepOutput:
         """Waits for a launched step's tokens and completes its output:
         prompt logprobs, the verify rows' tokens."""

@@ -48,6 +48,7 @@ import torch
 
 from stepserve.engine.cpu_kernels import paged_decode_module
 from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
+from stepserve.engine.inference import inference
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
@@ -298,7 +299,7 @@ class DraftModelProposer:
         self._clear_stale()
         return self._valid
 
-    @torch.inference_mode()
+    @inference
     def propose(self, plan: StepPlan) -> None:
         self._clear_stale()
         self.cold = False

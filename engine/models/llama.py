@@ -27,6 +27,7 @@ from torch import nn
 from stepserve.engine.attention import AttentionBackend
 from stepserve.engine.config import ModelConfig
 from stepserve.engine.forward_batch import ForwardBatch, logits_rows
+from stepserve.engine.inference import inference
 
 
 def prepack_weight(w: torch.Tensor, batch_hint: int = 64) -> torch.Tensor:
@@ -481,7 +482,7 @@ class LlamaForCausalLM(nn.Module):
         p = next(self.parameters())
         return 1 if p.device.type == "cpu" and p.dtype == torch.bfloat16 else None
 
-    @torch.inference_mode()
+    @inference
     def forward(self, fb: ForwardBatch, backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the batch; returns logits (float32) for `fb.logits_indices` only,
         and the final (normed) hidden states at `fb.hidden_indices` (None if none)."""

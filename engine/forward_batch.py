@@ -92,6 +92,13 @@ def logits_rows(n: int, padded: bool) -> int:
     return 1 << (n - 1).bit_length() if n <= 8 else token_bucket(n)
 
 
+def pads(n: int, pads_from: int | None) -> bool:
+    """Whether a forward of n tokens (or an output head of n rows) is padded
+    to a `token_bucket`, for a model that pads from `pads_from` tokens
+    (`LlamaForCausalLM.pads_from`; None: never)."""
+    return pads_from is not None and n >= pads_from
+
+
 def token_bucket(n: int) -> int:
     """Token count rounded up to one of ~50 shapes up to 2,048: multiples of 8
     up to 64, of 16 up to 256, of 64 up to 2,048, and beyond, 16 per doubling

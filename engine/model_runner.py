@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.attention import AttentionBackend
-from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, pads, to_device, token_bucket
 from stepserve.engine.inference import inference
 from stepserve.engine.models.llama import LlamaForCausalLM
 from stepserve.engine.sampler import (PenaltyCounts, Sampler, SamplerOutput, SamplingBatch, argmax_rows,
@@ -182,7 +182,7 @@ class ModelRunner:
             last_index.append(len(ids) - 1)
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
         real = len(ids)
-        pad = token_bucket(real) - real if self.pads_from is not None and real >= self.pads_from else 0
+        pad = token_bucket(real) - real if pads(real, self.pads_from) else 0
         if pad:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
@@ -211,7 +211,7 @@ class ModelRunner:
             logits_indices=logits_indices,
             hidden_indices=hidden_indices if prompt_rows else None,
             num_padding=pad,
-            pad_logits=self.pads_from is not None and len(sampled) >= self.pads_from,
+            pad_logits=pads(len(sampled), self.pads_from),
         ), prompt_rows
 
     def run(self, plan: StepPlan, features=None) -> StepOutput:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from stepserve.engine.cpu_kernels import paged_decode_module
-from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, to_device, token_bucket
+from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, pads, to_device, token_bucket
 from stepserve.engine.inference import inference
 from stepserve.engine.sampler import (
     STREAM_ACCEPT,
@@ -268,6 +268,7 @@ class DraftModelProposer:
         self._valid = torch.zeros(pool.num_slots, dtype=torch.bool)
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
         self.pads_from = model.pads_from()  # forwards of this many tokens are padded to a bucket (None: never)
+        self.fold_tokens = model.native_step_tokens(backend)  # a forward of at most this many: one native call
         self.forwards = 0  # draft forward passes run
         self.shapes = ShapeLog()  # the draft's forward shapes (`cold`: the last `propose` ran a new one)
         self.cold = False
@@ -378,14 +379,14 @@ class DraftModelProposer:
         call (`native_step_tokens`), where every entry is decode-shaped."""
         dev = self.device
         short = DECODE_SHAPED_MAX
-        if sum(len(e[2]) for e in entries) <= self.model.native_step_tokens(self.backend):
+        if sum(len(e[2]) for e in entries) <= self.fold_tokens:
             short = 1 << 62  # one native call: every entry decode-shaped
         dec = [k for k, e in enumerate(entries) if len(e[2]) <= short]
         ext = [k for k, e in enumerate(entries) if len(e[2]) > short]
         ids, pos, tok_rows, last = _flatten(entries, dec + ext)
         nd = sum(len(entries[k][2]) for k in dec)  # decode-shaped queries, first
         n = len(ids)
-        pad = token_bucket(n) - n if self.pads_from is not None and n >= self.pads_from else 0
+        pad = token_bucket(n) - n if pads(n, self.pads_from) else 0
         # padding: id 0 at position 0 of row 0, written to the padding slot
         zeros = [0] * pad
         positions = torch.tensor(pos + zeros, dtype=torch.long)
@@ -411,7 +412,7 @@ class DraftModelProposer:
             extend_rows=extend_meta,
             logits_indices=logits_indices,
             num_padding=pad,
-            pad_logits=self.pads_from is not None and len(last) >= self.pads_from,
+            pad_logits=pads(len(last), self.pads_from),
         )
         self.cold |= self.shapes.first_run(fb)
         logits, _ = self.model(fb, self.backend)

@@ -529,8 +529,8 @@ class LlamaForCausalLM(nn.Module):
     def native_greedy_steps_ok(self, num_tokens: int, backend) -> bool:
         """Whether `greedy_draft_steps` can run a first forward of `num_tokens`
         decode-shaped tokens (the one-call decode path is available)."""
-        return (self._native_decode is not None and num_tokens <= SMALL_M
-                and hasattr(self._native_decode[0], "greedy_draft_steps") and getattr(backend, "native_decode_ok", False))
+        return (self._native_decode is not None and num_tokens <= self.native_step_tokens(backend)
+                and hasattr(self._native_decode[0], "greedy_draft_steps"))
 
     def greedy_draft_steps(self, input_ids, positions, tok_rows, last, steps, table, valid, backend) -> torch.Tensor:
         """A draft model's greedy steps as one native call: a forward over the

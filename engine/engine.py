@@ -343,7 +343,7 @@ class Engine:
         log.info("KV cache: %d tokens (%.2f GiB) on %s", kv_slots, kv_slots * per_tok / (1 << 30), self.device)
         # the slot allocator, the req->token table and the radix tree live on the host whatever the device:
         # the scheduler's bookkeeping launches no device work, and the backends send what a step reads
-        self.req_pool = ReqToTokenPool(config.max_running * 2 + 8, self.max_model_len + 1)
+        self.req_pool = ReqToTokenPool(ReqToTokenPool.rows_for(config.max_running), self.max_model_len + 1)
         kv = KVManager(SlotAllocator(kv_slots + 1), self.req_pool, config.prefix_caching)
         proposer = NgramProposer() if config.speculative == "ngram" else None
         self.policies = builtin_policies(config, proposer) + list(config.policies)
@@ -373,7 +373,7 @@ class Engine:
             mixed = self._mixed_graphs(backend, config.max_batched_tokens)
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer, graphs=graphs,
                                   mixed_graphs=mixed)
-        limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size)
+        limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size, self.req_pool.max_rows)
         overlap = config.overlap_schedule == "on" or (
             config.overlap_schedule == "auto" and self.device.type == "cuda" and proposer is None)
         self.core = EngineCore(self.scheduler, self.runner, self, limits,
@@ -472,7 +472,7 @@ class Engine:
         else:
             text, ids = None, [int(t) for t in prompt]
         plen = len(ids)
-        max_tokens = self.core.check_request(ids, params.max_tokens)
+        max_tokens = self.core.check_request(ids, params.max_tokens, params.n)
         for name, v in (("slo_ttft", slo_ttft_s), ("slo_tpot", slo_tpot_s)):
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < 1e9):
                 raise RequestError(f"{name} must be a positive number of seconds, got {v!r}", name)

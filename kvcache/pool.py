@@ -79,6 +79,13 @@ class ReqToTokenPool:
     Callers write every position they later read.
     """
 
+    @staticmethod
+    def rows_for(max_running: int) -> int:
+        """The rows an engine capped at `max_running` sequences keeps: room for
+        the forks of n > 1 requests admitted under the cap, and for the
+        sequences of a retraction's requeue."""
+        return max_running * 2 + 8
+
     def __init__(self, max_rows: int, max_context: int):
         self.max_rows = max_rows
         self.max_context = max_context

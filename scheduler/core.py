@@ -160,8 +160,9 @@ class EngineCore:
     def kv_capacity(self) -> int:
         return self.scheduler.kv.capacity
 
-    def check_request(self, token_ids: list[int], max_tokens: int | None) -> int:
-        """The generation cap of a request, or a RequestError (`Limits`)."""
+    def check_request(self, token_ids: list[int], max_tokens: int | None, n: int = 1) -> int:
+        """The generation cap of a request of `n` branches, or a RequestError (`Limits`)."""
+        self.limits.check_n(n)
         self.limits.check_prompt(token_ids)
         return self.limits.max_tokens(len(token_ids), max_tokens)
 

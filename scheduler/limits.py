@@ -20,6 +20,9 @@ class Limits:
     max_context: int  # tokens a sequence may reach, prompt and output together
     kv_capacity: int  # KV slots in the pool: a request that needs more can never run
     vocab_size: int | None = None  # prompt ids must lie in [0, vocab_size), when known
+    # sequences one request may hold at once (its n branches decode side by side, each in a row of the
+    # req->token pool): a request that wants more can never be admitted, and would block the queue behind it
+    max_sequences: int | None = None
 
     def check_prompt(self, ids: Sequence[int]) -> None:
         """Not empty, room left for one generated token, ids in the vocabulary."""
@@ -34,6 +37,12 @@ class Limits:
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"Token ids out of vocabulary (the range [0, {vocab})): {bad[:5]}", "prompt")
+
+    def check_n(self, n: int) -> None:
+        """`n` branches fit the sequences the engine holds at once."""
+        if self.max_sequences is not None and n > self.max_sequences:
+            raise RequestError(f"n ({n}) asks for more sequences at once than this engine holds "
+                               f"({self.max_sequences}; raise max_running, --max-running)", "n")
 
     def max_tokens(self, prompt_len: int, requested: int | None, default: int | None = None) -> int:
         """The generation cap for a prompt of this length: `requested`, or else

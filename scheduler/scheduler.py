@@ -216,10 +216,13 @@ class Scheduler:
         ratio = self.new_token_ratio
         future = ratio * sum(s.remaining_tokens for s in self.running)
         admitted = []
+        # rows promised to running sequences whose n - 1 siblings fork from them once their prompt is in (they were
+        # admitted with the rows free: those rows are theirs until they fork)
+        rows = self.kv.req_pool.available() - sum(len(s.fork_children) for s in self.running if s.fork_children)
         for seq in self._admission_order():
             if budget <= 0 or len(self.running) >= self.cfg.max_running:
                 break
-            if self.kv.req_pool.available() < 1 + len(seq.fork_children):
+            if rows < 1 + len(seq.fork_children):
                 break
             match = self.kv.match(seq)
             self.kv.admit(seq, match)  # locks the matched prefix before we count
@@ -233,6 +236,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
+            rows -= 1 + len(seq.fork_children)
             plan.rows.append(ScheduledRow(seq, seq.num_computed, n, n == extend))
             budget -= n
             reserved += n

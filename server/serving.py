@@ -27,6 +27,7 @@ from starlette.requests import Request
 from stepserve.engine.async_engine import EngineDeadError
 from stepserve.engine.request import CompletionOutput, RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
+from stepserve.kvcache.pool import ReqToTokenPool
 from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.limits import Limits
 from stepserve.server.admission import Admission, Ticket
@@ -307,7 +308,8 @@ class EngineClient:
         self.model_path = info.model  # the model directory, as vLLM reports it in root
         self.vocab_size = info.vocab_size
         self.eos_token_ids = tuple(info.eos_token_ids)
-        self.limits = Limits(info.max_model_len, info.kv_capacity, info.vocab_size)  # the engine's own rules
+        self.limits = Limits(info.max_model_len, info.kv_capacity, info.vocab_size,  # the engine's own rules
+                             ReqToTokenPool.rows_for(info.max_running))
         self.admission = Admission(info.max_running, settings.max_queued_requests, settings.retry_after_s)
         self.texts = TokenTexts(self.tokenizer)
         self.max_token_chars = longest_token_chars(self.tokenizer)
@@ -355,7 +357,9 @@ class EngineClient:
         """SamplingParams, validated against the vocabulary; a RequestError
         becomes a 400 naming the request's parameter (via `names`)."""
         try:
-            return SamplingParams(**kw).check_token_ids(self.vocab_size)
+            params = SamplingParams(**kw).check_token_ids(self.vocab_size)
+            self.limits.check_n(params.n)
+            return params
         except RequestError as e:
             raise refused(e, names) from None
 

@@ -66,6 +66,32 @@ def test_n_branches_share_the_prompt_kv(llm):
     assert_idle(eng)
 
 
+def test_n_branches_of_many_requests_wait_for_rows_and_too_many_are_refused(llama_ckpt, llm):
+    """Each n > 1 request is admitted only while rows remain for its siblings
+    *and* for those of the requests admitted before it that have not forked
+    yet: four prompts with n = 5 under max_running 4 (16 rows) cannot all fork
+    at once (20 rows), so some wait, and every branch gets the tokens it gets
+    alone. An n larger than the rows the engine keeps could never run (it
+    would block the queue behind it): it is refused at entry, naming n."""
+    small = LLM(llama_ckpt, max_running=4, check_invariants=True)
+    eng = small.engine
+    prompts = ["In the beginning", "And God said", "darkness was upon", "the waters"]
+    params = [SamplingParams(n=5, max_tokens=6, temperature=1.0, seed=11 + i, ignore_eos=True) for i in range(4)]
+    got = small.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, got):
+        alone = llm.generate([prompt], p)[0]
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in alone.outputs]
+    assert max(r.rows for r in eng.records) <= eng.req_pool.max_rows
+    assert_idle(eng)
+    rows = eng.req_pool.max_rows
+    with pytest.raises(ValueError, match=r"^n \(17\)") as e:
+        small.generate(["hi"], SamplingParams(n=rows + 1, max_tokens=2))
+    assert e.value.param == "n" and not eng.requests and not eng.scheduler.waiting
+    out = small.generate(["hi"], SamplingParams(n=rows, max_tokens=2, seed=1, ignore_eos=True))[0]
+    assert len(out.outputs) == rows
+    assert_idle(eng)
+
+
 def _clean_boundary(llm, toks):
     """Index i where tokens i and i+1 decode to clean text on their own."""
     dec = llm.tokenizer.decode

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from server_util import server_fixtures
+from server_util import served, server_fixtures
 
 MODEL = "err-model"
 KEY = "sk-errors"
@@ -285,3 +285,29 @@ def test_the_length_bound_never_refuses_a_text_that_fits(srv):
         assert len(text) <= max(len(ids), 1) * ec.max_token_chars
 
     check()
+
+
+def test_requests_whose_branches_need_more_rows_than_are_free_wait_for_them(srv, http, client):
+    """Three prompts with n = 16 on a server that keeps 40 rows (max_running
+    16): their parents are admitted together, and forking all of them at once
+    would take 48 rows. They queue for rows instead, and every choice comes
+    back, the server still serving and its KV clean."""
+    r = client.completions.create(model=MODEL, prompt=["a b", "c d", "e f"], n=16, max_tokens=2, seed=3)
+    assert sorted(c.index for c in r.choices) == list(range(48))
+    r = client.completions.create(model=MODEL, prompt="still serving", max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    srv.wait_idle()
+    srv.assert_kv_clean()
+
+
+def test_an_n_larger_than_the_rows_kept_is_refused_not_queued_forever(llama_ckpt):
+    """max_running 2 keeps 12 rows: n = 16 could never run, and it would block
+    every request queued behind it. It gets a 400 naming n at once."""
+    with served(llama_ckpt, served_model_name=MODEL, max_running=2) as s:
+        with httpx.Client(base_url=s.url, timeout=30) as h:
+            for route, body in (("/v1/completions", ok_completion(n=16)), ("/v1/chat/completions", ok_chat(n=16))):
+                err = assert_error(h.post(route, json=body), 400, "n")
+                assert "12" in err["message"], err
+            assert h.post("/v1/completions", json=ok_completion(n=12, max_tokens=2)).status_code == 200
+        s.wait_idle()
+        s.assert_kv_clean()

@@ -309,7 +309,7 @@ class Simulator:
         max_ctx = cfg.max_context or DEFAULT_MAX_CONTEXT
         kv = KVManager(
             SlotAllocator(cfg.kv_slots + 1),
-            ReqToTokenPool(cfg.max_running * 2 + 8, max_ctx + 1),
+            ReqToTokenPool(ReqToTokenPool.rows_for(cfg.max_running), max_ctx + 1),
             cfg.prefix_caching,
         )
         sched = Scheduler(
@@ -318,7 +318,7 @@ class Simulator:
             kv, self.policies, clock=self.clock,
         )
         # no vocabulary check: the simulator builds the prompts itself, in range
-        limits = Limits(max_ctx, kv.capacity)
+        limits = Limits(max_ctx, kv.capacity, max_sequences=kv.req_pool.max_rows)
         return EngineCore(sched, self.runner, self, limits, clock=self.clock, check_every=cfg.check_every,
                           overlap=cfg.overlap_schedule)
 
@@ -424,7 +424,7 @@ class Simulator:
                 stages = [Stage([([] if seg is None else builder.segment(seg), out) for seg, out in st])
                           for st in spec.stages]
                 try:  # the engine's own refusals, as a server would answer 400
-                    max_tokens = core.check_request(ids, spec.output_len)
+                    max_tokens = core.check_request(ids, spec.output_len, spec.n)
                     if stages:
                         core.check_stages(ids, max_tokens, stages)
                 except RequestError as e:

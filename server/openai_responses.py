@@ -30,7 +30,8 @@ from starlette.requests import Request
 
 from stepserve.server.errors import APIError, SafeJSONResponse, bad_request, describe_errors
 from stepserve.server.openai_chat import ChoiceTools, prepare_chat
-from stepserve.server.protocol import INT64_MAX, INT64_MIN, MAX_INT, ChatCompletionRequest, Seconds, Text, _Model
+from stepserve.server.protocol import (INT64_MAX, INT64_MIN, MAX_INT, ChatCompletionRequest, JsonObject, Seconds,
+                                       Text, _Model)
 from stepserve.server.serving import EngineClient
 
 log = logging.getLogger("stepserve.server")
@@ -47,7 +48,7 @@ class ResponsesRequest(_Model):
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
 
     model: Optional[Text] = None
-    input: Union[Text, Annotated[list[dict], Field(min_length=1, max_length=4096)]]
+    input: Union[Text, Annotated[list[JsonObject], Field(min_length=1, max_length=4096)]]
     instructions: Optional[Text] = None
     max_output_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -56,14 +57,14 @@ class ResponsesRequest(_Model):
     store: bool = True
     background: bool = False  # answer at once ("queued"); GET polls, POST .../cancel stops it
     previous_response_id: Optional[Text] = None
-    text: Optional[dict] = None
-    tools: Optional[Annotated[list[dict], Field(max_length=128)]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], dict]] = None
+    text: Optional[JsonObject] = None
+    tools: Optional[Annotated[list[JsonObject], Field(max_length=128)]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], JsonObject]] = None
     parallel_tool_calls: bool = True
-    metadata: Optional[dict] = None
+    metadata: Optional[JsonObject] = None
     user: Optional[Text] = None
     truncation: Literal["disabled", "auto"] = "disabled"
-    reasoning: Optional[dict] = None
+    reasoning: Optional[JsonObject] = None
     # the chat route's extensions, accepted here too
     seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
     slo_ttft: Optional[Seconds] = None

@@ -38,7 +38,25 @@ def _utf8(s: str) -> str:
     return s
 
 
+def _utf8_json(v):
+    """A JSON value whose every string, keys included, is valid text: a tool's
+    parameters, a schema or template variables reach the tokenizer and the
+    grammar compiler as text."""
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, str):
+            _utf8(x)
+        elif isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+    return v
+
+
 Text = Annotated[str, AfterValidator(_utf8)]
+JsonObject = Annotated[dict, AfterValidator(_utf8_json)]  # any JSON object, its strings valid text
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN), AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 Seconds = Annotated[float, Field(gt=0.0, le=1e6)]
@@ -56,7 +74,7 @@ class StreamOptions(_Model):
 class JsonSchemaSpec(_Model):
     name: Text = "response"
     description: Optional[Text] = None
-    schema_: Optional[dict] = Field(None, alias="schema")
+    schema_: Optional[JsonObject] = Field(None, alias="schema")
     strict: Optional[bool] = None
 
 
@@ -111,7 +129,7 @@ HARMLESS_VALUES = {
 class StructuredOutputs(_Model):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
-    json_: Optional[Union[dict, Text]] = Field(None, alias="json")  # a JSON schema (or its text)
+    json_: Optional[Union[JsonObject, Text]] = Field(None, alias="json")  # a JSON schema (or its text)
     regex: Optional[Text] = None
     choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
     grammar: Optional[Text] = None  # Lark (EBNF-like)
@@ -172,7 +190,7 @@ class _SamplingFields(_Model):
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
     structured_outputs: Optional[StructuredOutputs] = None
-    guided_json: Optional[Union[dict, Text]] = None  # vLLM's older names for the same
+    guided_json: Optional[Union[JsonObject, Text]] = None  # vLLM's older names for the same
     guided_regex: Optional[Text] = None
     guided_choice: Optional[Annotated[list[Text], Field(min_length=1, max_length=1024)]] = None
     guided_grammar: Optional[Text] = None
@@ -257,7 +275,7 @@ class ToolCallMessage(_Model):
 class FunctionDef(_Model):
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: Optional[Text] = None
-    parameters: Optional[dict] = None
+    parameters: Optional[JsonObject] = None
     strict: Optional[bool] = None
 
 
@@ -301,7 +319,7 @@ class ChatCompletionRequest(_SamplingFields):
     # echo puts that message's content in front of the answer
     continue_final_message: bool = False
     echo: bool = False
-    chat_template_kwargs: Optional[dict] = None  # extra variables for the chat template (enable_thinking, ...)
+    chat_template_kwargs: Optional[JsonObject] = None  # extra variables for the chat template (enable_thinking, ...)
     tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
@@ -338,7 +356,7 @@ class NativeSamplingParams(_NativeModel):
                                    Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    json_schema: Optional[dict] = None  # constrain the output to this JSON schema
+    json_schema: Optional[JsonObject] = None  # constrain the output to this JSON schema
     speculative: bool = True  # false: this request never decodes speculatively
 
 

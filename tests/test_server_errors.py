@@ -108,6 +108,21 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", ok_chat(response_format={"type": "json_schema",
                                                       "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
      "response_format"),
+    # a lone surrogate anywhere in a JSON object that reaches the tokenizer or the grammar compiler (keys too)
+    ("/v1/chat/completions", ok_chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"description": "\ud800"}}}]), "tools.0.function.parameters"),
+    ("/v1/chat/completions", ok_chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"properties": {"\ud800": {"type": "string"}}}}}]), "tools.0.function.parameters"),
+    ("/v1/chat/completions", ok_chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "string", "description": "\udc00"}}}), "response_format.json_schema.schema"),
+    ("/v1/chat/completions", ok_chat(chat_template_kwargs={"x": ["\ud800"]}), "chat_template_kwargs"),
+    ("/v1/completions", ok_completion(guided_json={"type": "string", "enum": ["\ud800"]}), "guided_json"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 3,
+                       "tools": [{"type": "function", "name": "f", "parameters": {"description": "\ud800"}}]},
+     "tools.0"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 3, "metadata": {"k": "\ud800"}}, "metadata"),
+    ("/generate", {"text": "a", "sampling_params": {"json_schema": {"description": "\ud800"}}},
+     "sampling_params.json_schema"),
     ("/generate", {"sampling_params": {"max_tokens": 2}}, None),
     ("/generate", {"text": "a", "input_ids": [1], "sampling_params": {}}, None),
     ("/generate", {"input_ids": [1, 100000]}, "input_ids"),

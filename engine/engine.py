@@ -631,6 +631,12 @@ class Engine:
                 top = list(zip(top_ids[i][:k], top_lps[i][:k])) if k and top_ids is not None else []
                 branch.logprobs.append(TokenLogprob(tok, lp_all[i], top))
                 branch.cumulative_logprob += lp_all[i]
+            proc = seq.logits_processor
+            if proc is not None and getattr(proc, "error", None) is not None:
+                self._constraint_failed(seq, branch, proc.error)
+                ended.append(req)
+                changed[req.request_id] = req
+                continue
             stop = req.sync_text(branch) if req.params.stop else None
             if stop is not None:
                 if not seq.finished:
@@ -648,6 +654,19 @@ class Engine:
             if req.finished:
                 self._mark_finished(req)
         self._iteration_tokens.append((self.core.step_id, prompts + self.totals["generation_tokens"] - gen0))
+
+    def _constraint_failed(self, seq, branch: Branch, error: str) -> None:
+        """Its logits processor gave up before the output was complete (a
+        grammar grown past llguidance's limits): the token it allowed is the
+        end token, which would read as a complete output; the branch ends
+        "abort" with the reason instead, and its text as it was."""
+        log.warning("request %s: output constraint given up: %s", seq.group.request_id, error.splitlines()[0])
+        if seq.finished:
+            seq.finish_reason = "abort"
+        else:
+            self.scheduler.finish(seq, "abort")
+        branch.stop_reason, branch.error = None, error
+        seq.group.flush_text(branch)
 
     def _took_run(self, req: Request, branch: Branch, seq, row, out) -> bool:
         """A verify row's tokens (accepted drafts and the token after them):

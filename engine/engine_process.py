@@ -109,6 +109,7 @@ class OutputBatch(NamedTuple):
     logprobs: list[list | None]
     cumulative_logprob: list[float | None]
     stage: dict[int, int]  # completion row -> its fork/join stage, for the rows of a stage after the first
+    error: dict[int, str]  # completion row -> why its constraint gave up, for the (rare) rows that have one
     failed: list[RequestFailed]
     replies: list[CallReply]
 
@@ -136,6 +137,7 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
     prompt_ids: dict[int, list[int]] = {}
     prompt_lps: dict[int, list] = {}
     stage: dict[int, int] = {}
+    error: dict[int, str] = {}
     failed: list[RequestFailed] = []
     for rid, out in outputs:  # one loop of appends: ~20% faster than a comprehension per column
         row = len(request_id)
@@ -160,6 +162,8 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
         for o in out.outputs:
             if o.stage:
                 stage[len(index)] = o.stage
+            if o.error is not None:
+                error[len(index)] = o.error
             index.append(o.index)
             text.append(o.text)
             token_ids.append(o.token_ids)
@@ -173,7 +177,7 @@ def encode_batch(outputs: Outputs, replies: Replies, owed_ids: set[str]) -> Outp
         num_outputs=num_outputs,
         prompt_logprobs=prompt_lps, prompt_token_ids=prompt_ids, index=index, text=text, token_ids=token_ids,
         finish_reason=finish_reason, stop_reason=stop_reason, logprobs=logprobs,
-        cumulative_logprob=cumulative_logprob, stage=stage, failed=failed, replies=replies,
+        cumulative_logprob=cumulative_logprob, stage=stage, error=error, failed=failed, replies=replies,
     )
 
 
@@ -193,6 +197,8 @@ def decode_batch(batch: OutputBatch, prompts: dict[str, Any]) -> tuple[Outputs, 
                      batch.stop_reason, batch.logprobs, batch.cumulative_logprob))
     for row, st in batch.stage.items():
         comps[row].stage = st
+    for row, err in batch.error.items():
+        comps[row].error = err
     metrics = map(RequestMetrics, batch.arrival_time, batch.first_token_time, batch.finished_time,
                   batch.first_scheduled_time)
     prompt_lps, prompt_ids = batch.prompt_logprobs, batch.prompt_token_ids

@@ -14,7 +14,11 @@ a grammar once and keeps the compiled matcher in a small cache, copying it per
 branch.
 
 Once the grammar is complete only EOS is allowed, so a constrained output ends
-with finish_reason "stop" exactly when the JSON is complete.
+with finish_reason "stop" exactly when the JSON is complete. A matcher that
+gives up on the way (llguidance's limits: a regex or grammar that grows too
+complex as the output goes on) says why in `GrammarProcessor.error`; the
+engine then ends the branch with finish_reason "abort" and that error, which
+the server answers as a 400 (`Engine.updated`), never as a finished output.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ class GrammarProcessor:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.consumed = 0
+        self.error: str | None = None  # why the matcher gave up before the output was complete (then only EOS)
         self.words = (vocab_size + 31) // 32
         self.bitmask = torch.empty(self.words, dtype=torch.int32)
 
@@ -51,6 +56,8 @@ class GrammarProcessor:
             if not m.is_stopped():
                 m.consume_token(tok)
         self.consumed = len(output_ids)
+        if m.is_error() and self.error is None:
+            self.error = m.get_error()
         if m.is_error() or m.is_stopped():
             allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
             allowed[self.eos_ids] = True

@@ -29,6 +29,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     stage: int = 0  # a fork/join request's stage this output belongs to (0: the first)
+    error: str | None = None  # with finish_reason "abort": why its output constraint could not be followed
 
     @property
     def finished(self) -> bool:
@@ -72,7 +73,7 @@ class RequestOutput:
             mine.token_ids += o.token_ids
             if o.logprobs is not None:
                 mine.logprobs = (mine.logprobs or []) + o.logprobs
-            mine.finish_reason, mine.stop_reason = o.finish_reason, o.stop_reason
+            mine.finish_reason, mine.stop_reason, mine.error = o.finish_reason, o.stop_reason, o.error
             mine.cumulative_logprob = o.cumulative_logprob
         self.outputs.sort(key=lambda o: o.index)
         self.finished = later.finished
@@ -97,6 +98,7 @@ class Branch:
     sent_tokens: int = 0
     done_reported: bool = False
     stage: int = 0
+    error: str | None = None  # its logits processor gave up (a grammar too complex to follow): ended "abort"
 
 
 @dataclass(eq=False)
@@ -217,7 +219,8 @@ class Request:
                 if not text and start >= end and reason is None:
                     continue
             outs.append(CompletionOutput(i, text, ids[start:end], reason, b.stop_reason, lps,
-                                         b.cumulative_logprob if b.logprobs is not None else None, b.stage))
+                                         b.cumulative_logprob if b.logprobs is not None else None, b.stage,
+                                         b.error))
         prompt_lps = None
         if self.prompt_logprobs is not None and first is not None:  # complete once a token was sampled
             if not (delta and self.prompt_logprobs_sent):

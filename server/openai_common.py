@@ -116,6 +116,9 @@ class Accumulator:
             if o.finish_reason is not None:
                 st.finish_reason = o.finish_reason
                 st.stop_reason = o.stop_reason
+            if o.error is not None:  # its output constraint gave up: no answer breaks its own constraint
+                raise bad_request(f"The output constraint could not be followed to the end of the output "
+                                  f"({o.error.splitlines()[0]}); simplify it", code="constraint_too_complex")
             res.append((idx, o))
         return res
 

@@ -257,6 +257,8 @@ class Generation:
                     yield event(obj)
             except EngineDeadError as e:
                 yield event(engine_unavailable(e).body())
+            except APIError as e:  # after the first byte: e.g. an output constraint that gave up on the way
+                yield event(e.body())
             except Exception as e:
                 log.exception("stream of %s failed", self.request.url.path)
                 yield event(error_body(f"Internal server error: {type(e).__name__}", "server_error"))

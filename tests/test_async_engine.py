@@ -342,7 +342,7 @@ def test_wire_format_round_trips_every_field():
     def output(rid, prompt, ids, finished, **completion):
         comp = dict(index=1, text="x", token_ids=[7], finish_reason=None, stop_reason=None,
                     logprobs=[TokenLogprob(7, -0.5, [(7, -0.5), (3, -2.0)])], cumulative_logprob=-0.5,
-                    stage=0) | completion
+                    stage=0, error=None) | completion
         return build(RequestOutput, request_id=rid, prompt=prompt, prompt_token_ids=ids,
                      outputs=[build(CompletionOutput, **comp),
                               build(CompletionOutput, **(comp | {"index": 2, "stage": 1}))],
@@ -353,7 +353,7 @@ def test_wire_format_round_trips_every_field():
 
     text_first = output("r-text", "hi", [5, 6], False)
     text_last = output("r-text", "hi", [5, 6], True, finish_reason="stop", stop_reason="zz")
-    ids_only = output("r-ids", None, [8, 9], True, finish_reason="length")
+    ids_only = output("r-ids", None, [8, 9], True, finish_reason="abort", error="lexer error: too many expressions")
     bad = ValueError("prompt too long")
     sent = {"r-text": "hi", "r-ids": (8, 9), "r-bad": "no"}  # as the front end sent them (ids: any sequence)
     prompts = dict(sent)  # the parent's

@@ -399,6 +399,28 @@ def test_bad_structured_outputs_are_400s(client, body, param):
     assert e.value.body["param"] == param
 
 
+@pytest.mark.parametrize("field,value", [
+    ("guided_regex", "a{1000000}"),  # compiles, then outgrows llguidance's lexer after the first token
+    ("guided_grammar", 'start: "a" start'),  # no finite string matches: the parser outgrows its limit
+])
+def test_a_constraint_that_gives_up_mid_output_is_an_error_not_a_stop(srv, client, field, value):
+    """llguidance may give up on a constraint after a few tokens (its size
+    limits), leaving only the end token: that output does not match the
+    constraint, so it must not come back as a finished answer. Unary and
+    streamed, the client gets a 400 that says why, and the server serves on."""
+    kw = dict(model=MODEL, prompt="x", max_tokens=40, extra_body={field: value})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**kw)
+    assert e.value.body["code"] == "constraint_too_complex", e.value.body
+    with pytest.raises(openai.APIError, match="could not be followed"):
+        for _ in client.completions.create(stream=True, **kw):
+            pass
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=12, extra_body={"guided_regex": "a{8}"})
+    assert r.choices[0].text == "a" * 8 and r.choices[0].finish_reason == "stop"
+    srv.wait_idle()
+    srv.assert_kv_clean()
+
+
 def test_truncate_prompt_tokens(client):
     long = "In the beginning God created the heaven and the earth. " * 4
     full = client.completions.create(model=MODEL, prompt=long, max_tokens=1)

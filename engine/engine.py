@@ -646,7 +646,7 @@ class Engine:
             elif seq.finished:
                 if seq.finish_reason == "stop" and tok in seq.stop_token_ids:
                     branch.stop_reason = tok
-                req.flush_text(branch)
+                req.flush_text(branch, seq.finish_reason == "stop")
             if stop is not None or seq.finished:
                 ended.append(req)
             changed[req.request_id] = req
@@ -692,7 +692,7 @@ class Engine:
         if stop is None and seq.finished:
             if seq.finish_reason == "stop" and ids[-1] in seq.stop_token_ids:
                 branch.stop_reason = ids[-1]
-            req.flush_text(branch)
+            req.flush_text(branch, seq.finish_reason == "stop")
         return stop is not None or seq.finished
 
     def _mark_finished(self, req: Request) -> None:

@@ -168,14 +168,23 @@ class Request:
         branch.stop_reason = stop
         return stop
 
-    def flush_text(self, branch: Branch) -> None:
+    def flush_text(self, branch: Branch, stop_token: bool = False) -> None:
         """At the end of a branch, emits what the detokenizer still buffers (an
         incomplete UTF-8 sequence decodes to U+FFFD), so the final text equals
-        decoding all output tokens at once."""
+        decoding all output tokens at once. `stop_token`: it ended on an end
+        or stop token, whose text is not output (as vLLM leaves it out) unless
+        `include_stop_str_in_output`; the token itself stays in its ids."""
         if branch.stop_reason is not None and isinstance(branch.stop_reason, str):
             return  # truncated at a stop string: the tail is not part of the output
         self.sync_text(branch)
-        full = branch.detok.decode_all(branch.seq.output_ids)
+        ids = branch.seq.output_ids
+        if stop_token and not self.params.include_stop_str_in_output:
+            # (the token came in this step, so none of its text was sent yet)
+            full = branch.detok.decode_all(ids[:-1])
+            if len(full) >= branch.sent_text:
+                branch.text = full
+            return
+        full = branch.detok.decode_all(ids)
         if full.startswith(branch.text) and len(full) > len(branch.text):
             branch.text = full
 

@@ -131,11 +131,27 @@ def test_stop_token_ids_and_eos(llm):
     first = toks.index(stop_tok)
     out = llm.generate(["heaven"], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]))
     o = out[0].outputs[0]
-    assert o.finish_reason == "stop" and o.token_ids == toks[: first + 1]
+    assert o.finish_reason == "stop" and o.token_ids == toks[: first + 1] and o.stop_reason == stop_tok
+    # the stop token's text is not output (as vLLM), unless include_stop_str_in_output; streamed the same
+    dec = llm.tokenizer.decode
+    assert dec([stop_tok]).strip() and o.text == dec(toks[:first])
+    keep = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok], include_stop_str_in_output=True)
+    assert llm.generate(["heaven"], keep)[0].outputs[0].text == dec(toks[: first + 1])
+    eng = llm.engine
+    req = eng.add_request("heaven", SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_tok]))
+    streamed = ""
+    while eng.has_unfinished():
+        eng.step()
+        streamed += "".join(c.text for c in req.output(delta=True).outputs)
+    assert streamed == o.text
     eos = llm.tokenizer.eos_token_id
     force = {eos: 100.0}
     o = llm.generate(["heaven"], SamplingParams(max_tokens=8, logit_bias=force))[0].outputs[0]
     assert o.finish_reason == "stop" and o.token_ids == [eos] and o.text == ""
+    shown = SamplingParams(max_tokens=8, logit_bias=force, skip_special_tokens=False)  # its text exists, and is left out
+    assert llm.generate(["heaven"], shown)[0].outputs[0].text == ""
+    shown = SamplingParams(max_tokens=8, logit_bias=force, skip_special_tokens=False, include_stop_str_in_output=True)
+    assert llm.generate(["heaven"], shown)[0].outputs[0].text == dec([eos])
     o = llm.generate(["heaven"], SamplingParams(max_tokens=8, logit_bias=force, ignore_eos=True))[0].outputs[0]
     assert o.finish_reason == "length" and o.token_ids == [eos] * 8
     o = llm.generate(["heaven"], SamplingParams(max_tokens=8, logit_bias=force, min_tokens=3))[0].outputs[0]

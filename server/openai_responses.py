@@ -250,11 +250,16 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
             raise bad_request(f"Previous response with id '{req.previous_response_id}' is {previous['status']}: "
                               "it has no conversation to continue from.", "previous_response_id")
     chat = to_chat(req, history)
-    job = await prepare_chat(chat, client)
     rid = _item_id("resp")
     created = int(time.time())
-    gen = None if req.background else await client.start(request, [job.ids], [job.params], rid, 1, job.names,
-                                                         slo=(req.slo_ttft, req.slo_tpot))
+    try:
+        job = await prepare_chat(chat, client)
+        gen = None if req.background else await client.start(request, [job.ids], [job.params], rid, 1, job.names,
+                                                             slo=(req.slo_ttft, req.slo_tpot))
+    except APIError as e:  # a chat parameter at fault, as this request names it
+        if e.status == 400 and e.param:
+            e.param = _responses_param(e.param)
+        raise
     tools = ChoiceTools(job.mode, job.choice, req.parallel_tool_calls) if job.mode != "none" else None
     msg_id = _item_id("msg")
 

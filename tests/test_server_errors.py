@@ -121,6 +121,7 @@ BAD_REQUESTS = [
                        "tools": [{"type": "function", "name": "f", "parameters": {"description": "\ud800"}}]},
      "tools.0"),
     ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 3, "metadata": {"k": "\ud800"}}, "metadata"),
+    ("/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 2000}, "max_output_tokens"),
     ("/generate", {"text": "a", "sampling_params": {"json_schema": {"description": "\ud800"}}},
      "sampling_params.json_schema"),
     ("/generate", {"sampling_params": {"max_tokens": 2}}, None),

@@ -67,12 +67,7 @@ __all__ = [
 # Counter-based hash -> uniforms
 # ----------------------------------------------------------------------------
 
-STREAM_SAMPLE = 0  # stream used by Sampler for token sampling
-# speculative decoding (engine/speculative.py): the draft model's draws, the
-# accept/reject test of each drafted token, and the draw from the residual
-STREAM_DRAFT = 1
-STREAM_ACCEPT = 2
-STREAM_RESIDUAL = 3
+STREAM_SAMPLE = 0  # stream used by Sampler for token sampling (and by speculative decoding's draft and verify draws)
 HASH_SEED = 0x5EED5A3D  # murmur3 seed of the hash (fixed forever: changing it changes outputs)
 
 _M32 = 0xFFFFFFFF
@@ -804,7 +799,7 @@ class Sampler:
         if batch.all_greedy:
             tokens = argmax_rows(x)
         else:
-            tokens = self._sample_random(x, batch)
+            tokens = self.draw(x, batch)
 
         out = SamplerOutput(token_ids=tokens)
         if want_logprobs:
@@ -815,7 +810,11 @@ class Sampler:
                 out.top_logprobs, out.top_ids = logp.topk(k, dim=-1)
         return out
 
-    def _sample_random(self, x: Tensor, batch: SamplingBatch) -> Tensor:
+    def draw(self, x: Tensor, batch: SamplingBatch) -> Tensor:
+        """Each row's token from its processed logits `x`: greedy rows' argmax,
+        random rows' Gumbel-max sample keyed on (seed, counter) in
+        STREAM_SAMPLE. Speculative verification draws each position with it
+        too (`speculative.verify_rows`), so its tokens are plain decoding's."""
         rr = batch.random_rows  # None: every row is random
         sub = x if rr is None else x.index_select(0, rr)
 

@@ -3,9 +3,8 @@
 The speculation-length policy (`scheduler/speculation.py`) turns a decode row
 into a *verify row* before slots are allocated: `ScheduledRow.draft_len` = k
 and 1 + k KV slots, for the sequence's pending token and up to k drafted
-tokens. In the model runner, the proposer fills `row.draft` (and, for a draft
-model's sampled rows, `row.draft_probs`: the distribution each token was drawn
-from); the target model then computes all 1 + len(draft) positions in the one
+tokens. In the model runner, the proposer fills `row.draft`; the target model
+then computes all 1 + len(draft) positions in the one
 forward pass of the step, as decode-shaped queries (each attends to its
 context through the req->token table, like any decode row, so the native CPU
 decode kernel and every backend serve them as they are); `verify_rows`
@@ -16,21 +15,24 @@ Exactness:
 - A greedy row accepts the longest prefix of its draft that equals the
   target's argmax at each position, then takes the target's argmax: its output
   is, token for token, the output without speculation.
-- A sampled row uses the standard rejection rule (Leviathan et al., Chen et al.,
-  2023): a drafted token d, drawn from q, is accepted with probability
-  min(1, p(d) / q(d)); the first rejected position draws from the residual
-  max(0, p - q), renormalised; when every draft is accepted one more token is
-  drawn from p. So each token has the target's distribution p. p is the
-  target's distribution after every sampling parameter, applied as if the
-  drafts before it were already output: logit bias, min_tokens masks,
-  penalties, temperature, top-k, top-p, min-p. A deterministic proposer
-  (n-gram) has q = one-hot: d is accepted with probability p(d), and the
-  residual is p without d.
-- Randomness is keyed on (seed, output position, stream), as the sampler's is
-  (`sampler.uniform`): STREAM_DRAFT for the draft model's draws,
-  STREAM_ACCEPT for the accept tests, STREAM_RESIDUAL for the residual draws,
-  and STREAM_SAMPLE (the sampler's own) for the token after a fully accepted
-  draft. A row's draws never depend on the batch it runs in.
+- A sampled row draws each position's token exactly as plain decoding draws
+  it: the Gumbel-max sample of the target's distribution p with the noise
+  keyed on (seed, output position) in the sampler's own stream
+  (`STREAM_SAMPLE`, `sampler.uniform`), and a drafted token is accepted when
+  it equals that sample. p is the target's distribution after every sampling
+  parameter, applied as if the drafts before it were already output: logit
+  bias, min_tokens masks, penalties, temperature, top-k, top-p, min-p. So a
+  sampled row's output is, token for token, its output without speculation
+  (each token has the target's distribution, and a seeded request's tokens
+  never depend on the draft lengths, and so not on the batch). The draft
+  model draws with the same noise (the Gumbel coupling), so it proposes the
+  target's sample wherever the two models agree enough: a drafted token is
+  accepted with probability P(argmax(log q + g) = argmax(log p + g)), at
+  least (1 - TV) / (1 + TV) of the two distributions (the standard rejection
+  rule's 1 - TV is the most any rule can accept, but which tokens it
+  emits changes with the draft length). A deterministic proposer (n-gram)
+  loses nothing to the standard rule: its token d is accepted with
+  probability p(d) either way.
 - Logprobs are the target model's (the raw distribution, as without
   speculation), for every token emitted.
 
@@ -49,18 +51,7 @@ import torch
 from stepserve.engine.cpu_kernels import paged_decode_module
 from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, pads, to_device, token_bucket
 from stepserve.engine.inference import inference
-from stepserve.engine.sampler import (
-    STREAM_ACCEPT,
-    STREAM_DRAFT,
-    STREAM_RESIDUAL,
-    STREAM_SAMPLE,
-    SamplingBatch,
-    apply_logit_processors,
-    apply_sampling_transforms,
-    argmax_rows,
-    row_input,
-    uniform,
-)
+from stepserve.engine.sampler import Sampler, SamplingBatch, apply_logit_processors, argmax_rows, row_input
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.speculation import PROPOSERS
 # A draft entry of at most this many tokens runs as decode-shaped queries (one
@@ -81,9 +72,7 @@ class Proposer(Protocol):
         not: whatever a proposer kept for them is stale."""
 
     def propose(self, plan: StepPlan) -> None:
-        """Sets `draft` (at most `draft_len` tokens) and `draft_probs` (the
-        distributions sampled drafts came from, [len(draft), V], or None for a
-        deterministic proposal) on each of `plan.verify_rows`."""
+        """Sets `draft` (at most `draft_len` tokens) on each of `plan.verify_rows`."""
 
 
 # ---------------------------------------------------------------------------
@@ -125,7 +114,6 @@ class NgramProposer:
         for r in plan.verify_rows:
             if r.draft is None:  # (set already when the speculation-length policy drafted, given `propose_for`)
                 r.draft = self.propose_for(r.seq, r.draft_len)
-                r.draft_probs = None
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         """The proposal after `ids`, searched afresh (`propose_for` keeps an
@@ -306,31 +294,25 @@ class DraftModelProposer:
         self.cold = False
         rows = plan.verify_rows
         for r in rows:
-            r.draft, r.draft_probs = [], None
+            r.draft = []
         first = self._first_unwritten(rows)
         entries = [(r.seq.row, p, r.seq.token_ids[p : r.start + 1]) for r, p in zip(rows, first)]
         if self._native_greedy(rows, entries):
             return
         active = list(range(len(rows)))
-        probs: list[list[torch.Tensor]] = [[] for _ in rows]
         step = 0
         while active:
             logits = self._forward(entries)
             step += 1
-            drafted, q = self._sample([rows[i] for i in active], logits)
+            drafted = self._sample([rows[i] for i in active], logits)
             still = []
             for j, i in enumerate(active):
                 r = rows[i]
                 r.draft.append(drafted[j])
-                if q is not None and q[j] is not None:
-                    probs[i].append(q[j])
                 if step < r.draft_len:
                     still.append(i)
             active = still
             entries = [(rows[i].seq.row, rows[i].start + step, [rows[i].draft[-1]]) for i in active]
-        for r, pr in zip(rows, probs):
-            if pr:
-                r.draft_probs = torch.stack(pr)
 
     def _first_unwritten(self, rows: list[ScheduledRow]) -> list[int]:
         """Each row's first position without draft KV (its pending token's
@@ -419,27 +401,15 @@ class DraftModelProposer:
         self.forwards += 1
         return logits
 
-    def _sample(self, rows: list[ScheduledRow], logits: torch.Tensor):
-        """Each row's next draft token, drawn as the target would draw it
-        (greedy rows: argmax; sampled rows: from the draft's distribution after
-        the same sampling parameters, keyed on STREAM_DRAFT), and for sampled
-        rows that distribution (None for greedy ones)."""
+    def _sample(self, rows: list[ScheduledRow], logits: torch.Tensor) -> list[int]:
+        """Each row's next draft token, drawn as the target draws it (greedy
+        rows: argmax; sampled rows: the Gumbel-max sample of the draft's
+        distribution after the same sampling parameters, with the noise the
+        target's sample at that position uses, so that the draft proposes the
+        target's token wherever the two distributions agree: `verify_rows`)."""
         if all(r.seq.plain_greedy for r in rows):
-            return argmax_rows(logits).tolist(), None
-        inputs = [row_input(r.seq, r.draft) for r in rows]
-        batch = SamplingBatch.build(inputs, self.vocab_size, self.device)
-        x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
-        tokens = argmax_rows(x)
-        q: list[torch.Tensor | None] = [None] * len(rows)
-        if not batch.all_greedy:
-            rr = batch.random_rows if batch.random_rows is not None else torch.arange(len(rows), device=x.device)
-            s = _transformed(x.index_select(0, rr), batch, rr)
-            u = uniform(batch.seeds.index_select(0, rr), batch.counters.index_select(0, rr), s.shape[1], STREAM_DRAFT)
-            tokens.index_copy_(0, rr, argmax_rows(s - u.log_().neg_().log_()))
-            p = torch.softmax(s, dim=-1)
-            for j, i in enumerate(rr.tolist()):
-                q[i] = p[j]
-        return tokens.tolist(), q
+            return argmax_rows(logits).tolist()
+        return _drawn(logits, [row_input(r.seq, r.draft) for r in rows], self.vocab_size).tolist()
 
 
 def _flatten(entries: list[tuple[int, int, list[int]]], order) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -459,31 +429,28 @@ def _flatten(entries: list[tuple[int, int, list[int]]], order) -> tuple[list[int
     return ids, pos, tok_rows, last
 
 
-def _transformed(x: torch.Tensor, batch: SamplingBatch, rr: torch.Tensor) -> torch.Tensor:
-    """`apply_sampling_transforms` on the random rows `rr` of `batch` (x holds those rows)."""
-
-    def pick(t, flag):
-        return t.index_select(0, rr) if flag else None
-
-    return apply_sampling_transforms(
-        x,
-        batch.temperature.index_select(0, rr),
-        pick(batch.top_k, batch.any_top_k),
-        pick(batch.top_p, batch.any_top_p),
-        pick(batch.min_p, batch.any_min_p),
-        max_top_k=batch.max_top_k,
-    )
-
-
 # ---------------------------------------------------------------------------
 # verification
 # ---------------------------------------------------------------------------
 
 
-def accept_test(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
-    """The rejection rule: a drafted token d is accepted when u < p(d) / q(d)
-    (u uniform in (0, 1)), written without dividing by a q of 0."""
-    return u * q_d < p_d
+def accept_test(target: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """The acceptance rule: a drafted token is accepted when it is the token
+    the target draws at its position (-1: a row's last position, no draft)."""
+    return target == drafted
+
+
+_SAMPLER = Sampler()
+
+
+def _drawn(logits: torch.Tensor, inputs: list, vocab_size: int) -> torch.Tensor:
+    """Each row's token as the sampler draws it from these logits, `inputs`
+    (`row_input`) saying each row's sampling parameters and output so far
+    (whose length keys its random draw): every sampling parameter applied,
+    then argmax (greedy rows) or the Gumbel-max sample (`Sampler.draw`)."""
+    batch = SamplingBatch.build(inputs, vocab_size, logits.device)
+    x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
+    return argmax_rows(x) if batch.all_greedy else _SAMPLER.draw(x, batch)
 
 
 @dataclass
@@ -516,41 +483,11 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
             tokens.append(target[o + a])
         return VerifyOutput(tokens, [None] * len(rows))
 
-    device = logits.device
     inputs = [row_input(r.seq, r.draft[:j]) for r in rows for j in range(1 + len(r.draft))]
-    batch = SamplingBatch.build(inputs, vocab_size, device)
-    x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
-    fix = argmax_rows(x)  # greedy positions: the target's token; overwritten below for sampled ones
-    drafted = torch.tensor([t for r in rows for t in (*r.draft, -1)], dtype=torch.long, device=device)
-    accept = fix == drafted  # greedy positions: the draft is the argmax
-    if not batch.all_greedy:
-        rr = batch.random_rows if batch.random_rows is not None else torch.arange(len(inputs), device=device)
-        s = _transformed(x.index_select(0, rr), batch, rr)
-        p = torch.softmax(s, dim=-1)
-        V = p.shape[1]
-        d = drafted.index_select(0, rr)
-        has = d >= 0  # positions that check a drafted token (not a row's last)
-        # q: the draft's distribution at each checked position; one-hot for deterministic proposals
-        q = torch.zeros(len(drafted), V, device=device)
-        checked = (drafted >= 0).nonzero().squeeze(1)
-        q[checked, drafted[checked]] = 1.0
-        for r, o in zip(rows, offs):
-            if r.draft_probs is not None:
-                q[o : o + len(r.draft)] = r.draft_probs
-        q = q.index_select(0, rr)
-        seeds, counters = batch.seeds.index_select(0, rr), batch.counters.index_select(0, rr)
-        dd = d.clamp(min=0)[:, None]
-        pd = p.gather(1, dd).squeeze(1)
-        qd = q.gather(1, dd).squeeze(1)
-        u = uniform(seeds, counters, 1, STREAM_ACCEPT)[:, 0]
-        ok = has & accept_test(u, pd, qd)
-        residual = (p - q).clamp_(min=0)
-        g_res = uniform(seeds, counters, V, STREAM_RESIDUAL).log_().neg_().log_()
-        res_tok = argmax_rows(residual.log() - g_res)
-        g_bonus = uniform(seeds, counters, V, STREAM_SAMPLE).log_().neg_().log_()
-        bonus_tok = argmax_rows(s - g_bonus)
-        accept.index_copy_(0, rr, ok)
-        fix.index_copy_(0, rr, torch.where(has, res_tok, bonus_tok))
+    # each position's token as plain decoding draws it there (`_drawn`); a drafted token is accepted when it equals it
+    fix = _drawn(logits, inputs, vocab_size)
+    drafted = torch.tensor([t for r in rows for t in (*r.draft, -1)], dtype=torch.long, device=logits.device)
+    accept = accept_test(fix, drafted)
     acc = accept.tolist()
     fixed = fix.tolist()
     tokens = []
@@ -570,7 +507,7 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
             n = r.num_accepted + 1
             emitted = r.draft[: r.num_accepted] + [tokens[i]]
             sub = logp[o : o + n]
-            chosen = sub.gather(1, torch.tensor(emitted, device=device)[:, None]).squeeze(1).tolist()
+            chosen = sub.gather(1, torch.tensor(emitted, device=logits.device)[:, None]).squeeze(1).tolist()
             kk = r.seq.sampling.logprobs
             if kk and kmax:
                 tv, ti = sub.topk(kmax, dim=-1)

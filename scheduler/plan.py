@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stepserve.scheduler.sequence import Seq
 
@@ -26,7 +26,6 @@ class ScheduledRow:
     draft_len: int = 0
     draft_asked: int = 0  # the drafts the policy asked this row for (>= draft_len)
     draft: list[int] | None = None
-    draft_probs: Any = None  # a draft model's sampled rows: the distribution of each drafted token
     num_accepted: int = 0
 
     @property

@@ -83,11 +83,10 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              agreeing prefix of its proposal and one token more, and the
              next step starts there), and E[k] is tokens per
              replayed step. The tokens that came are what verification would
-             have accepted: a greedy row's are the target's argmax whatever
-             k ran, and a sampled row's next token equals a one-hot draft d
-             with probability p(d), the probability the rejection rule
-             accepts d with (and otherwise is drawn from p without d, as the
-             residual is). So every k is priced, k = 0's neighbours or not,
+             have accepted: every row's tokens are the ones drawn whatever k
+             ran (`engine/speculative.py`: a draft is accepted exactly when it
+             equals the token drawn at its position). So every k is priced,
+             k = 0's neighbours or not,
              with the correlation between positions that prompt lookup has (a
              lookup that is right once tends to stay right) and with where
              steps start under k (a run of right guesses is crossed in a few
@@ -764,7 +763,7 @@ class SpecLengthPolicy:
                 if not draft:
                     empty.append((kr, seq))
                     continue  # nothing to verify: the row decodes as it is
-                r.draft, r.draft_probs = draft, None
+                r.draft = draft
                 kr = len(draft)
             r.draft_len = kr
             r.num_new = 1 + kr

@@ -17,11 +17,9 @@ reference engine gives it, an aborted one a prefix of its tokens, and the KV
 pool is whole again at the end. The KV integrity check runs after every step
 (check_invariants).
 
-Speculation is exact for greedy rows only (sampled rows keep the
-distribution, not the tokens), so with speculation on every speculating
-request is greedy; other requests may also sample, seeded, which the sampler
-keys on (seed, position, token) so that the tokens do not depend on the
-batch."""
+Speculation is exact for greedy and sampled rows alike: a speculating row
+draws each position as the sampler does, keyed on (seed, position, token), so
+its tokens depend neither on the draft lengths nor on the batch."""
 
 from __future__ import annotations
 
@@ -85,13 +83,13 @@ request = st.fixed_dictionaries({
     "stages": st.none() | st.tuples(st.booleans(), parallel, stage_max),
     "n": st.integers(1, 3),
     "max_tokens": st.integers(1, MAX_NEW),
-    "temperature": st.sampled_from([0.0, 0.0, 0.7, 1.0]),  # without speculation only
+    "temperature": st.sampled_from([0.0, 0.0, 0.7, 1.0]),
     "seed": st.integers(0, 2**31),
-    "ignore_eos": st.booleans(),  # without speculation only
+    "ignore_eos": st.booleans(),
     "stop": st.lists(st.sampled_from(STOP_CANDIDATES), max_size=2, unique=True),
     "stop_str": st.sampled_from([(), (), (), ("and",), (" was",), (":",), ("e",), ("and", ":")]),
     "min_tokens": st.sampled_from([0, 0, 2]),
-    # without speculation only (sampled rows); under the overlap schedule they count the token in flight
+    # (under the overlap schedule the penalties count the token in flight)
     "presence_penalty": st.sampled_from([0.0, 0.0, 0.0, 0.8]),
     "prompt_logprobs": st.sampled_from([None, None, None, 0]),  # the prompt computed in full; plain requests only
     # a logits processor that reads the output (as a grammar does; such a request never speculates)
@@ -139,28 +137,27 @@ def _kv_total(prompt, r):
         len(b.get("prompt", [])) + b["max_tokens"] for st_ in _stages(r) for b in st_.get("branches", [st_]))
 
 
-def _prepare(reqs, head, greedy_only):
+def _prepare(reqs, head):
     """Each request as (prompt, SamplingParams, stages, arrive, abort)."""
     out = []
     for r in reqs:
         own = (list(r["prompt"][:3]) * 8)[:24] if r["loop"] else list(r["prompt"])
         prompt = (list(head) + own) if r["shared"] else own
         fork = r["stages"] is not None
-        # a request that opts out of speculation decodes plainly, so it may sample (seeded) beside speculating ones
-        greedy = (greedy_only and r["speculate"]) or r["temperature"] == 0.0
+        greedy = r["temperature"] == 0.0
         max_tokens = min(r["max_tokens"], 6) if fork else r["max_tokens"]
         params = SamplingParams(
             n=1 if fork else r["n"],
             max_tokens=max_tokens,
             temperature=0.0 if greedy else r["temperature"],
             seed=r["seed"],
-            ignore_eos=True if greedy_only and r["speculate"] else r["ignore_eos"],
+            ignore_eos=r["ignore_eos"],
             stop_token_ids=list(r["stop"]) or None,
             # stop strings, matched on the detokenized text across token boundaries: pieces of the test
             # tokenizer's vocabulary ("and" is token 265's text, " was" 282's), a character the text often has
             stop=list(r["stop_str"]) or None,
             min_tokens=min(r["min_tokens"], max_tokens),
-            presence_penalty=0.0 if greedy_only else r["presence_penalty"],
+            presence_penalty=r["presence_penalty"],
             prompt_logprobs=None if fork else r["prompt_logprobs"],
             speculative=r["speculate"],
             logits_processor_factory=NoRepeat() if r["reads_output"] else None,
@@ -315,7 +312,7 @@ def test_features_compose_to_the_reference_tokens(llama_ckpt, draft_ckpt, slow_p
                                                   head, speculative, spec_length, branch, kv_slack, kv_share,
                                                   token_ratio, budget, max_running, admission, prefix_caching, again,
                                                   overlap, gpu_path):
-    prepared = _prepare(reqs, head, greedy_only=speculative != "none")
+    prepared = _prepare(reqs, head)
     kv_slots = max(max(_kv_need(p[0], r) for p, r in zip(prepared, reqs)) + kv_slack,
                    int(kv_share * sum(_kv_total(p[0], r) for p, r in zip(prepared, reqs))))
     expected = _reference(reference_engine, prepared)

@@ -67,7 +67,12 @@ __all__ = [
 # Counter-based hash -> uniforms
 # ----------------------------------------------------------------------------
 
-STREAM_SAMPLE = 0  # stream used by Sampler for token sampling (and by speculative decoding's draft and verify draws)
+STREAM_SAMPLE = 0  # stream used by Sampler for token sampling (and speculative decoding's coupled draws)
+# speculative decoding's rejection rule (engine/speculative.py, requests without a seed): the draft model's draws,
+# the accept/reject test of each drafted token, and the draw from the residual
+STREAM_DRAFT = 1
+STREAM_ACCEPT = 2
+STREAM_RESIDUAL = 3
 HASH_SEED = 0x5EED5A3D  # murmur3 seed of the hash (fixed forever: changing it changes outputs)
 
 _M32 = 0xFFFFFFFF

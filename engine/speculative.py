@@ -15,24 +15,34 @@ Exactness:
 - A greedy row accepts the longest prefix of its draft that equals the
   target's argmax at each position, then takes the target's argmax: its output
   is, token for token, the output without speculation.
-- A sampled row draws each position's token exactly as plain decoding draws
-  it: the Gumbel-max sample of the target's distribution p with the noise
-  keyed on (seed, output position) in the sampler's own stream
-  (`STREAM_SAMPLE`, `sampler.uniform`), and a drafted token is accepted when
-  it equals that sample. p is the target's distribution after every sampling
-  parameter, applied as if the drafts before it were already output: logit
-  bias, min_tokens masks, penalties, temperature, top-k, top-p, min-p. So a
-  sampled row's output is, token for token, its output without speculation
-  (each token has the target's distribution, and a seeded request's tokens
-  never depend on the draft lengths, and so not on the batch). The draft
-  model draws with the same noise (the Gumbel coupling), so it proposes the
-  target's sample wherever the two models agree enough: a drafted token is
-  accepted with probability P(argmax(log q + g) = argmax(log p + g)), at
-  least (1 - TV) / (1 + TV) of the two distributions (the standard rejection
-  rule's 1 - TV is the most any rule can accept, but which tokens it
-  emits changes with the draft length). A deterministic proposer (n-gram)
-  loses nothing to the standard rule: its token d is accepted with
-  probability p(d) either way.
+- A sampled row of a request that gave its `seed` draws each position's
+  token exactly as plain decoding draws it: the Gumbel-max sample of the
+  target's distribution p with the noise keyed on (seed, output position) in
+  the sampler's own stream (`STREAM_SAMPLE`, `sampler.uniform`), and a
+  drafted token is accepted when it equals that sample (`accept_test`). So
+  its output is, token for token, its output without speculation, whatever
+  the draft lengths and so whatever the batch. The draft model draws with the
+  same noise (the Gumbel coupling), so it proposes the target's sample
+  wherever the two models agree enough: a drafted token is accepted with
+  probability P(argmax(log q + g) = argmax(log p + g)), at least
+  (1 - TV) / (1 + TV) of the two distributions.
+- A sampled row of a request without a seed (whose tokens nobody can
+  reproduce anyway) takes the standard rejection rule (Leviathan et al.,
+  Chen et al., 2023; `rejection_test`), which accepts the most any rule can,
+  1 - TV: a drafted token d, drawn from q (`row.draft_probs`; one-hot for a
+  deterministic proposal) with noise of its own (`STREAM_DRAFT`), is
+  accepted with probability min(1, p(d) / q(d)) (`STREAM_ACCEPT`); the
+  first rejected position draws from the residual max(0, p - q),
+  renormalised (`STREAM_RESIDUAL`); after a fully accepted draft the token
+  is plain decoding's draw. Its tokens then depend on the draft lengths.
+  Measured with the embedded pair at temperature 0.8, fixed:4 (32 requests
+  of 64 tokens): 0.49-0.50 of drafted tokens accepted under this rule, 0.43 under
+  the coupling. A deterministic proposal d (n-gram) is accepted with
+  probability p(d) under either rule.
+- Either way each token has the target's distribution p: p after every
+  sampling parameter, applied as if the drafts before it were already
+  output (logit bias, min_tokens masks, penalties, temperature, top-k,
+  top-p, min-p).
 - Logprobs are the target model's (the raw distribution, as without
   speculation), for every token emitted.
 
@@ -51,7 +61,18 @@ import torch
 from stepserve.engine.cpu_kernels import paged_decode_module
 from stepserve.engine.forward_batch import ForwardBatch, ShapeLog, pads, to_device, token_bucket
 from stepserve.engine.inference import inference
-from stepserve.engine.sampler import Sampler, SamplingBatch, apply_logit_processors, argmax_rows, row_input
+from stepserve.engine.sampler import (
+    STREAM_ACCEPT,
+    STREAM_DRAFT,
+    STREAM_RESIDUAL,
+    Sampler,
+    SamplingBatch,
+    apply_logit_processors,
+    apply_sampling_transforms,
+    argmax_rows,
+    row_input,
+    uniform,
+)
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.speculation import PROPOSERS
 # A draft entry of at most this many tokens runs as decode-shaped queries (one
@@ -72,7 +93,9 @@ class Proposer(Protocol):
         not: whatever a proposer kept for them is stale."""
 
     def propose(self, plan: StepPlan) -> None:
-        """Sets `draft` (at most `draft_len` tokens) on each of `plan.verify_rows`."""
+        """Sets `draft` (at most `draft_len` tokens) and `draft_probs` (the
+        distributions drafts drawn under the rejection rule came from,
+        [len(draft), V], else None) on each of `plan.verify_rows`."""
 
 
 # ---------------------------------------------------------------------------
@@ -294,25 +317,31 @@ class DraftModelProposer:
         self.cold = False
         rows = plan.verify_rows
         for r in rows:
-            r.draft = []
+            r.draft, r.draft_probs = [], None
         first = self._first_unwritten(rows)
         entries = [(r.seq.row, p, r.seq.token_ids[p : r.start + 1]) for r, p in zip(rows, first)]
         if self._native_greedy(rows, entries):
             return
         active = list(range(len(rows)))
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
         step = 0
         while active:
             logits = self._forward(entries)
             step += 1
-            drafted = self._sample([rows[i] for i in active], logits)
+            drafted, q = self._sample([rows[i] for i in active], logits)
             still = []
             for j, i in enumerate(active):
                 r = rows[i]
                 r.draft.append(drafted[j])
+                if q is not None and q[j] is not None:
+                    probs[i].append(q[j])
                 if step < r.draft_len:
                     still.append(i)
             active = still
             entries = [(rows[i].seq.row, rows[i].start + step, [rows[i].draft[-1]]) for i in active]
+        for r, pr in zip(rows, probs):
+            if pr:
+                r.draft_probs = torch.stack(pr)
 
     def _first_unwritten(self, rows: list[ScheduledRow]) -> list[int]:
         """Each row's first position without draft KV (its pending token's
@@ -401,15 +430,31 @@ class DraftModelProposer:
         self.forwards += 1
         return logits
 
-    def _sample(self, rows: list[ScheduledRow], logits: torch.Tensor) -> list[int]:
+    def _sample(self, rows: list[ScheduledRow], logits: torch.Tensor):
         """Each row's next draft token, drawn as the target draws it (greedy
-        rows: argmax; sampled rows: the Gumbel-max sample of the draft's
-        distribution after the same sampling parameters, with the noise the
-        target's sample at that position uses, so that the draft proposes the
-        target's token wherever the two distributions agree: `verify_rows`)."""
+        rows: argmax; sampled rows: from the draft's distribution after the
+        same sampling parameters), and the distributions of the rows under
+        the rejection rule (else None). A request that gave its seed draws
+        with the noise of the target's draw at that position (the coupling:
+        `verify_rows`); one without, with noise of its own (STREAM_DRAFT)."""
         if all(r.seq.plain_greedy for r in rows):
-            return argmax_rows(logits).tolist()
-        return _drawn(logits, [row_input(r.seq, r.draft) for r in rows], self.vocab_size).tolist()
+            return argmax_rows(logits).tolist(), None
+        inputs = [row_input(r.seq, r.draft) for r in rows]
+        batch = SamplingBatch.build(inputs, self.vocab_size, self.device)
+        x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
+        tokens = argmax_rows(x) if batch.all_greedy else _SAMPLER.draw(x, batch)
+        q: list[torch.Tensor | None] = [None] * len(rows)
+        std = [j for j, r in enumerate(rows) if _rejection_rule(r.seq)]
+        if std:
+            idx = torch.tensor(std, dtype=torch.long, device=x.device)
+            s = _transformed(x.index_select(0, idx), batch, idx)
+            u = uniform(batch.seeds.index_select(0, idx), batch.counters.index_select(0, idx), s.shape[1],
+                        STREAM_DRAFT)
+            tokens.index_copy_(0, idx, argmax_rows(s - u.log_().neg_().log_()))
+            p = torch.softmax(s, dim=-1)
+            for j, i in enumerate(std):
+                q[i] = p[j]
+        return tokens.tolist(), q
 
 
 def _flatten(entries: list[tuple[int, int, list[int]]], order) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -440,17 +485,36 @@ def accept_test(target: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
     return target == drafted
 
 
+def rejection_test(u: torch.Tensor, p_d: torch.Tensor, q_d: torch.Tensor) -> torch.Tensor:
+    """The standard rejection rule: a drafted token d is accepted when
+    u < p(d) / q(d) (u uniform in (0, 1)), written without dividing by a q of 0."""
+    return u * q_d < p_d
+
+
+def _rejection_rule(seq) -> bool:
+    """Whether a row is verified by the rejection rule: it samples, and its
+    request gave no seed (so nobody can reproduce its tokens); every other
+    row accepts a draft when it equals the token drawn (`accept_test`)."""
+    return seq.sampling.seed is None and not seq.plain_greedy and seq.sampling.temperature > 0
+
+
 _SAMPLER = Sampler()
 
 
-def _drawn(logits: torch.Tensor, inputs: list, vocab_size: int) -> torch.Tensor:
-    """Each row's token as the sampler draws it from these logits, `inputs`
-    (`row_input`) saying each row's sampling parameters and output so far
-    (whose length keys its random draw): every sampling parameter applied,
-    then argmax (greedy rows) or the Gumbel-max sample (`Sampler.draw`)."""
-    batch = SamplingBatch.build(inputs, vocab_size, logits.device)
-    x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
-    return argmax_rows(x) if batch.all_greedy else _SAMPLER.draw(x, batch)
+def _transformed(x: torch.Tensor, batch: SamplingBatch, rr: torch.Tensor) -> torch.Tensor:
+    """`apply_sampling_transforms` on the rows `rr` of `batch` (x holds those rows)."""
+
+    def pick(t, flag):
+        return t.index_select(0, rr) if flag else None
+
+    return apply_sampling_transforms(
+        x,
+        batch.temperature.index_select(0, rr),
+        pick(batch.top_k, batch.any_top_k),
+        pick(batch.top_p, batch.any_top_p),
+        pick(batch.min_p, batch.any_min_p),
+        max_top_k=batch.max_top_k,
+    )
 
 
 @dataclass
@@ -483,11 +547,42 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
             tokens.append(target[o + a])
         return VerifyOutput(tokens, [None] * len(rows))
 
+    device = logits.device
     inputs = [row_input(r.seq, r.draft[:j]) for r in rows for j in range(1 + len(r.draft))]
-    # each position's token as plain decoding draws it there (`_drawn`); a drafted token is accepted when it equals it
-    fix = _drawn(logits, inputs, vocab_size)
-    drafted = torch.tensor([t for r in rows for t in (*r.draft, -1)], dtype=torch.long, device=logits.device)
+    batch = SamplingBatch.build(inputs, vocab_size, device)
+    x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
+    # each position's token as plain decoding draws it there (`Sampler.draw`); a drafted token is accepted when it
+    # equals it
+    fix = argmax_rows(x) if batch.all_greedy else _SAMPLER.draw(x, batch)
+    drafted = torch.tensor([t for r in rows for t in (*r.draft, -1)], dtype=torch.long, device=device)
     accept = accept_test(fix, drafted)
+    std = [o + j for r, o in zip(rows, offs) if _rejection_rule(r.seq) for j in range(1 + len(r.draft))]
+    if std:  # sampled rows of requests without a seed: the rejection rule
+        idx = torch.tensor(std, dtype=torch.long, device=device)
+        s = _transformed(x.index_select(0, idx), batch, idx)
+        p = torch.softmax(s, dim=-1)
+        V = p.shape[1]
+        d = drafted.index_select(0, idx)
+        has = d >= 0  # positions that check a drafted token (not a row's last)
+        # q: the draft's distribution at each checked position; one-hot for deterministic proposals
+        q = torch.zeros(len(drafted), V, device=device)
+        checked = (drafted >= 0).nonzero().squeeze(1)
+        q[checked, drafted[checked]] = 1.0
+        for r, o in zip(rows, offs):
+            if r.draft_probs is not None:
+                q[o : o + len(r.draft)] = r.draft_probs
+        q = q.index_select(0, idx)
+        seeds, counters = batch.seeds.index_select(0, idx), batch.counters.index_select(0, idx)
+        dd = d.clamp(min=0)[:, None]
+        pd = p.gather(1, dd).squeeze(1)
+        qd = q.gather(1, dd).squeeze(1)
+        u = uniform(seeds, counters, 1, STREAM_ACCEPT)[:, 0]
+        ok = has & rejection_test(u, pd, qd)
+        g_res = uniform(seeds, counters, V, STREAM_RESIDUAL).log_().neg_().log_()
+        res_tok = argmax_rows((p - q).clamp_(min=0).log() - g_res)
+        accept.index_copy_(0, idx, ok)
+        # a rejected draft's position takes the residual's draw; a row's last position keeps plain decoding's
+        fix.index_copy_(0, idx, torch.where(has, res_tok, fix.index_select(0, idx)))
     acc = accept.tolist()
     fixed = fix.tolist()
     tokens = []
@@ -518,4 +613,5 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
     return VerifyOutput(tokens, lps)
 
 
-__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "VerifyOutput", "verify_rows"]
+__all__ = ["PROPOSERS", "Proposer", "NgramProposer", "DraftModelProposer", "VerifyOutput", "verify_rows", "accept_test",
+           "rejection_test"]

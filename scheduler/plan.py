@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stepserve.scheduler.sequence import Seq
 
@@ -26,6 +26,9 @@ class ScheduledRow:
     draft_len: int = 0
     draft_asked: int = 0  # the drafts the policy asked this row for (>= draft_len)
     draft: list[int] | None = None
+    # a draft model's rows under the rejection rule (`engine/speculative.py`): the distribution each drafted token was
+    # drawn from [len(draft), V] (None: a deterministic proposal, or drawn with the target's noise)
+    draft_probs: Any = None
     num_accepted: int = 0
 
     @property

@@ -83,9 +83,12 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              agreeing prefix of its proposal and one token more, and the
              next step starts there), and E[k] is tokens per
              replayed step. The tokens that came are what verification would
-             have accepted: every row's tokens are the ones drawn whatever k
-             ran (`engine/speculative.py`: a draft is accepted exactly when it
-             equals the token drawn at its position). So every k is priced,
+             have accepted: a greedy or seeded row's tokens are the ones
+             drawn whatever k ran (a draft is accepted exactly when it equals
+             the token drawn at its position), and another sampled row's next
+             token equals a one-hot draft d with probability p(d), the
+             probability the rejection rule accepts d with
+             (`engine/speculative.py`). So every k is priced,
              k = 0's neighbours or not,
              with the correlation between positions that prompt lookup has (a
              lookup that is right once tends to stay right) and with where

@@ -17,9 +17,10 @@ reference engine gives it, an aborted one a prefix of its tokens, and the KV
 pool is whole again at the end. The KV integrity check runs after every step
 (check_invariants).
 
-Speculation is exact for greedy and sampled rows alike: a speculating row
-draws each position as the sampler does, keyed on (seed, position, token), so
-its tokens depend neither on the draft lengths nor on the batch."""
+Speculation is exact for greedy rows and for the sampled rows of requests
+that give their seed (every request here does): such a row draws each
+position as the sampler does, keyed on (seed, position, token), so its
+tokens depend neither on the draft lengths nor on the batch."""
 
 from __future__ import annotations
 

@@ -306,16 +306,18 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), stat.double() / 2))
 
 
-def _synthetic_verify(n: int, draft_probs: bool):
+def _synthetic_verify(n: int, draft_probs: bool, seeded: bool = False):
     """n verify rows of 2 drafts each over a 6-token vocabulary, with fixed
     target logits per position (p0, p1, p2), and drafts drawn from the
     distributions q0, q1 (or always the same tokens); returns the emitted
-    tokens' counts at positions 0 and 1."""
+    tokens' counts at positions 0 and 1. `seeded`: the requests gave their
+    seeds (each position drawn as plain decoding draws it, a draft accepted
+    when it equals that draw); else the rejection rule, with q given."""
     V = 6
     gen = torch.Generator().manual_seed(0)
     p_logits = torch.randn(3, V, generator=gen) * 1.5
     q = torch.softmax(torch.randn(2, V, generator=gen) * 1.5, dim=-1)
-    params = SamplingParams(temperature=1.0, max_tokens=100)
+    params = SamplingParams(temperature=1.0, max_tokens=100, seed=5 if seeded else None)
     rows = []
     for i in range(n):
         if draft_probs:
@@ -325,7 +327,8 @@ def _synthetic_verify(n: int, draft_probs: bool):
         seq = SimpleNamespace(sampling=params, seed=1000 + i, num_output=3, min_tokens=0, stop_token_ids=frozenset(),
                               eos_token_ids=frozenset(), ignore_eos=False, token_ids=[1, 2, 3, 4], prompt_len=1,
                               output_ids=[2, 3, 4], plain_greedy=False)
-        rows.append(ScheduledRow(seq, 3, 3, True, draft_len=2, draft=d))
+        probs = q.clone() if draft_probs and not seeded else None
+        rows.append(ScheduledRow(seq, 3, 3, True, draft_len=2, draft=d, draft_probs=probs))
     logits = p_logits.repeat(n, 1)
     out = verify_rows(rows, logits, V)
     first = torch.zeros(V)
@@ -339,19 +342,23 @@ def _synthetic_verify(n: int, draft_probs: bool):
     return first, second, p
 
 
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection-rule", "seeded"])
 @pytest.mark.parametrize("draft_probs", [True, False], ids=["draft-model", "deterministic"])
-def test_rejection_sampling_is_exact(draft_probs):
-    """Each emitted token has the target's distribution at its position; a
-    biased acceptance rule is caught by the same test."""
-    first, second, p = _synthetic_verify(20000, draft_probs)
+def test_rejection_sampling_is_exact(draft_probs, seeded):
+    """Each emitted token has the target's distribution at its position,
+    under either rule; a biased acceptance rule is caught by the same test."""
+    first, second, p = _synthetic_verify(20000, draft_probs, seeded)
     assert _chi2_pvalue(first, p[0]) > 1e-4
     assert _chi2_pvalue(second, p[1]) > 1e-4
 
 
 def test_biased_acceptance_rule_is_caught(monkeypatch):
-    # also taking every drafted 5 (p = 0.011 at the first position, q = 0.040)
-    monkeypatch.setattr(speculative, "accept_test", lambda t, d: (t == d) | (d == 5))
+    monkeypatch.setattr(speculative, "rejection_test", lambda u, p_d, q_d: u * q_d < p_d * 1.5)
     first, _, p = _synthetic_verify(20000, True)
+    assert _chi2_pvalue(first, p[0]) < 1e-6
+    # the seeded rule, also taking every drafted 5 (p = 0.011 at the first position, q = 0.040)
+    monkeypatch.setattr(speculative, "accept_test", lambda t, d: (t == d) | (d == 5))
+    first, _, p = _synthetic_verify(20000, True, seeded=True)
     assert _chi2_pvalue(first, p[0]) < 1e-6
 
 
@@ -360,13 +367,14 @@ def tiny_pair(ckpt_factory):
     return ckpt_factory("llama", layers=1), ckpt_factory("llama", seed=1, layers=1)
 
 
-def _engine_second_token_pvalue(target: str, draft: str, n: int) -> float:
+def _engine_second_token_pvalue(target: str, draft: str, n: int, seeded: bool) -> float:
     """Through the engine with a (different) draft model: sampled at
     temperature 1 with top-k 3, the second output token (the first one a
     verify row emits) must follow the target's distribution given the first.
     Returns the smallest p-value over the first tokens seen often enough."""
     prompt = [5, 17, 33, 101, 7]
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=s, ignore_eos=True) for s in range(n)]
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=s if seeded else None, ignore_eos=True)
+              for s in range(n)]
     llm = LLM(target, speculative="draft", draft_model=draft, spec_length="fixed:2", max_running=512,
               check_invariants=True)
     outs = llm.generate([prompt] * n, params)
@@ -394,11 +402,15 @@ def _engine_second_token_pvalue(target: str, draft: str, n: int) -> float:
     return min(pvals)
 
 
-def test_sampled_distribution_through_the_engine(tiny_pair, monkeypatch):
+@pytest.mark.parametrize("seeded", [False, True], ids=["rejection-rule", "seeded"])
+def test_sampled_distribution_through_the_engine(tiny_pair, monkeypatch, seeded):
     target, draft = tiny_pair
-    assert _engine_second_token_pvalue(target, draft, 3000) > 1e-4
-    monkeypatch.setattr(speculative, "accept_test", lambda t, d: torch.ones_like(d, dtype=torch.bool))
-    assert _engine_second_token_pvalue(target, draft, 3000) < 1e-6
+    assert _engine_second_token_pvalue(target, draft, 3000, seeded) > 1e-4
+    if seeded:
+        monkeypatch.setattr(speculative, "accept_test", lambda t, d: torch.ones_like(d, dtype=torch.bool))
+    else:
+        monkeypatch.setattr(speculative, "rejection_test", lambda u, p_d, q_d: torch.ones_like(u, dtype=torch.bool))
+    assert _engine_second_token_pvalue(target, draft, 3000, seeded) < 1e-6
 
 
 # ---------------------------------------------------------------------------

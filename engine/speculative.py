@@ -495,7 +495,7 @@ def _rejection_rule(seq) -> bool:
     """Whether a row is verified by the rejection rule: it samples, and its
     request gave no seed (so nobody can reproduce its tokens); every other
     row accepts a draft when it equals the token drawn (`accept_test`)."""
-    return seq.sampling.seed is None and not seq.plain_greedy and seq.sampling.temperature > 0
+    return seq.sampling.seed is None and not seq.sampling.greedy
 
 
 _SAMPLER = Sampler()

@@ -102,6 +102,20 @@ def test_seeded_sampled_output_equals_plain_whatever_the_batch(proposer, length)
     assert not report.busy and report.accounted == report.capacity
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_top_k_1_without_a_seed_is_greedy_under_speculation(plain, proposer):
+    """top_k = 1 at a temperature is greedy decoding (`SamplingParams.greedy`),
+    with a penalty too (so not a plain greedy row); without a seed such a
+    row must not take the rejection rule, which would sample it from the
+    whole distribution."""
+    kw = dict(max_tokens=30, ignore_eos=True, presence_penalty=0.5)
+    ref = _tokens(plain.generate(PROMPTS[:3], SamplingParams(temperature=0, **kw)))
+    llm = LLM(speculative=proposer, spec_length="fixed:4")
+    got = llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, top_k=1, **kw))
+    assert _tokens(got) == ref
+    assert llm.engine.stats().policy["spec_draft_tokens"] > 0
+
+
 @pytest.mark.parametrize("shaped_max", [0, 64])
 def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shaped_max):
     """The draft model's catch-up entries, all as extend rows (0; with the

@@ -443,6 +443,9 @@ class _EngineThread:
         except BaseException as e:
             log.exception("engine loop died")
             self._died(e)
+            return
+        # stopped (`shutdown`): requests still running, and any asked for later, fail rather than wait forever
+        self._died(RuntimeError("the engine was shut down"))
 
     def send(self, cmd: Command) -> None:
         self._cmds.put(cmd)

@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from stepserve import LLM, AsyncEngine, SamplingParams
+from stepserve.engine.async_engine import EngineDeadError
 from stepserve.engine.request import CompletionOutput, RequestMetrics, RequestOutput
 
 
@@ -193,11 +194,29 @@ def test_engine_process_death_fails_waiters_and_new_requests(llama_ckpt):
     assert len(deaths) == 1  # a shutdown is no second death
 
 
-def test_shutdown_is_not_a_death(llama_ckpt):
-    engine = AsyncEngine(model=llama_ckpt, process=True)
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_shutdown_is_not_a_death(llama_ckpt, process):
+    """Shut down, the engine is not dead to its death callbacks, but a
+    request still running, and any asked for after, fail with
+    EngineDeadError rather than wait forever (on a thread too)."""
+    engine = AsyncEngine(model=llama_ckpt, process=process)
     deaths = []
     engine.on_death(deaths.append)
-    engine.shutdown()
+
+    async def run():
+        agen = engine.generate("more", SamplingParams(max_tokens=400, ignore_eos=True))
+        await agen.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in agen:
+                pass
+        with pytest.raises(EngineDeadError):
+            async for _ in engine.generate("hi", SamplingParams(max_tokens=2)):
+                pass
+        with pytest.raises(EngineDeadError):
+            await engine.stats()
+
+    asyncio.run(asyncio.wait_for(run(), 60))
     engine.shutdown()  # twice is fine
     assert deaths == [] and not engine.is_alive()
 

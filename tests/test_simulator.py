@@ -191,6 +191,10 @@ def test_refusals_like_the_engine():
     assert "context" in recs[0].error and "context" in recs[1].error
     assert "KV slots" in recs[2].error
     assert recs[3].completed and recs[3].output_tokens == 4
+    # the last requests refused (an n that never fits, then a prompt too long): the run ends with them, recorded
+    sim = Simulator(CONST_1MS, SimConfig(kv_slots=50, max_context=64, vocab_size=100, max_running=2))
+    recs = sim.run([_spec(0, 0.0, 8, 4), _spec(1, 0.01, 8, 4, n=13), _spec(2, 0.02, 70, 2)]).records
+    assert recs[0].completed and "n (13)" in recs[1].error and "context" in recs[2].error
 
 
 def _workload(seed=0, num=120):

@@ -437,6 +437,8 @@ class Simulator:
                                    stages=stages or None, stage_seeds=[0] * later if stages else None,
                                    ignore_eos=True, speculative=speculative)
             if not core.has_work():
+                if i == n:  # the last requests were refused: nothing is left to run
+                    break
                 t_next = send_time(specs[i]) + oh
                 self.runner.idle_s += t_next - clock.t
                 clock.t = t_next

@@ -93,6 +93,12 @@ class EngineConfig:
             raise ValueError("draft_model is given but speculative is not 'draft'")
         if self.spec_length is not None:
             SpecLengthSpec.parse(self.spec_length)
+            if self.speculative == "none":
+                raise ValueError("spec_length is given but speculative is 'none' (draft or ngram)")
+        for name in ("max_running", "max_batched_tokens", "kv_slots", "max_model_len"):
+            v = getattr(self, name, None)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, not {self.overlap_schedule!r}")
         if self.mixed_step_graphs not in ("auto", "on", "off"):

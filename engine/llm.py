@@ -36,7 +36,7 @@ class LLM:
         stage, `index` in order and `stage` saying which."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):

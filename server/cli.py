@@ -33,10 +33,17 @@ log = logging.getLogger("stepserve.server")
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
 
 
+def _port(text: str) -> int:
+    port = int(text)
+    if not 0 <= port <= 65535:  # (0: any free port)
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, not {port}")
+    return port
+
+
 def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000)
     g.add_argument("--api-key", default=os.environ.get("STEPSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every route but /health (env STEPSERVE_API_KEY)")
     g.add_argument("--served-model-name", default=None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -88,10 +89,8 @@ def add_branch_policy_arg(g) -> None:
 def engine_config(args):
     from stepserve.engine.engine import EngineConfig
 
-    try:
-        return _engine_config(EngineConfig, args)
-    except ValueError as e:  # a combination argparse cannot check alone (taper without a TPOT SLO)
-        raise SystemExit(f"stepserve: {e}") from None
+    # (a combination argparse cannot check alone, such as taper without a TPOT SLO, is a ValueError: `main` prints it)
+    return _engine_config(EngineConfig, args)
 
 
 def _engine_config(EngineConfig, args):
@@ -195,7 +194,34 @@ def main(argv: list[str] | None = None) -> int:
     p_prof.set_defaults(func=run_profile)
 
     args = parser.parse_args(argv)
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except _USER_ERRORS as e:  # a bad value, file or URL: one line (STEPSERVE_TRACEBACK=1 shows where it rose)
+        if os.environ.get("STEPSERVE_TRACEBACK", "0") != "0":
+            raise
+        raise SystemExit(f"stepserve: {user_message(e)}") from None
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (ValueError, OSError)
+    try:
+        import httpx
+    except ImportError:
+        return errors
+    return errors + (httpx.HTTPError,)
+
+
+_USER_ERRORS = _user_errors()
+
+
+def user_message(e: BaseException) -> str:
+    """What a user needs of an error their input caused: the message, and
+    for a failed connection where it went."""
+    text = str(e) or type(e).__name__
+    request = getattr(e, "_request", None)  # httpx: the request that failed, if it got that far
+    if request is not None and str(request.url) not in text:
+        text = f"{request.method} {request.url}: {text}"
+    return text
 
 
 if __name__ == "__main__":

@@ -99,3 +99,38 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     write_report({"x": 1}, name)
     assert json.loads((tmp_path / name).read_text()) == {"x": 1}
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["simulate", "--trace", "/nonexistent/trace.csv", "--profile", "h100:llama3-8b"], "trace not found"),
+    (["simulate", "--trace", "/dev/null", "--profile", "h100:llama3-8b"], ""),
+    (["simulate", "--trace", "synthetic:num=4,rate=-1", "--profile", "h100:llama3-8b"], "rate"),
+    (["simulate", "--trace", "synthetic:num=4,input=uniform:5:1", "--profile", "h100:llama3-8b"], ""),
+    (["replay", "--trace", "synthetic:num=2,rate=1", "--url", "http://127.0.0.1:9", "--no-progress"],
+     "http://127.0.0.1:9"),
+    (["replay", "--compare", "/nonexistent/a.json", "/nonexistent/b.json"], "No such file"),
+    (["generate", "--max-tokens", "0", "hello"], "max_tokens"),
+    (["generate", "--max-running", "0", "hello"], "max_running must be a positive integer"),
+    (["generate", "--spec-length", "fixed:2", "hello"], "spec_length is given but speculative is 'none'"),
+])
+def test_a_user_mistake_is_one_line_not_a_traceback(argv, says, monkeypatch):
+    """A bad value, a missing file or an unreachable server ends the command
+    with one `stepserve: ...` line (exit status 1), not a traceback."""
+    monkeypatch.delenv("STEPSERVE_TRACEBACK", raising=False)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert isinstance(e.value.code, str) and e.value.code.startswith("stepserve: ") and says in e.value.code
+    assert "\n" not in e.value.code
+
+
+def test_the_traceback_of_a_user_mistake_on_request(monkeypatch):
+    """STEPSERVE_TRACEBACK=1: the error rises as it is, with its traceback."""
+    monkeypatch.setenv("STEPSERVE_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="max_running must be a positive integer"):
+        main(["generate", "--max-running", "0", "hello"])
+
+
+def test_serve_refuses_a_port_out_of_range(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "99999"])
+    assert e.value.code == 2 and "a TCP port is 0-65535, not 99999" in capsys.readouterr().err

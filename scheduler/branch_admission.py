@@ -129,9 +129,10 @@ class BranchAdmissionSpec:
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
-                return cls("cap", cap=int(rest))
+                cap = int(rest)
             except ValueError:
                 raise ValueError(f"cap:N needs an integer N, got {spec!r}") from None
+            return cls("cap", cap=cap)  # (which says N >= 1 where it is not)
         if head == "taper":
             kw: dict = {}
             for item in filter(None, rest.split(",")):

@@ -134,3 +134,23 @@ def test_serve_refuses_a_port_out_of_range(capsys):
     with pytest.raises(SystemExit) as e:
         main(["serve", "--port", "99999"])
     assert e.value.code == 2 and "a TCP port is 0-65535, not 99999" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--limit", "-1"], "--limit: must be at least 1"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--slo-tpot", "-1"], "--slo-tpot: must be a"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--slo-tpot", "nan"], "--slo-tpot: must be a"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--rate", "0"], "--rate: must be a"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--max-concurrency", "0"],
+     "--max-concurrency: must be at least 1"),
+    (["profile", "--holdout", "1.5"], "--holdout: must lie strictly between 0 and 1"),
+    (["validate", "--trace", TRACE, "--repeats", "0"], "--repeats: must be at least 1"),
+])
+def test_option_values_out_of_range_are_refused_by_name(argv, says, capsys):
+    """A count, time or share out of its range is an argparse error naming
+    the option, before anything runs (a --limit of -1 dropped the last
+    request, a TPOT SLO of -1 ran and met nothing, a holdout of 0 held out
+    nothing)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and says in capsys.readouterr().err

@@ -4,9 +4,34 @@ scaling, the SLOs, rate sweeps and the outputs."""
 from __future__ import annotations
 
 import argparse
+import math
 
 from stepserve.traces.metrics import SLO
 from stepserve.traces.scaling import Scaling
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number above 0 (a time, a rate, a scale)."""
+    v = float(text)
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text}")
+    return v
+
+
+def open_fraction(text: str) -> float:
+    """argparse type: a share strictly between 0 and 1."""
+    v = float(text)
+    if not 0 < v < 1:
+        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, not {text}")
+    return v
 
 
 def add_trace_args(p: argparse.ArgumentParser) -> None:
@@ -17,7 +42,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                         "prefix_len=64,turns=3,burstiness=0.5,arrival=gamma,branch_fraction=0.2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the prompt tokens")
     g.add_argument("--save-trace", default=None, help="also write the scaled requests as stepserve JSONL here")
-    g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+    g.add_argument("--max-concurrency", type=positive_int, default=None, metavar="N",
                    help="keep at most N requests in flight: one arriving beyond that is sent when one completes, "
                         "and its latencies count from then (vLLM's benchmark option; with a --rate far above what the "
                         "server sustains, a closed loop at N)")
@@ -26,24 +51,24 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                         "model vocabulary; else 256)")
 
     s = p.add_argument_group("scaling (always written into the report)")
-    s.add_argument("--time-scale", type=float, default=1.0, help="arrival-rate multiplier (2 = twice as fast)")
-    s.add_argument("--rate", type=float, default=None, help="target mean request rate (req/s); sets the time scale")
+    s.add_argument("--time-scale", type=positive_float, default=1.0, help="arrival-rate multiplier (2 = twice as fast)")
+    s.add_argument("--rate", type=positive_float, default=None, help="target mean request rate (req/s); sets the time scale")
     s.add_argument("--rates", default=None, help="comma list of rates to sweep (req/s), e.g. 1,2,4,8")
-    s.add_argument("--length-scale", type=float, default=1.0, help="multiplies prompt and output lengths")
-    s.add_argument("--input-scale", type=float, default=None, help="prompt lengths only (overrides --length-scale)")
-    s.add_argument("--output-scale", type=float, default=None, help="output lengths only (overrides --length-scale)")
-    s.add_argument("--max-input", type=int, default=None, help="cap on prompt tokens (keeps the start)")
-    s.add_argument("--max-output", type=int, default=None, help="cap on output tokens")
-    s.add_argument("--max-context", type=int, default=None,
+    s.add_argument("--length-scale", type=positive_float, default=1.0, help="multiplies prompt and output lengths")
+    s.add_argument("--input-scale", type=positive_float, default=None, help="prompt lengths only (overrides --length-scale)")
+    s.add_argument("--output-scale", type=positive_float, default=None, help="output lengths only (overrides --length-scale)")
+    s.add_argument("--max-input", type=positive_int, default=None, help="cap on prompt tokens (keeps the start)")
+    s.add_argument("--max-output", type=positive_int, default=None, help="cap on output tokens")
+    s.add_argument("--max-context", type=positive_int, default=None,
                    help="cap on prompt + output (default: the server's / the profile's context length)")
     s.add_argument("--start", type=float, default=0.0, help="window start, seconds after the trace's first request")
     s.add_argument("--duration", type=float, default=None, help="window length in trace seconds")
-    s.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    s.add_argument("--limit", type=positive_int, default=None, help="at most this many requests")
 
     o = p.add_argument_group("SLOs and output")
-    o.add_argument("--slo-ttft", type=float, default=None, help="TTFT SLO, seconds")
-    o.add_argument("--slo-tpot", type=float, default=None, help="TPOT SLO, seconds")
-    o.add_argument("--slo-e2e", type=float, default=None, help="end-to-end latency SLO, seconds")
+    o.add_argument("--slo-ttft", type=positive_float, default=None, help="TTFT SLO, seconds")
+    o.add_argument("--slo-tpot", type=positive_float, default=None, help="TPOT SLO, seconds")
+    o.add_argument("--slo-e2e", type=positive_float, default=None, help="end-to-end latency SLO, seconds")
     o.add_argument("--out", default=None, help="write the JSON report here")
     o.add_argument("--plot", nargs="?", const="", default=None,
                    help="write a PNG (default path: the report's, with .png)")

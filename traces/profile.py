@@ -40,6 +40,7 @@ import numpy as np
 from stepserve.scheduler.latency_model import (
     FORMS, PROFILE_KIND, LinearLatencyModel, ServingCosts, StepFeatures, plan_features, term_names,
 )
+from stepserve.traces.options import open_fraction
 from stepserve.traces.progress import log_line, progress_bar
 from stepserve.traces.report import write_report
 
@@ -56,7 +57,7 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=2, help="timed steps per point and round")
     g.add_argument("--rounds", type=int, default=6, help="passes over the whole grid (interleaved repeats)")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps per point")
-    g.add_argument("--holdout", type=float, default=0.25,
+    g.add_argument("--holdout", type=open_fraction, default=0.25,
                    help="share of points held out per fold (0.25: 4-fold cross-validation)")
     g.add_argument("--target", default="wall_s", choices=["wall_s", "forward_s"],
                    help="which step time to model (wall_s: the whole step, what a request waits for)")

@@ -34,7 +34,8 @@ import numpy as np
 
 from stepserve.scheduler.latency_model import nnls
 from stepserve.traces.calibrate import features, iteration_time, step_lines
-from stepserve.traces.options import add_trace_args, rates_from_args, scaling_from_args, slo_from_args
+from stepserve.traces.options import (add_trace_args, positive_int, rates_from_args, scaling_from_args,
+                                       slo_from_args)
 
 VALIDATION_KIND = "stepserve-validation"
 GOALS = {"goodput_rel": 0.05, "attainment_abs": 0.05, "latency_rel": 0.15, "knee_steps": 1, "knee_level": 0.9}
@@ -51,7 +52,7 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     add_server_args(p)
     add_sim_engine_args(p)
     g = p.add_argument_group("validation")
-    g.add_argument("--repeats", type=int, default=1,
+    g.add_argument("--repeats", type=positive_int, default=1,
                    help="runs per rate, interleaved over the grid (up, then down); figures are medians, and the "
                         "real runs' spread is reported beside them")
     g.add_argument("--step-log", default=None, metavar="PATH",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +163,27 @@ def test_synthetic_prefix_groups_conversations_branches():
     assert {s.n for s in specs} == {1, 3}
     with pytest.raises(ValueError, match="unknown synthetic option"):
         SyntheticConfig.parse("synthetic:nope=1")
+
+
+@pytest.mark.parametrize("spec,says", [
+    ("rate=nan", "must be positive"),
+    ("rate=-1", "must be positive"),
+    ("output=fixed:0", "lengths from 1 on"),
+    ("input=uniform:5:1", "LO <= HI"),
+    ("input=normal:10:-1", "spread of 0 or more"),
+    ("input=lognormal:0:1", "positive mean"),
+    ("output=exponential:-5", "positive mean"),
+    ("input=fixed:inf", "bad length distribution"),
+    ("input=uniform:a:b", "bad length distribution"),
+    ("branch_fraction=-0.5,fork_fraction=1", "branch_fraction and fork_fraction"),
+])
+def test_synthetic_values_out_of_range_are_refused(spec, says):
+    """Each value that would have run as something else (output=fixed:0 as
+    one token, rate=nan as an empty run) or failed inside numpy is a
+    ValueError that says what is wrong."""
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SyntheticConfig.parse("synthetic:num=4," + spec)
+    SyntheticConfig.parse("synthetic:num=4,fork_fraction=0.5,fork_suffix=fixed:0")  # an empty suffix is fine
 
 
 # -- scaling ----------------------------------------------------------------------

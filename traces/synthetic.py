@@ -44,16 +44,26 @@ class LengthDist:
     b: float = 0.0
 
     @classmethod
-    def parse(cls, s: str) -> "LengthDist":
+    def parse(cls, s: str, least: int = 0) -> "LengthDist":
+        """`least`: the shortest length that makes sense (1 for an output)."""
         parts = s.split(":")
         kind = parts[0]
-        nums = [float(x) for x in parts[1:]]
         want = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2, "exponential": 1}
-        if kind not in want or len(nums) != want[kind]:
+        try:
+            nums = [float(x) for x in parts[1:]]
+        except ValueError:
+            nums = []
+        if kind not in want or len(nums) != want[kind] or not all(math.isfinite(x) for x in nums):
             raise ValueError(
                 f"bad length distribution {s!r}: use fixed:N, uniform:LO:HI, normal:MEAN:STD, "
                 "lognormal:MEAN:SIGMA (MEAN of the lengths, SIGMA of their log) or exponential:MEAN")
-        return cls(kind, nums[0], nums[1] if len(nums) > 1 else 0.0)
+        a, b = nums[0], nums[1] if len(nums) > 1 else 0.0
+        if kind in ("fixed", "uniform") and a < least or kind == "uniform" and b < a:
+            raise ValueError(f"bad length distribution {s!r}: lengths from {least} on"
+                             + (", LO <= HI" if kind == "uniform" else ""))
+        if kind in ("normal", "lognormal") and b < 0 or kind in ("lognormal", "exponential") and a <= 0:
+            raise ValueError(f"bad length distribution {s!r}: a positive mean and a spread of 0 or more")
+        return cls(kind, a, b)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         k, a, b = self.kind, self.a, self.b
@@ -99,17 +109,19 @@ class SyntheticConfig:
     def __post_init__(self):
         if self.arrival not in ("poisson", "gamma", "constant"):
             raise ValueError(f"arrival must be poisson, gamma or constant, not {self.arrival!r}")
-        if self.rate <= 0 or self.burstiness <= 0 or self.num < 1 or self.turns < 1:
+        if not (self.rate > 0 and self.burstiness > 0 and math.isfinite(self.rate) and math.isfinite(self.burstiness)
+                and self.num >= 1 and self.turns >= 1):
             raise ValueError("num, rate, burstiness and turns must be positive")
         if self.prefix_groups and self.prefix_len < 1:
             raise ValueError("prefix_groups needs prefix_len >= 1")
-        LengthDist.parse(self.input)
-        LengthDist.parse(self.output)
-        for d in (self.fork_suffix, self.fork_output, self.join_output):
+        LengthDist.parse(self.input, least=1)
+        LengthDist.parse(self.output, least=1)
+        for d, least in ((self.fork_suffix, 0), (self.fork_output, 1), (self.join_output, 1)):
             if d:
-                LengthDist.parse(d)
-        if not 0 <= self.branch_fraction + self.fork_fraction <= 1:
-            raise ValueError("branch_fraction + fork_fraction must lie in [0, 1]")
+                LengthDist.parse(d, least)
+        if not (0 <= self.branch_fraction <= 1 and 0 <= self.fork_fraction <= 1
+                and self.branch_fraction + self.fork_fraction <= 1):
+            raise ValueError("branch_fraction and fork_fraction must lie in [0, 1], and so must their sum")
         if self.fork_fraction and (self.fork_stages < 1 or self.fork_branches < 1):
             raise ValueError("fork_stages and fork_branches must be at least 1")
 

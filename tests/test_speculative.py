@@ -64,7 +64,7 @@ def test_greedy_output_equals_plain(plain, proposer, length):
     on a warm radix cache: token for token the output without speculation,
     with the KV integrity check after every step."""
     ref = _tokens(plain.generate(PROMPTS, _mixed_params()))
-    llm = LLM(check_invariants=True, speculative=proposer, spec_length=length)
+    llm = LLM(check_invariants=True, speculative=proposer, spec_length=length, kv_slots=8192)
     for _ in range(2):
         assert _tokens(llm.generate(PROMPTS, _mixed_params())) == ref
     stats = llm.engine.stats().policy
@@ -90,8 +90,9 @@ def test_seeded_sampled_output_equals_plain_whatever_the_batch(proposer, length)
                SamplingParams(temperature=0.7, min_p=0.05, presence_penalty=0.5, seed=99, max_tokens=25,
                               ignore_eos=True)]
     prompts = PROMPTS[:3]
-    ref = _tokens(LLM(max_batched_tokens=16).generate(prompts, sampled))
-    llm = LLM(check_invariants=True, speculative=proposer, spec_length=length, max_batched_tokens=16)
+    small = dict(max_batched_tokens=16, kv_slots=4096)  # (a test's engines stay small: the suite runs in one process)
+    ref = _tokens(LLM(**small).generate(prompts, sampled))
+    llm = LLM(check_invariants=True, speculative=proposer, spec_length=length, **small)
     assert [_tokens(llm.generate([p], [sp]))[0] for p, sp in zip(prompts, sampled)] == ref  # alone
     noise = [f"{i} And the earth was without form " * (2 + i) for i in range(6)]
     busy = llm.generate(prompts + noise, sampled + [SamplingParams(temperature=0, max_tokens=20)] * 6)
@@ -110,7 +111,7 @@ def test_top_k_1_without_a_seed_is_greedy_under_speculation(plain, proposer):
     whole distribution."""
     kw = dict(max_tokens=30, ignore_eos=True, presence_penalty=0.5)
     ref = _tokens(plain.generate(PROMPTS[:3], SamplingParams(temperature=0, **kw)))
-    llm = LLM(speculative=proposer, spec_length="fixed:4")
+    llm = LLM(speculative=proposer, spec_length="fixed:4", kv_slots=4096)
     got = llm.generate(PROMPTS[:3], SamplingParams(temperature=1.0, top_k=1, **kw))
     assert _tokens(got) == ref
     assert llm.engine.stats().policy["spec_draft_tokens"] > 0
@@ -390,10 +391,10 @@ def _engine_second_token_pvalue(target: str, draft: str, n: int, seeded: bool) -
     params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, seed=s if seeded else None, ignore_eos=True)
               for s in range(n)]
     llm = LLM(target, speculative="draft", draft_model=draft, spec_length="fixed:2", max_running=512,
-              check_invariants=True)
+              check_invariants=True, kv_slots=32768)
     outs = llm.generate([prompt] * n, params)
     assert llm.engine.stats().policy["spec_draft_tokens"] > 0
-    ref = LLM(target)
+    ref = LLM(target, kv_slots=4096)
     by_first: dict[int, list[int]] = {}
     for o in outs:
         t = o.outputs[0].token_ids

@@ -216,8 +216,8 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
     with pytest.raises(SystemExit, match="rescales a measured"):
         main(["validate", "--trace", TRACE, "--rates", "4,16", "--profile", "h100:llama3-8b", "--slo-ttft", "0.5",
               "--replays", str(tmp_path / "runs"), "--step-log", step_log, "--speed-from-step-log"])
-    # a rate the folder does not hold must be replayed: here, against no server, an error
-    with pytest.raises(Exception):
+    # a rate the folder does not hold must be replayed: here, against no server, an error naming it
+    with pytest.raises(SystemExit, match="http://127.0.0.1:9"):
         main(["validate", "--trace", TRACE, "--rates", "4,8", "--url", "http://127.0.0.1:9", "--profile",
               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1",
               "--replays", str(tmp_path / "runs"), "--no-progress"])

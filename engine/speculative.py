@@ -442,9 +442,11 @@ class DraftModelProposer:
         inputs = [row_input(r.seq, r.draft) for r in rows]
         batch = SamplingBatch.build(inputs, self.vocab_size, self.device)
         x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
-        tokens = argmax_rows(x) if batch.all_greedy else _SAMPLER.draw(x, batch)
-        q: list[torch.Tensor | None] = [None] * len(rows)
         std = [j for j, r in enumerate(rows) if _rejection_rule(r.seq)]
+        # the target's draw for the coupled rows (seeded, sampled); the rejection rule's rows draw again below
+        coupled = sum(not r.seq.sampling.greedy for r in rows) > len(std)
+        tokens = _SAMPLER.draw(x, batch) if coupled else argmax_rows(x)
+        q: list[torch.Tensor | None] = [None] * len(rows)
         if std:
             idx = torch.tensor(std, dtype=torch.long, device=x.device)
             s = _transformed(x.index_select(0, idx), batch, idx)
@@ -602,7 +604,7 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
             n = r.num_accepted + 1
             emitted = r.draft[: r.num_accepted] + [tokens[i]]
             sub = logp[o : o + n]
-            chosen = sub.gather(1, torch.tensor(emitted, device=logits.device)[:, None]).squeeze(1).tolist()
+            chosen = sub.gather(1, torch.tensor(emitted, device=device)[:, None]).squeeze(1).tolist()
             kk = r.seq.sampling.logprobs
             if kk and kmax:
                 tv, ti = sub.topk(kmax, dim=-1)

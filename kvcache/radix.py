@@ -95,6 +95,17 @@ class RadixCache:
         self._evictable = 0  # tokens in nodes with lock_ref == 0
         self._protected = 0  # tokens in nodes with lock_ref > 0
         self._num_nodes = 0  # excluding the root
+        # Eviction candidates, a min-heap of (last_access, id, node) kept across
+        # calls with lazy deletion: an entry is pushed whenever a node becomes an
+        # unlocked leaf or is touched while it is one, and an entry whose node
+        # has since been locked, grown children, been touched again or been
+        # evicted is dropped when it surfaces. Eviction then costs O(log n) per
+        # freed node instead of a walk over the whole tree per call, which on a
+        # full pool is every step.
+        # The third field breaks ties between two entries of one node and stamp
+        # (an unlock re-offers a node that is already in), so nodes are never compared.
+        self._lru: list[tuple[int, int, int, TreeNode]] = []
+        self._pushes = itertools.count()
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -102,6 +113,20 @@ class RadixCache:
     def _tick(self) -> int:
         self._clock += 1
         return self._clock
+
+    def _offer(self, node: TreeNode) -> None:
+        """Record `node` as an eviction candidate if it is one now."""
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            heapq.heappush(self._lru, (node.last_access, node.id, next(self._pushes), node))
+            if len(self._lru) > 2 * self._num_nodes + 1024:
+                self._lru = [e for e in self._lru if self._current(e)]
+                heapq.heapify(self._lru)
+
+    @staticmethod
+    def _current(entry: tuple[int, int, int, TreeNode]) -> bool:
+        """Whether a heap entry still names an evictable leaf as it was pushed."""
+        stamp, _, _, node = entry
+        return node.parent is not None and node.lock_ref == 0 and not node.children and node.last_access == stamp
 
     # ------------------------------------------------------------------ match
 
@@ -135,6 +160,7 @@ class RadixCache:
             pos += n
             if split:  # the match ended inside that edge
                 break
+        self._offer(node)  # touched: an unlocked leaf moves to the back of the LRU
         # Always a fresh tensor (cat copies even one piece): the caller may write
         # into it, and node values must never change behind the tree's back.
         slots = torch.cat(values) if values else self._empty()
@@ -198,6 +224,7 @@ class RadixCache:
                 node.children[key[pos]] = leaf
                 self._evictable += len(leaf.key)  # a new leaf is never locked
                 self._num_nodes += 1
+                self._offer(leaf)
                 return pos
             n = _common_len(child.key, key, pos)
             if n < len(child.key):
@@ -205,6 +232,7 @@ class RadixCache:
             child.last_access = now
             node = child
             pos += n
+        self._offer(node)
         return pos
 
     # ------------------------------------------------------------ lock/unlock
@@ -234,6 +262,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable += len(node.key)
                 self._protected -= len(node.key)
+                self._offer(node)
             node = node.parent
 
     # ------------------------------------------------------------------ evict
@@ -244,12 +273,13 @@ class RadixCache:
         candidate in turn. Returns the number of tokens (slots) freed."""
         if self.disable or num_tokens <= 0 or self._evictable == 0:
             return 0
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.is_leaf and n.lock_ref == 0]
-        heapq.heapify(heap)
         freed = 0
         released: list[torch.Tensor] = []
-        while freed < num_tokens and heap:
-            _, _, node = heapq.heappop(heap)
+        while freed < num_tokens and self._lru:
+            entry = heapq.heappop(self._lru)
+            if not self._current(entry):
+                continue  # stale: locked, grown, touched again or gone since
+            node = entry[3]
             parent = node.parent
             assert parent is not None
             del parent.children[node.key[0]]
@@ -258,10 +288,7 @@ class RadixCache:
             freed += len(node.key)
             self._evictable -= len(node.key)
             self._num_nodes -= 1
-            # Each node enters the heap at most once: either it was a leaf at
-            # the start or it becomes one here, after its last child left.
-            if parent is not self.root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            self._offer(parent)  # a parent whose last child left is a candidate in turn
         if released:
             self.allocator.free(torch.cat(released))
         return freed
@@ -330,6 +357,10 @@ class RadixCache:
         assert evictable == self._evictable, f"evictable_size {self._evictable} != recomputed {evictable}"
         assert protected == self._protected, f"protected_size {self._protected} != recomputed {protected}"
         assert count == self._num_nodes, f"node count {self._num_nodes} != recomputed {count}"
+        candidates = {id(e[3]) for e in self._lru if self._current(e)}
+        for node in self._nodes():
+            if node.lock_ref == 0 and not node.children:
+                assert id(node) in candidates, f"unlocked leaf missing from the eviction heap: {node!r}"
         slots = torch.cat(values) if values else self._empty()
         if slots.numel():
             s = slots.cpu()

@@ -199,6 +199,29 @@ def test_evict_stops_once_enough_freed():
     assert t.evict(0) == 0
 
 
+def test_eviction_does_not_walk_the_whole_tree(monkeypatch):
+    # On a full pool every step evicts a few tokens. A walk over every node per
+    # call made each step cost ~20 ms at 12k nodes, and a server slowed to a
+    # crawl once its pool filled. Candidates now live in a heap kept across calls.
+    a, t = make(num_slots=4 * 3000 + 8)
+    for i in range(3000):
+        put(a, t, [i % 7, i, i, i])  # 7 shared first tokens, 3000 leaves below them
+    t.match_prefix([0, 0, 0, 0])  # the oldest leaf becomes the newest
+    locked = t.match_prefix([1, 1, 1, 1]).node
+    t.lock(locked)  # the next oldest may not go
+
+    def walk(self):
+        raise AssertionError("evict walked the whole tree")
+
+    monkeypatch.setattr(RadixCache, "_nodes", walk)
+    assert t.evict(30) == 30  # ten leaves of 3 tokens each
+    monkeypatch.undo()
+    gone = [i for i in range(3000) if t.match_prefix([i % 7, i, i, i]).length < 4]
+    assert gone == list(range(2, 12))  # least recently used first, the locked one and the touched one skipped
+    t.unlock(locked)
+    t.check()  # also asserts that every unlocked leaf is still a candidate
+
+
 def test_disable_mode():
     a, t = make(disable=True)
     s = a.alloc(3)

@@ -95,6 +95,9 @@ class EngineConfig:
             SpecLengthSpec.parse(self.spec_length)
             if self.speculative == "none":
                 raise ValueError("spec_length is given but speculative is 'none' (draft or ngram)")
+        for name in ("prefix_caching", "enforce_eager", "check_invariants"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("max_running", "max_batched_tokens", "kv_slots", "max_model_len"):
             v = getattr(self, name, None)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
@@ -209,6 +212,22 @@ def _needs_tokens(seq) -> bool:
     return proc is not None and getattr(proc, "reads_output", True)
 
 
+def _token_ids(tokens, what: str = "prompt") -> list[int]:
+    """Token ids as plain ints: Python or NumPy ints, or a 1-D integer tensor;
+    a float or a bool is refused, not truncated."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise RequestError(f"{what} token ids must be a 1-D integer tensor, got {tokens.dtype} of shape "
+                               f"{tuple(tokens.shape)}", "prompt")
+        return tokens.tolist()
+    out = []
+    for t in tokens:
+        if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
+            raise RequestError(f"{what} token ids must be integers, got {t!r}", "prompt")
+        out.append(t.__index__())
+    return out
+
+
 def _positive_int(v, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise RequestError(f"{what} must be a positive integer, got {v!r}", "stages")
@@ -309,7 +328,11 @@ class Engine:
         mc = self.model_config
         self.dtype = next(self.model.parameters()).dtype
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            # as vLLM: positions past the model's context were never trained, so it is an error, not a clamp
+            raise ValueError(f"max_model_len {config.max_model_len} is more than the model's context "
+                             f"({mc.max_position_embeddings} tokens, max_position_embeddings in {model_dir})")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
         eos = set(mc.eos_token_ids) | set(_generation_eos(model_dir))
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -474,9 +497,9 @@ class Engine:
         params = (params or SamplingParams()).check_token_ids(self.model_config.vocab_size)
         if isinstance(prompt, str):
             text = prompt
-            ids = self.tokenize(prompt) if prompt_token_ids is None else [int(t) for t in prompt_token_ids]
+            ids = self.tokenize(prompt) if prompt_token_ids is None else _token_ids(prompt_token_ids)
         else:
-            text, ids = None, [int(t) for t in prompt]
+            text, ids = None, _token_ids(prompt)
         plen = len(ids)
         max_tokens = self.core.check_request(ids, params.max_tokens, params.n)
         for name, v in (("slo_ttft", slo_ttft_s), ("slo_tpot", slo_tpot_s)):

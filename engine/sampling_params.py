@@ -169,7 +169,7 @@ class SamplingParams:
         self._normalise()
         _check_int("n", self.n, lo=1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, lo=0)
+            _check_int("max_tokens", self.max_tokens, lo=1)  # as vLLM: a request generates at least one token
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise RequestError(

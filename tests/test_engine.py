@@ -3,8 +3,10 @@ text, streaming, aborts, validation."""
 
 
 import pytest
+import torch
 
 from stepserve import LLM, SamplingParams
+from stepserve.engine.engine import EngineConfig
 from stepserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -206,6 +208,12 @@ def test_validation_errors_leave_engine_serving(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):
         llm.generate(["hi"], SamplingParams(max_tokens=0))
+    for bad in ([5, 6.7], [5, True], torch.tensor([5.0, 6.0])):  # refused, not truncated to other tokens
+        with pytest.raises(ValueError, match="integer"):
+            eng.add_request(bad, SamplingParams(max_tokens=2))
+    assert eng.add_request(torch.tensor([5, 6]), SamplingParams(max_tokens=1)).prompt_ids == [5, 6]
+    while eng.has_unfinished():
+        eng.step()
     assert llm.generate(["hi"], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].finish_reason == "length"
     assert_idle(eng)
 
@@ -292,3 +300,10 @@ def test_step_records_say_which_steps_ran_a_new_shape(llama_ckpt):
     two = len(llm.engine.records)
     llm.generate(["In the beginning", "And God said"], p)
     assert any(r.cold and r.decode_rows == 2 for r in list(llm.engine.records)[two:])
+
+
+@pytest.mark.parametrize("name", ["prefix_caching", "enforce_eager", "check_invariants"])
+def test_a_switch_given_as_a_string_is_refused(name):
+    # "no" is truthy: taken as it is, prefix_caching="no" would turn caching on
+    with pytest.raises(ValueError, match=f"{name} must be True or False"):
+        EngineConfig(**{name: "no"})

@@ -26,6 +26,7 @@ def test_defaults_are_valid_and_match_vllm():
         ({"n": 1.5}, "n"),
         ({"n": True}, "n"),
         ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 2.0}, "max_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
@@ -104,7 +105,7 @@ def test_boundary_values_are_accepted():
         logit_bias={0: -100, 5: 100},
         seed=-(2**70),
     )
-    SamplingParams(max_tokens=0, logprobs=0, top_p=1e-9, min_p=0.0)
+    SamplingParams(max_tokens=1, logprobs=0, top_p=1e-9, min_p=0.0)
 
 
 def test_normalisation():

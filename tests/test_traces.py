@@ -100,6 +100,10 @@ def test_load_trace_dispatch(tmp_path):
     bad.write_text("hello\n")
     with pytest.raises(ValueError, match="unknown trace format"):
         load_trace(str(bad))
+    header = tmp_path / "header_only.csv"
+    header.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(ValueError, match="holds no requests"):  # not a run of nothing that exits 0
+        load_trace(str(header))
 
 
 # -- prompts ----------------------------------------------------------------------

@@ -112,6 +112,7 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     (["generate", "--max-tokens", "0", "hello"], "max_tokens"),
     (["generate", "--max-running", "0", "hello"], "max_running must be a positive integer"),
     (["generate", "--spec-length", "fixed:2", "hello"], "spec_length is given but speculative is 'none'"),
+    (["generate", "--max-model-len", "5000", "hello"], "max_model_len 5000 is more than the model's context (1024"),
 ])
 def test_a_user_mistake_is_one_line_not_a_traceback(argv, says, monkeypatch):
     """A bad value, a missing file or an unreachable server ends the command

@@ -37,6 +37,13 @@ def _first_json_line(path: str) -> dict | None:
 
 
 def load_trace(source: str) -> Trace:
+    trace = _load(source)
+    if not trace.specs:
+        raise ValueError(f"{source}: the trace holds no requests")
+    return trace
+
+
+def _load(source: str) -> Trace:
     if source.startswith("synthetic"):
         from stepserve.traces.synthetic import SyntheticConfig, generate
 

@@ -56,7 +56,8 @@ TAPER, each step:
     wins.
   * The prediction comes from the shared step-latency model
     (`latency_model.py`): an offline fit when given, rescaled online on the
-    steps this policy observes. Until it is calibrated (no offline fit and
+    last 200 steps this policy observes, every 600 s (of the scheduler's
+    clock) or, with `refit=K`, every K observed steps. Until it is calibrated (no offline fit and
     fewer than `min_samples` steps seen) TAPER runs eager and counts those
     steps (`stats()['taper_uncalibrated_steps']`).
   * The paper's ablations: `budget=slo`, `replan=K`, `predictor=constant`
@@ -86,7 +87,7 @@ BUDGETS = ("slack", "slo")
 PREDICTORS = ("model", "constant")
 LATES = ("drop", "keep")
 TAPER_OPTIONS = {"rho": float, "utility": str, "clock": str, "budget": str, "replan": int, "predictor": str,
-                 "late": str}
+                 "late": str, "refit": int}
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,9 @@ class BranchAdmissionSpec:
     replan: int = 1  # plan every this many branching steps; between, each request keeps its last width
     predictor: str = "model"  # model | constant: every plan predicted at the recent mean step time
     late: str = "drop"  # drop | keep (the paper): deadlines the baseline step misses and cannot win back
+    # rescale the step model on the last observed steps every this many of them (0: every refit_period_s
+    # only); a machine whose speed moves within seconds needs a short period
+    refit: int = 0
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -121,11 +125,13 @@ class BranchAdmissionSpec:
             raise ValueError(f"taper late must be one of {', '.join(LATES)}; got {self.late!r}")
         if self.replan < 1:
             raise ValueError(f"taper replan must be at least 1, got {self.replan}")
+        if self.refit < 0:
+            raise ValueError(f"taper refit must be 0 (by time only) or a number of steps, got {self.refit}")
 
     @classmethod
     def parse(cls, spec: str) -> "BranchAdmissionSpec":
         """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token,
-        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep]`."""
+        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep,refit=K]`."""
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
@@ -139,7 +145,8 @@ class BranchAdmissionSpec:
                 k, eq, v = item.partition("=")
                 if not eq or k not in TAPER_OPTIONS:
                     raise ValueError("taper options are rho=R, utility=concave|linear, clock=average|token, "
-                                     "budget=slack|slo, replan=K, predictor=model|constant and late=drop|keep; "
+                                     "budget=slack|slo, replan=K, predictor=model|constant, late=drop|keep and "
+                                     "refit=K; "
                                      f"got {item!r}")
                 try:
                     kw[k] = TAPER_OPTIONS[k](v)
@@ -154,7 +161,7 @@ class BranchAdmissionSpec:
         if self.mode == "cap":
             return f"cap:{self.cap}"
         if self.mode == "taper":
-            defaults = (("budget", "slack"), ("replan", 1), ("predictor", "model"), ("late", "drop"))
+            defaults = (("budget", "slack"), ("replan", 1), ("predictor", "model"), ("late", "drop"), ("refit", 0))
             extra = "".join(f",{k}={getattr(self, k)}" for k, d in defaults if getattr(self, k) != d)
             return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
@@ -204,7 +211,8 @@ class BranchAdmissionPolicy:
             if base is not None and not isinstance(base, LinearLatencyModel):
                 base = linear_fit_of(base)
             self.predictor = OnlineLatencyModel(base=base, window=window, min_samples=min_samples,
-                                                refit_period_s=refit_period_s, clock=self._now)
+                                                refit_period_s=refit_period_s, clock=self._now,
+                                                refit_every_steps=self.spec.refit or None)
         self._t = 0.0  # the scheduler's clock at the last plan
         self._planned = False  # the last plan() ran the taper planner (its step is observed)
         self.steps = 0  # steps that had a request with more than one decode row

@@ -212,18 +212,18 @@ def _needs_tokens(seq) -> bool:
     return proc is not None and getattr(proc, "reads_output", True)
 
 
-def _token_ids(tokens, what: str = "prompt") -> list[int]:
+def _token_ids(tokens) -> list[int]:
     """Token ids as plain ints: Python or NumPy ints, or a 1-D integer tensor;
     a float or a bool is refused, not truncated."""
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise RequestError(f"{what} token ids must be a 1-D integer tensor, got {tokens.dtype} of shape "
+            raise RequestError(f"prompt token ids must be a 1-D integer tensor, got {tokens.dtype} of shape "
                                f"{tuple(tokens.shape)}", "prompt")
         return tokens.tolist()
     out = []
     for t in tokens:
         if isinstance(t, (bool, float)) or not hasattr(t, "__index__"):
-            raise RequestError(f"{what} token ids must be integers, got {t!r}", "prompt")
+            raise RequestError(f"prompt token ids must be integers, got {t!r}", "prompt")
         out.append(t.__index__())
     return out
 

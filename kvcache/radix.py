@@ -322,6 +322,7 @@ class RadixCache:
         assert root.parent is None and root.key == [] and root.value.numel() == 0, "bad root"
         assert root.lock_ref == 0 and root.direct_locks == 0, "root must never be locked"
         evictable = protected = count = 0
+        candidates = {id(e[3]) for e in self._lru if self._current(e)}
         values: list[torch.Tensor] = []
         seen: set[int] = {id(root)}
         stack = [root]
@@ -353,14 +354,12 @@ class RadixCache:
                     protected += len(node.key)
                 else:
                     evictable += len(node.key)
+                    if not node.children:
+                        assert id(node) in candidates, f"unlocked leaf missing from the eviction heap: {node!r}"
                 values.append(node.value)
         assert evictable == self._evictable, f"evictable_size {self._evictable} != recomputed {evictable}"
         assert protected == self._protected, f"protected_size {self._protected} != recomputed {protected}"
         assert count == self._num_nodes, f"node count {self._num_nodes} != recomputed {count}"
-        candidates = {id(e[3]) for e in self._lru if self._current(e)}
-        for node in self._nodes():
-            if node.lock_ref == 0 and not node.children:
-                assert id(node) in candidates, f"unlocked leaf missing from the eviction heap: {node!r}"
         slots = torch.cat(values) if values else self._empty()
         if slots.numel():
             s = slots.cpu()

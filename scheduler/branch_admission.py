@@ -57,9 +57,10 @@ TAPER, each step:
   * The prediction comes from the shared step-latency model
     (`latency_model.py`): an offline fit when given, rescaled online on the
     last 200 steps this policy observes, every 600 s (of the scheduler's
-    clock) or, with `refit=K`, every K observed steps. Until it is calibrated (no offline fit and
-    fewer than `min_samples` steps seen) TAPER runs eager and counts those
-    steps (`stats()['taper_uncalibrated_steps']`).
+    clock) or, with `refit=K`, every K observed steps. Until it is
+    calibrated (no offline fit and fewer than `min_samples` steps seen)
+    TAPER runs eager and counts those steps
+    (`stats()['taper_uncalibrated_steps']`).
   * The paper's ablations: `budget=slo`, `replan=K`, `predictor=constant`
     (`BranchAdmissionSpec`); `late=keep` for its slack.
 

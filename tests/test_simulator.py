@@ -92,10 +92,42 @@ def test_wake_curve_follows_the_idle_time():
     assert b.ttft == pytest.approx(0.002 + 0.001)  # idle 10 ms: 2 ms wake + 1 ms step
 
 
+def test_busy_loop_time_comes_before_every_step_but_a_wake_up():
+    """loop_s is what the engine loop spends between two busy steps: every
+    step of a busy engine starts that long after the one before ended; the
+    first after idling pays the wake-up instead. The tokens leave when the
+    step ends, so TTFT holds no loop time and each gap one."""
+    specs = [_spec(0, 0.0, 10, 4), _spec(1, 1.0, 10, 3)]
+    cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, wake_s=0.003, loop_s=0.0002)
+    res = Simulator(CONST_1MS, cfg).run(specs)
+    a, b = res.records
+    assert a.ttft == pytest.approx(0.004) and b.ttft == pytest.approx(0.004)  # wake-up + prefill step
+    assert a.tpot == pytest.approx(0.0012) and b.tpot == pytest.approx(0.0012)
+    assert list(res.itl_s) == pytest.approx([0.0012] * 5)
+    assert res.stats["virtual_busy_s"] == pytest.approx(2 * 0.003 + 7e-3 + 5 * 0.0002)
+
+
+def test_busy_loop_time_is_host_time_under_the_overlap_schedule():
+    """Under the overlap schedule the loop's time is host work: it runs beside
+    the device's part of the step before, so a device-bound engine hides it
+    and a host-bound one pays it per step."""
+    specs = [_spec(i, 0.0, 10, 20) for i in range(2)]
+    for host_ms, device_ms in ((1.0, 3.0), (3.0, 1.0)):
+        model = _HostAndDevice(host_ms * 1e-3, device_ms * 1e-3)
+        cfg = SimConfig(kv_slots=2000, max_context=256, vocab_size=100, overlap_schedule=True)
+        plain = Simulator(model, cfg).run(specs)
+        looped = Simulator(model, SimConfig(**{**cfg.__dict__, "loop_s": 0.5e-3})).run(specs)
+        steady = sorted(looped.itl_s)[len(looped.itl_s) // 2]
+        assert steady == pytest.approx(max(host_ms + 0.5, device_ms) * 1e-3)
+        assert steady - sorted(plain.itl_s)[len(plain.itl_s) // 2] == pytest.approx(
+            0.0 if device_ms > host_ms + 0.5 else 0.5e-3)
+
+
 def test_profile_serving_costs_reach_the_simulator():
     cfg = SimConfig.from_profile({"kv_slots": 100, "delivery_s": 0.002, "wake_s": 0.001, "entry_s": 0.0005,
-                                  "stream_s": 0.0001})
+                                  "stream_s": 0.0001, "loop_s": 0.0001})
     assert (cfg.entry_s, cfg.delivery_s, cfg.stream_s, cfg.wake_s) == (0.0005, 0.002, 0.0001, 0.001)
+    assert cfg.loop_s == 0.0001 and cfg.serving().loop_s == 0.0001
     old = SimConfig.from_profile({"kv_slots": 100, "request_overhead_s": 0.006})
     assert (old.entry_s, old.delivery_s) == (0.0, 0.006)
 

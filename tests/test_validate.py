@@ -58,13 +58,14 @@ def test_engine_view_of_a_replay():
     """A request sent at 100.000 reaches the idle engine at 100.002 (entry 2 ms);
     its first step takes 14 ms where the model says 10 (after idle: +4 ms);
     the busy steps take what the model says. A request sent while a step runs
-    waits for it, which is not entry cost."""
+    waits for it, which is not entry cost. The busy loop spends 0.6 ms between
+    two steps once."""
     model = LinearLatencyModel("linear", [0.01, 0.0, 0.0, 0.0])
     lines = [
         _line(100.002, wait=5.0, adds=1, step=0.014),
         _line(100.016, step=0.010),
         _line(100.026, adds=1, step=0.010),  # sent at 100.020, during the step before
-        _line(100.036, step=0.010),
+        _line(100.0366, step=0.010),  # 0.6 ms of the loop's own after the step before
     ]
     real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": 0.04}, {"start_s": 0.020, "end_s": 0.045}]}
     v = step_log_view(lines, real, model)
@@ -73,6 +74,7 @@ def test_engine_view_of_a_replay():
     assert v["wake_extra_s_p50"] == pytest.approx(0.004)
     assert v["busy_step_ratio_p50"] == pytest.approx(1.0)
     assert v["entry_s"]["n"] == 1 and v["entry_s"]["p50"] == pytest.approx(0.002)
+    assert v["loop_s"] == pytest.approx(0.0006 / 3)  # the mean over the three busy gaps
 
 
 def _report(rate, goodput, attainment, ttft, tpot):
@@ -121,14 +123,15 @@ def test_knee_is_the_first_rate_below_the_level():
 def test_calibration_from_a_step_log_recovers_each_cost():
     """A synthetic step log made with known costs: busy steps follow the model
     (times a +-5% scatter), steps after idle take wake_s more, probes reach the
-    idle engine entry_s after their send, and their first token reaches the
-    client delivery_s + stream_s * (tokens of its step) after the step ends."""
+    idle engine entry_s after their send, their first token reaches the
+    client delivery_s + stream_s * (tokens of its step) after the step ends,
+    and a busy loop spends loop_s between one step's end and the next's start."""
     import random
 
     from stepserve.traces.calibrate import calibrate
 
     truth = LinearLatencyModel("linear", [4e-3, 1e-4, 1e-6, 1.5e-4])
-    entry, delivery, stream, wake = 0.4e-3, 2e-3, 1e-4, 3e-3
+    entry, delivery, stream, wake, loop = 0.4e-3, 2e-3, 1e-4, 3e-3, 0.15e-3
     rng = random.Random(1)
     lines, probes, t = [], [], 1000.0
 
@@ -143,7 +146,7 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         # a busy stretch of B decode rows
         b = rng.choice([2, 4, 8, 16, 32])
         for _ in range(20):
-            t = step(t, 0.0, 0, b, b * rng.randint(20, 400), b, 0.0)
+            t = step(t, 0.0, 0, b, b * rng.randint(20, 400), b, 0.0) + loop
         # a probe of P tokens beside the same B decode rows (busy: no wake)
         p = rng.choice([16, 64, 256])
         send = t - 0.002  # sent during the last decode step
@@ -155,7 +158,7 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         t = send + entry
         end = step(t, t - send + 0.1999, 1, 1, p, p, p * (p + 1) / 2, extra=wake)
         probes.append({"start": send, "first": end + delivery + stream, "prompt": p})
-        t = end
+        t = end + loop
     cal = calibrate(lines, probes, 0.0, t + 1, form="linear")
     c = cal["costs"]
     # the attention term's column is free here (no quadratic cost in the truth): auto may take either form
@@ -164,6 +167,9 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     assert c.entry_s == pytest.approx(entry, rel=1e-6)
     assert c.delivery_s == pytest.approx(delivery, rel=1e-6) and c.stream_s == pytest.approx(stream, rel=1e-6)
     assert c.wake_s == pytest.approx(wake, abs=0.5e-3)
+    # every busy gap (the log's first step has none before it), and none before a step that took in a
+    # prompt on an idle engine
+    assert c.loop_s == pytest.approx(loop, abs=1e-9) and cal["samples"]["loop"] == 40 * 21 - 1
     (point,) = c.wake_curve  # every probe idled ~0.2 s: one range of idle times
     assert point[0] == pytest.approx(0.2, abs=1e-3) and point[1] == pytest.approx(wake, abs=0.5e-3)
     assert cal["samples"]["delivery"] == 80 and cal["samples"]["after_idle"] == 40

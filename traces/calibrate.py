@@ -24,6 +24,9 @@ over the same sweep:
               to the client holding it, fitted as delivery_s + stream_s * k
               over probes whose step made k tokens (1 alone, B + 1 beside B
               streams)
+  loop_s      the mean time from one busy iteration's end to the next one's
+              start (`loop_gaps`): the loop's poll, bookkeeping and log line,
+              which no iteration holds
   noise       quantiles of (measured iteration / model) over busy iterations,
               and their lag-1 autocorrelation around a running median
               (`noise_lag1`)
@@ -69,6 +72,19 @@ def features(line: dict) -> StepFeatures:
     ext = line.get("ext")
     return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0),
                         line["rows"] - line["decode_rows"] if ext is None else ext)
+
+
+def loop_gaps(lines: list[dict]) -> np.ndarray:
+    """Seconds from each busy iteration's end to the next iteration's start.
+    Busy: the next iteration decoded a row, so a request was running all the
+    while and the loop's poll did not block for one. Its wait is in the gap
+    (the non-blocking poll), and so is what the loop does after the line's
+    last clock reading."""
+    out = []
+    for a, b in zip(lines, lines[1:]):
+        if "rows" in a and "rows" in b and b["decode_rows"] > 0:
+            out.append(b["t"] - (a["t"] + iteration_time(a)))
+    return np.maximum(np.array(out, dtype=np.float64), 0.0)
 
 
 def _folds(n: int, k: int = 4) -> list[np.ndarray]:
@@ -215,6 +231,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
     ratio = [(idle < BUSY_S, iteration_time(ln) / model.predict_features(features(ln))) for idle, ln in steps]
     busy_ratio = [r for busy, r in ratio if busy]
     entry, delivery = probe_costs(window, probes)
+    gaps = loop_gaps(window)
     delivery_s = stream_s = 0.0
     if delivery:
         k = np.array([d[0] for d in delivery], dtype=float)
@@ -235,6 +252,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         stream_s=max(0.0, float(stream_s)),
         wake_s=max(0.0, float(np.median(woke))) if woke else 0.0,
         wake_curve=curve,
+        loop_s=float(gaps.mean()) if len(gaps) else 0.0,
     )
     q = np.percentile(np.asarray(busy_ratio), np.arange(101))
     q = np.clip(q, q[1], q[99])
@@ -244,5 +262,6 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         "fit": fit,
         "noise": {"kind": "measured/predicted iteration quantiles, busy steps of the step log, clipped to p1..p99",
                   "n": len(busy_ratio), "quantiles": [float(x) for x in q], "lag1": noise_lag1(ratio)},
-        "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery)},
+        "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery),
+                    "loop": len(gaps)},
     }

@@ -38,7 +38,7 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-step-noise", action="store_true",
                    help="predicted step times exactly (default: scattered like the profile's measured steps, seeded)")
     g.add_argument("--no-serving-costs", action="store_true",
-                   help="steps only: leave out the profile's request entry, token delivery and wake-up costs")
+                   help="steps only: leave out the profile's request entry, token delivery, wake-up and busy-loop costs")
     g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
                    help="the engine's overlap schedule: each step's host part (a roofline profile's per-step "
                         "overhead) runs beside the device's part of the step before (auto: on for a roofline "
@@ -175,7 +175,7 @@ def sim_config(args, prof):
         acceptance_spread=parse_spread(args.acceptance_spread) if args.acceptance_spread is not None else None,
     )
     if args.no_serving_costs:
-        cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[])
+        cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[], loop_s=0.0)
     overlap = getattr(args, "overlap_schedule", "auto")
     if overlap == "on" and args.speculative != "none":
         raise SystemExit("stepserve: --overlap-schedule on cannot be combined with --speculative (as in the engine)")

@@ -56,12 +56,14 @@ class SimConfig:
     # entry_s after its arrival (its TTFT still counts from the arrival); a token
     # reaches its client delivery_s + stream_s * (tokens of its step) after its
     # step ends; the first step after the engine sat idle takes wake_s longer,
-    # or, with a wake_curve, as much as the curve says for how long it idled.
+    # or, with a wake_curve, as much as the curve says for how long it idled;
+    # every other step starts loop_s after the one before ended.
     entry_s: float = 0.0
     delivery_s: float = 0.0
     stream_s: float = 0.0
     wake_s: float = 0.0
     wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
+    loop_s: float = 0.0
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
     # model's per-step `overhead_s` (a roofline profile's scheduling, launches, sampling; a measured
@@ -70,7 +72,7 @@ class SimConfig:
 
     def serving(self) -> ServingCosts:
         return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s,
-                            tuple((float(x), float(y)) for x, y in self.wake_curve))
+                            tuple((float(x), float(y)) for x, y in self.wake_curve), self.loop_s)
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of
@@ -153,7 +155,7 @@ class SimRunner:
     """Stands in for the model runner: placeholder tokens, and the clock moved
     by the latency model's prediction (times a draw of the profile's noise),
     plus the wake-up of `costs` when the engine idled before the step (`idle_s`
-    set: for how long)."""
+    set: for how long), or else the loop's time between two busy steps."""
 
     def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
                  costs: ServingCosts | None = None, noise_lag1: float = 0.0, acceptance=(), draft_model=None):
@@ -195,26 +197,31 @@ class SimRunner:
     def run(self, plan, features: StepFeatures) -> SimOutput:
         dt = self.step_time(features)
         draft_s = self.speculate(plan) if plan.num_verify else 0.0
-        dt += draft_s
-        if self.idle_s:
-            dt += self.costs.wake(self.idle_s)
-            self.idle_s = 0.0
+        dt += draft_s + self._between()
         self.clock.t += dt
         return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples), draft_s=draft_s)
 
+    def _between(self) -> float:
+        """What the loop spends before a step: the wake-up after idling, else the busy loop's own time."""
+        if self.idle_s:
+            extra = self.costs.wake(self.idle_s)
+            self.idle_s = 0.0
+            return extra
+        return self.costs.loop_s
+
     def launch(self, plan, features: StepFeatures, prev=None, sample: bool = True) -> SimLaunched:
         """The overlap schedule's half of `run`: the host spends the step's
-        host part (the latency model's `overhead_s`, which the step's noise
-        and wake-up scale with the rest), then the device runs the rest once
-        it has finished the step before. (Sampling is priced with the step:
+        host part (the loop's time since the step before, or the wake-up, and
+        the latency model's `overhead_s`, which the step's noise scales with
+        the rest), then the device runs the rest once it has finished the
+        step before. (Sampling is priced with the step:
         `sample` has nothing left to do.)"""
         if plan.num_verify:
             raise ValueError("the overlap schedule does not run speculative steps")
         dt = self.step_time(features)
-        if self.idle_s:
-            dt += self.costs.wake(self.idle_s)
-            self.idle_s = 0.0
-        host = min(float(getattr(self.model, "overhead_s", 0.0)), dt)
+        between = self._between()  # host time, before the step's own
+        host = min(float(getattr(self.model, "overhead_s", 0.0)), dt) + between
+        dt += between
         self.clock.t += host
         start = self.clock.t if self.clock.t > self.device_free else self.device_free
         self.device_free = start + dt - host

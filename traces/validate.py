@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from stepserve.scheduler.latency_model import nnls
-from stepserve.traces.calibrate import features, iteration_time, step_lines
+from stepserve.traces.calibrate import features, iteration_time, loop_gaps, step_lines
 from stepserve.traces.options import (add_trace_args, positive_int, rates_from_args, scaling_from_args,
                                        slo_from_args)
 
@@ -161,7 +161,8 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
     """What the server's step log shows for one replay: steps, busy time, the
     profile's step model against the measured steps (whole iterations: the step
     plus the loop's command, output and hand-over time), a request's entry
-    into an idle engine, and the extra time of steps that start after idle."""
+    into an idle engine, the extra time of steps that start after idle, and
+    the loop's mean time between busy steps (`ServingCosts.loop_s`)."""
     t0 = real.get("t0_epoch")
     recs = real.get("requests") or []
     ends = [r["end_s"] for r in recs if r.get("end_s") is not None]
@@ -179,6 +180,7 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
                      for f in feats])
     ratio = it / pred
     speed = run_speed(model, feats, it, pred)
+    gaps = loop_gaps(window)
     after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
     # arrived, so (pickup - client send) is its way in, with no step to wait for
@@ -208,6 +210,7 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
         "wake_extra_s_p50": q((it - pred)[after_idle], 50),
         "busy_step_ratio_p50": q(ratio[~after_idle], 50),
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
+        "loop_s": float(gaps.mean()) if len(gaps) else None,
     }
 
 
@@ -274,7 +277,8 @@ def format_rate(r: dict) -> str:
                      + ("" if v["speed"]["token"] is None else f", x{v['speed']['token']:.2f} per token")
                      + f"; {v['steps_after_idle']} steps after idle, "
                      f"+{_ms(v['wake_extra_s_p50'])} ms p50; entry into an idle engine "
-                     f"{_ms(e['p50'])} ms p50 ({e['n']} requests)")
+                     f"{_ms(e['p50'])} ms p50 ({e['n']} requests)"
+                     + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms"))
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ import pytest
 from stepserve import AsyncEngine, SamplingParams
 from stepserve.engine.step_log import FIELDS, read_step_log
 from stepserve.scheduler.latency_model import LinearLatencyModel
-from stepserve.traces.validate import compare_rate, judge, knee, step_log_view
+from stepserve.traces.validate import compare_rate, format_rate, judge, knee, step_log_view
 
 
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
@@ -112,6 +112,24 @@ def test_repeats_are_medians_with_the_real_spread():
     assert c["real"] == pytest.approx(0.025) and c["error"] == pytest.approx(0.0)
     assert c["real_spread"] == pytest.approx(0.01 / 0.025)
     assert r["goodput_error"] == pytest.approx(0.0) and r["attainment_error"] == pytest.approx(0.05)
+
+
+def test_each_run_is_also_judged_against_its_own_simulations():
+    """Two real runs of one rate that the machine put far apart, each simulated
+    at its own speed: the medians pool them, the paired errors keep each run
+    with its own simulations (their median)."""
+    reals = [_report(2, 1.0, 0.5, 0.04, 0.02), _report(2, 2.0, 1.0, 0.02, 0.01)]
+    runs = [[_report(2, 1.1, 0.55, 0.05, 0.02), _report(2, 0.9, 0.45, 0.04, 0.02), _report(2, 1.05, 0.5, 0.042, 0.02)],
+            [_report(2, 1.9, 0.97, 0.02, 0.012)]]
+    r = compare_rate(reals, [s for run in runs for s in run], runs)
+    first, second = r["paired"]
+    assert first["goodput"] == pytest.approx(0.05) and first["attainment"] == pytest.approx(0.0)
+    assert first["ttft_p50"] == pytest.approx(0.05) and first["ttft_p90"] == pytest.approx(0.05)
+    assert first["tpot_p50"] == pytest.approx(0.0)
+    assert second["goodput"] == pytest.approx(-0.05) and second["attainment"] == pytest.approx(-0.03)
+    assert second["tpot_p90"] == pytest.approx(0.2)
+    assert "each run against its own simulations: attainment +0.0pt/-3.0pt; goodput +5%/-5%" in format_rate(r)
+    assert "paired" not in compare_rate(reals, runs[0])
 
 
 def test_knee_is_the_first_rate_below_the_level():

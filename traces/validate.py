@@ -94,9 +94,26 @@ def _spread(xs: list) -> float | None:
     return (max(xs) - min(xs)) / m if m else None
 
 
-def compare_rate(reals: list[dict], sims: list[dict]) -> dict:
+PAIRED = ("goodput",) + tuple(f"{m}_{q}" for m, q in GATED)
+
+
+def paired_errors(real: dict, sims: list[dict]) -> dict:
+    """One real run against its own simulations (their medians): the gated
+    errors, and attainment's in points. With `--speed-from-step-log` those
+    simulations ran at that run's speed, so these errors hold the simulator's
+    own, not how far apart the machine put two runs of one rate."""
+    out = {"goodput": _rel(real["goodput_rps"], _median([s["goodput_rps"] for s in sims])),
+           "attainment": _median([s["slo_attainment"] for s in sims]) - real["slo_attainment"]}
+    for m, q in GATED:
+        out[f"{m}_{q}"] = _rel(real[f"{m}_s"][q], _median([s[f"{m}_s"][q] for s in sims]))
+    return out
+
+
+def compare_rate(reals: list[dict], sims: list[dict], runs: list[list[dict]] | None = None) -> dict:
     """Real and simulated figures of one rate (medians over the repeats of
-    each), with the errors the goals judge, and the real runs' own spread."""
+    each), with the errors the goals judge, and the real runs' own spread.
+    `runs`: the simulations of each real run (aligned with `reals`), for the
+    errors of each run against its own (`paired_errors`)."""
     out = {"rate": reals[0]["scaling"].get("rate_rps"), "repeats": len(reals), "simulations": len(sims), "latency": {},
            "real": {}, "sim": {}}
     for m in LATENCIES:
@@ -116,6 +133,8 @@ def compare_rate(reals: list[dict], sims: list[dict]) -> dict:
     out["real"]["attainment_range"] = [min(att), max(att)]
     out["goodput_error"] = _rel(out["real"]["goodput_rps"], out["sim"]["goodput_rps"])
     out["attainment_error"] = out["sim"]["slo_attainment"] - out["real"]["slo_attainment"]
+    if runs is not None:
+        out["paired"] = [paired_errors(r, s) for r, s in zip(reals, runs)]
     return out
 
 
@@ -264,6 +283,12 @@ def format_rate(r: dict) -> str:
     lo, hi = r["real"]["attainment_range"]
     lines.append(f"  {'attainment':10s} {r['real']['slo_attainment']:7.1%} {r['sim']['slo_attainment']:7.1%} "
                  f"{r['attainment_error'] * 100:+6.1f}pt" + (f"  (real runs {lo:.1%}-{hi:.1%})" if reps > 1 else ""))
+    if r.get("paired"):
+        def errs(k):
+            xs = [p[k] for p in r["paired"]]
+            return "/".join(f"{x * 100:+.1f}pt" if k == "attainment" else _pct(x) for x in xs)
+        lines.append("  each run against its own simulations: "
+                     + "; ".join(f"{k.replace('_', ' ')} {errs(k)}" for k in ("attainment",) + PAIRED))
     sim = r["sim"]
     if sim.get("steps") is not None:
         lines.append(f"  simulator: {sim['steps']:.0f} steps, busy {sim['busy_s']:.2f} s, "
@@ -447,6 +472,7 @@ def run_validate(args) -> int:
         args.vocab_size = info.vocab_size
     reals: list[list[dict]] = [[] for _ in rates]
     sims: list[list[dict]] = [[] for _ in rates]
+    runs: list[list[list[dict]]] = [[] for _ in rates]  # per real run, its own simulations
     views: list[list[dict]] = [[] for _ in rates]
     real_of = {}
     for run, (rep, i) in enumerate(grid):
@@ -468,15 +494,16 @@ def run_validate(args) -> int:
             if v is None:
                 raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
             p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
-        for j in range(args.sim_seeds):
-            seed = args.seed + rep * args.sim_seeds + j
-            sims[i].append(simulate_one(args, p, dataclasses.replace(cfg, noise_seed=seed), trace, slo, specs, sinfo))
+        own = [simulate_one(args, p, dataclasses.replace(cfg, noise_seed=args.seed + rep * args.sim_seeds + j),
+                            trace, slo, specs, sinfo) for j in range(args.sim_seeds)]
+        sims[i] += own
+        runs[i].append(own)
         reals[i].append(real_of[rep, i])
         if view_of.get((rep, i)) is not None:
             views[i].append(view_of[rep, i])
     per_rate = []
     for i in range(len(rates)):
-        r = compare_rate(reals[i], sims[i])
+        r = compare_rate(reals[i], sims[i], runs[i])
         if views[i]:
             r["engine"] = views[i]
         per_rate.append(r)

@@ -123,6 +123,24 @@ def test_busy_loop_time_is_host_time_under_the_overlap_schedule():
             0.0 if device_ms > host_ms + 0.5 else 0.5e-3)
 
 
+def test_speed_schedule_rescales_the_steps_from_each_window_on():
+    """A speed schedule says how fast the machine ran when: steps that start
+    before 10 ms cost the model's 1 ms, later ones twice that; a schedule of
+    factors 1 costs what no schedule does."""
+    specs = [_spec(0, 0.0, 10, 20)]
+    cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100)
+    slow = Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[0.0, 1.0, 1.0], [0.01, 2.0, 1.0]]}))
+    res = slow.run(specs)
+    # steps start at 0, 1, ..., 9 ms at 1 ms (the const term is per step: the step factor), then at 10, 12, ...
+    assert list(res.itl_s) == pytest.approx([1e-3] * 9 + [2e-3] * 10)
+    same = Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[0.0, 1.0, None]]})).run(specs)
+    assert list(same.itl_s) == pytest.approx(list(Simulator(CONST_1MS, cfg).run(specs).itl_s))
+    with pytest.raises(ValueError, match="must increase"):
+        Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[1.0, 1.0, 1.0], [0.5, 1.0, 1.0]]}))
+    with pytest.raises(ValueError, match="positive"):
+        Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[0.0, 0.0, 1.0]]}))
+
+
 def test_profile_serving_costs_reach_the_simulator():
     cfg = SimConfig.from_profile({"kv_slots": 100, "delivery_s": 0.002, "wake_s": 0.001, "entry_s": 0.0005,
                                   "stream_s": 0.0001, "loop_s": 0.0001})

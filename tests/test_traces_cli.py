@@ -146,6 +146,7 @@ def test_serve_refuses_a_port_out_of_range(capsys):
      "--max-concurrency: must be at least 1"),
     (["profile", "--holdout", "1.5"], "--holdout: must lie strictly between 0 and 1"),
     (["validate", "--trace", TRACE, "--repeats", "0"], "--repeats: must be at least 1"),
+    (["validate", "--trace", TRACE, "--speed-window", "0"], "--speed-window: must be a"),
 ])
 def test_option_values_out_of_range_are_refused_by_name(argv, says, capsys):
     """A count, time or share out of its range is an argparse error naming

@@ -180,11 +180,15 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
         (eng,) = r["engine"]
         assert eng["steps"] > 0 and eng["busy_s"] > 0 and eng["step_ratio"]["p50"] > 0
         assert eng["entry_s"]["n"] >= 1  # the first request of each run finds the engine idle
+        assert eng["loop_s"] > 0  # the loop's own time between busy steps
+        (paired,) = r["paired"]  # one run, against its own simulation
+        assert paired["goodput"] == pytest.approx(r["goodput_error"])
     assert res["simulator"]["delivery_s"] == 1e-3
     assert set(res["summary"]) >= {"goodput", "attainment", "ttft_p50", "tpot_p90", "knee", "all_met"}
     assert (tmp_path / "val.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "rate 4 req/s" in printed and "goals:" in printed and "engine:" in printed
+    assert "each run against its own simulations: attainment" in printed and "loop between busy steps" in printed
 
     # --replays kept the real runs: a slower profile is validated against the same runs, with no server
     prof["latency"]["coef"][0] = 6e-3
@@ -210,6 +214,22 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
         assert c["simulations"] == 2 and c["repeats"] == 1
         (eng,) = c["engine"]
         assert abs(c["sim"]["busy_s"] / eng["busy_s"] - 1) < abs(b["sim"]["busy_s"] / eng["busy_s"] - 1)
+    # --speed-window: the speed per quarter second of each run, each stretch of the simulation at its own
+    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
+               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v4.json"),
+               "--replays", str(tmp_path / "runs"), "--step-log", step_log, "--speed-from-step-log",
+               "--speed-window", "0.25", "--no-progress"])
+    assert rc == 0
+    windowed = json.loads((tmp_path / "v4.json").read_text())
+    assert windowed["simulator"]["speed_window_s"] == 0.25
+    for b, c in zip(again["rates"], windowed["rates"]):
+        (eng,) = c["engine"]
+        starts = [w[0] for w in eng["speed_windows"]]
+        assert starts == [0.25 * k for k in range(len(starts))] and len(starts) >= 4  # a run lasts 1-4 s
+        assert abs(c["sim"]["busy_s"] / eng["busy_s"] - 1) < abs(b["sim"]["busy_s"] / eng["busy_s"] - 1)
+    with pytest.raises(SystemExit, match="speed-window"):
+        main(["validate", "--trace", TRACE, "--rates", "4,16", "--profile", str(tmp_path / "p2.json"),
+              "--slo-ttft", "0.5", "--replays", str(tmp_path / "runs"), "--speed-window", "1"])
     with pytest.raises(SystemExit, match="step-log"):
         main(["validate", "--trace", TRACE, "--rates", "4,16", "--profile", str(tmp_path / "p2.json"),
               "--slo-ttft", "0.5", "--replays", str(tmp_path / "runs"), "--speed-from-step-log"])

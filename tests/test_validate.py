@@ -77,6 +77,26 @@ def test_engine_view_of_a_replay():
     assert v["loop_s"] == pytest.approx(0.0006 / 3)  # the mean over the three busy gaps
 
 
+def test_engine_view_measures_the_speed_window_by_window():
+    """A run whose machine ran at the model's speed for its first second and
+    at half of it for the next: one window each, and a last window with too
+    few steps to measure takes the run's speed."""
+    model = LinearLatencyModel("linear", [0.01, 0.0, 0.0, 0.0])
+    lines, t = [], 100.0
+    for dt, n in ((0.010, 100), (0.020, 50), (0.010, 5)):
+        for _ in range(n):
+            lines.append(_line(t, step=dt))
+            t += dt
+    real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
+    v = step_log_view(lines, real, model, window_s=1.0)
+    run = v["speed"]["step"]
+    assert run == pytest.approx((1.0 + 1.0 + 0.05) / 1.55)  # measured / predicted busy time
+    (w0, a0, _), (w1, a1, _), (w2, a2, _) = v["speed_windows"]
+    assert (w0, w1, w2) == (0.0, 1.0, 2.0)
+    assert a0 == pytest.approx(1.0) and a1 == pytest.approx(2.0) and a2 == pytest.approx(run)
+    assert step_log_view(lines, real, model)["speed_windows"] is None
+
+
 def _report(rate, goodput, attainment, ttft, tpot):
     lat = {f"{m}_s": {q: v * f for q, f in (("p50", 1.0), ("p90", 2.0), ("p99", 3.0))}
            for m, v in (("ttft", ttft), ("tpot", tpot), ("itl", tpot), ("e2e", 1.0))}
@@ -290,3 +310,27 @@ def test_run_speed_tells_the_per_step_part_from_the_per_token_part():
     tp = np.array([taper.predict_features(f) for f in feats])
     s = run_speed(taper, feats, 1.3 * tp, tp)
     assert s["token"] is None and s["step"] == pytest.approx(1.3)
+
+
+def test_a_stored_run_is_judged_by_the_slos_asked_for_now(tmp_path):
+    """`--replays` keeps real runs; a validation with other SLOs reads them
+    back judged by its own SLOs, from their per-request records."""
+    from stepserve.traces.metrics import SLO, RequestRecord
+    from stepserve.traces.report import build_report
+    from stepserve.traces.validate import ReplayStore
+
+    # TTFTs of 10, 30 and 50 ms; TPOTs of 5 ms
+    recs = [RequestRecord(f"r{i}", 0.1 * i, 8, start_s=0.1 * i, first_token_s=0.1 * i + ttft,
+                          end_s=0.1 * i + ttft + 0.02, output_tokens=5) for i, ttft in enumerate((0.01, 0.03, 0.05))]
+    loose = SLO(ttft_s=1.0, tpot_s=0.1)
+    trace, scaling = {"path": "t.csv"}, {"rate_rps": 10.0}
+    report = build_report(mode="replay", records=recs, duration_s=2.0, slo=loose, trace=trace, scaling=scaling,
+                          config={})
+    store = ReplayStore(str(tmp_path), trace, 1, 1)
+    store.save(0, 0, report)
+    assert store.load(0, 0, scaling, loose)["slo_attainment"] == 1.0
+    tight = store.load(0, 0, scaling, SLO(ttft_s=0.04, tpot_s=0.1))
+    assert tight["slo_attainment"] == pytest.approx(2 / 3) and tight["goodput_rps"] == pytest.approx(1.0)
+    assert tight["slo"]["ttft_s"] == 0.04 and tight["ttft_s"] == report["ttft_s"]  # the times are the run's
+    assert store.load(0, 0, scaling, SLO(ttft_s=1.0, tpot_s=0.004))["slo_attainment"] == 0.0
+    assert store.load(0, 0, {"rate_rps": 20.0}, loose) is None  # another rate: not this run

@@ -181,6 +181,22 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: SLO, itl_val
     }
 
 
+SLO_FIGURES = ("goodput_rps", "goodput_tps", "slo_attainment", "slo")  # what `summarize` takes from the SLO
+
+
+def rejudged(report: dict, slo: SLO) -> dict:
+    """A stored report's SLO figures under `slo`, from its own per-request
+    records: the same run judged by other SLOs. (Its SLO's own figures
+    come back as they are.)"""
+    if report.get("slo") == slo.to_dict():
+        return report
+    keys = ("request_id", "arrival_s", "prompt_tokens", "n", "stages", "start_s", "first_token_s", "end_s",
+            "output_tokens", "cached_tokens", "error")
+    records = [RequestRecord(**{k: d[k] for k in keys if k in d}) for d in report["requests"]]
+    figures = summarize(records, report["duration_s"], slo, itl_values=())
+    return {**report, **{k: figures[k] for k in SLO_FIGURES}}
+
+
 def _victims(done: list[RequestRecord]) -> dict:
     """num_victims is None when the run had no mix of branching and serial requests."""
     v = victim_tpots(done)

@@ -18,6 +18,7 @@ import math
 import random
 import time
 from array import array
+from bisect import bisect_right
 from dataclasses import asdict, dataclass, field
 
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator
@@ -98,6 +99,13 @@ class SimConfig:
     # in log-odds by a normal draw with this standard deviation (0: every request alike). On the embedded
     # draft/target pair the spread measured is about 1.2 (README, speculative decoding in the simulator).
     acceptance_spread: float = 0.0
+    # The machine's speed through the run, where it is known (`stepserve validate --speed-window`: measured
+    # from the step log of the real run simulated): [[t_from_s, step_factor, token_factor], ...], increasing
+    # in t_from. From virtual time t_from on, steps cost the latency model rescaled by these factors
+    # (`LinearLatencyModel.rescaled`: one for the per-step, per-row and per-context-token part, one for the
+    # per-token part; a token factor None scales all by the step factor). Before the first, and when empty,
+    # the model as it is.
+    speed_schedule: list = field(default_factory=list)
 
     @classmethod
     def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
@@ -158,12 +166,14 @@ class SimRunner:
     set: for how long), or else the loop's time between two busy steps."""
 
     def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
-                 costs: ServingCosts | None = None, noise_lag1: float = 0.0, acceptance=(), draft_model=None):
+                 costs: ServingCosts | None = None, noise_lag1: float = 0.0, acceptance=(), draft_model=None,
+                 speed_schedule=()):
         if not -1.0 < noise_lag1 < 1.0:
             raise ValueError(f"noise_lag1 must be in (-1, 1), got {noise_lag1}")
         if any(not 0.0 <= a <= 1.0 for a in acceptance):
             raise ValueError(f"acceptance rates must be in [0, 1], got {list(acceptance)}")
         self.model = latency_model
+        self._speed_t, self._speed_models = self._schedule(latency_model, speed_schedule)
         self.acceptance = [float(a) for a in acceptance]
         self.draft_model = draft_model  # the draft model's step latency (None: a proposer that costs nothing)
         self.clock = clock
@@ -182,8 +192,27 @@ class SimRunner:
         self._z = self.rng.gauss(0.0, 1.0) if self.rho else 0.0  # the AR(1) state, from its stationary law
         self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
 
+    @staticmethod
+    def _schedule(model, schedule) -> tuple[list[float], list]:
+        """(window starts, the model rescaled for each) of `SimConfig.speed_schedule`."""
+        if not schedule:
+            return [], []
+        if not hasattr(model, "rescaled"):
+            raise ValueError(f"a speed schedule rescales a measured (linear) step model, not a {type(model).__name__}")
+        starts = [float(w[0]) for w in schedule]
+        if any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"speed_schedule: window starts must increase, got {starts}")
+        if any(not w[1] > 0 or (w[2] is not None and not w[2] > 0) for w in schedule):
+            raise ValueError("speed_schedule: factors must be positive")
+        return starts, [model.rescaled(float(w[1]), None if w[2] is None else float(w[2])) for w in schedule]
+
     def step_time(self, f: StepFeatures) -> float:
-        dt = self.model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        model = self.model
+        if self._speed_t:
+            i = bisect_right(self._speed_t, self.clock.t) - 1
+            if i >= 0:
+                model = self._speed_models[i]
+        dt = model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
         if self.noise:
             q = self.noise
             if self.rho:
@@ -296,7 +325,7 @@ class Simulator:
         self.clock = VirtualClock()
         self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
                                 noise_lag1=self.cfg.noise_lag1, acceptance=self.cfg.acceptance,
-                                draft_model=draft_model)
+                                draft_model=draft_model, speed_schedule=self.cfg.speed_schedule)
         # requests may decode speculatively where a speculation-length policy runs
         self.speculative = any(getattr(p, "name", None) == "spec-length" for p in self.policies)
         if self.speculative and not self.cfg.acceptance:

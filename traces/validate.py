@@ -34,14 +34,15 @@ import numpy as np
 
 from stepserve.scheduler.latency_model import nnls
 from stepserve.traces.calibrate import features, iteration_time, loop_gaps, step_lines
-from stepserve.traces.options import (add_trace_args, positive_int, rates_from_args, scaling_from_args,
-                                       slo_from_args)
+from stepserve.traces.options import (add_trace_args, positive_float, positive_int, rates_from_args,
+                                       scaling_from_args, slo_from_args)
 
 VALIDATION_KIND = "stepserve-validation"
 GOALS = {"goodput_rel": 0.05, "attainment_abs": 0.05, "latency_rel": 0.15, "knee_steps": 1, "knee_level": 0.9}
 LATENCIES = ("ttft", "tpot", "itl", "e2e")
 QUANTILES = ("p50", "p90", "p99")
 GATED = [(m, q) for m in ("ttft", "tpot") for q in ("p50", "p90")]  # the latency goals
+MIN_WINDOW_STEPS = 30  # steps that a speed window needs to be measured on its own (`--speed-window`)
 
 
 def add_validate_args(p: argparse.ArgumentParser) -> None:
@@ -68,6 +69,10 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
                         "part): the machine's speed at the time of the run, not of the profile. "
                         "What is left is the simulator's own error (a diagnostic: on a shared machine the speed "
                         "drifted by up to 1.6x between the profile and a replay)")
+    g.add_argument("--speed-window", type=positive_float, default=None, metavar="S",
+                   help="with --speed-from-step-log: measure the speed per S seconds of each run instead of once "
+                        "per run, and simulate each stretch at its own (the machine's speed swings within a run "
+                        "too); a window with fewer than %d steps takes the run's" % MIN_WINDOW_STEPS)
     g.add_argument("--replays", default=None, metavar="DIR",
                    help="keep each real run's report in DIR; a run already there (same trace, scaling and repeat) "
                         "is read back instead of replayed, so a profile or simulator change is validated against "
@@ -176,12 +181,14 @@ def judge(per_rate: list[dict]) -> dict:
 # -- the engine's view, from its step log --------------------------------------------------------
 
 
-def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
+def step_log_view(lines: list[dict], real: dict, model, window_s: float | None = None) -> dict | None:
     """What the server's step log shows for one replay: steps, busy time, the
     profile's step model against the measured steps (whole iterations: the step
     plus the loop's command, output and hand-over time), a request's entry
     into an idle engine, the extra time of steps that start after idle, and
-    the loop's mean time between busy steps (`ServingCosts.loop_s`)."""
+    the loop's mean time between busy steps (`ServingCosts.loop_s`).
+    `window_s`: also the machine's speed per that many seconds of the run
+    (`speed_windows`, a `SimConfig.speed_schedule`)."""
     t0 = real.get("t0_epoch")
     recs = real.get("requests") or []
     ends = [r["end_s"] for r in recs if r.get("end_s") is not None]
@@ -200,6 +207,15 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
     ratio = it / pred
     speed = run_speed(model, feats, it, pred)
     gaps = loop_gaps(window)
+    windows = None
+    if window_s:
+        k = np.floor((np.array([ln["t"] for ln in steps]) - t0) / window_s).astype(int)
+        windows = []
+        for w in range(int(k.max()) + 1):
+            m = np.flatnonzero(k == w)
+            sp = run_speed(model, [feats[i] for i in m], it[m], pred[m]) if len(m) >= MIN_WINDOW_STEPS else speed
+            windows.append([w * window_s, sp["step"], sp["token"]])
+        windows[0][0] = 0.0
     after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
     # arrived, so (pickup - client send) is its way in, with no step to wait for
@@ -230,6 +246,7 @@ def step_log_view(lines: list[dict], real: dict, model) -> dict | None:
         "busy_step_ratio_p50": q(ratio[~after_idle], 50),
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "loop_s": float(gaps.mean()) if len(gaps) else None,
+        "speed_windows": windows,
     }
 
 
@@ -389,12 +406,16 @@ class ReplayStore:
         with open(self.path(i, rep)) as f:
             return json.load(f)
 
-    def load(self, i: int, rep: int, scaling: dict) -> dict | None:
+    def load(self, i: int, rep: int, scaling: dict, slo) -> dict | None:
+        """The stored run, judged by `slo` (its records hold every request's
+        times: a validation with other SLOs reuses the same runs)."""
+        from stepserve.traces.metrics import rejudged
+
         r = self._read(i, rep)
         scaling = json.loads(json.dumps(scaling))  # as it reads back
         if r is None or r.get("trace", {}).get("path") != self.trace.get("path") or r.get("scaling") != scaling:
             return None
-        return r
+        return rejudged(r, slo)
 
     def save(self, i: int, rep: int, report: dict) -> None:
         if self.folder:
@@ -431,6 +452,8 @@ def run_validate(args) -> int:
         raise SystemExit("stepserve validate: --sim-seeds must be at least 1")
     if args.speed_from_step_log and not args.step_log:
         raise SystemExit("stepserve validate: --speed-from-step-log reads each run's speed from --step-log")
+    if args.speed_window is not None and not args.speed_from_step_log:
+        raise SystemExit("stepserve validate: --speed-window measures the speed of --speed-from-step-log by window")
     prof = load_profile(args.profile)
     if args.speed_from_step_log and not hasattr(prof.model, "rescaled"):
         raise SystemExit("stepserve validate: --speed-from-step-log rescales a measured (linear) step model, and "
@@ -462,17 +485,17 @@ def run_validate(args) -> int:
     stored = {}
     if info is not None:
         cfg_s, scal = scaled(info)
-        stored = {k: runs.load(k[1], k[0], scal[k][1].to_dict()) for k in grid}
+        stored = {k: runs.load(k[1], k[0], scal[k][1].to_dict(), slo) for k in grid}
     if info is None or any(r is None for r in stored.values()):  # something to replay: ask the server
         info = server_info(args.url, args.api_key)
         cfg_s, scal = scaled(info)
-        stored = {k: runs.load(k[1], k[0], scal[k][1].to_dict()) for k in grid}
+        stored = {k: runs.load(k[1], k[0], scal[k][1].to_dict(), slo) for k in grid}
     cfg = cfg_s
     if args.vocab_size is None and info.vocab_size:
         args.vocab_size = info.vocab_size
     reals: list[list[dict]] = [[] for _ in rates]
     sims: list[list[dict]] = [[] for _ in rates]
-    runs: list[list[list[dict]]] = [[] for _ in rates]  # per real run, its own simulations
+    per_run: list[list[list[dict]]] = [[] for _ in rates]  # per real run, its own simulations
     views: list[list[dict]] = [[] for _ in rates]
     real_of = {}
     for run, (rep, i) in enumerate(grid):
@@ -485,25 +508,28 @@ def run_validate(args) -> int:
     view_of = {}
     if args.step_log:
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
-        view_of = {k: step_log_view(lines, real, prof.model) for k, real in real_of.items()}
+        view_of = {k: step_log_view(lines, real, prof.model, args.speed_window) for k, real in real_of.items()}
     for rep, i in grid:
         specs, sinfo = scal[rep, i]
-        p = prof
+        p, c = prof, cfg
         if args.speed_from_step_log:
             v = view_of.get((rep, i))
             if v is None:
                 raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
-            p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
-        own = [simulate_one(args, p, dataclasses.replace(cfg, noise_seed=args.seed + rep * args.sim_seeds + j),
+            if args.speed_window:  # the profile's model, rescaled window by window as the run went
+                c = dataclasses.replace(cfg, speed_schedule=v["speed_windows"])
+            else:
+                p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
+        own = [simulate_one(args, p, dataclasses.replace(c, noise_seed=args.seed + rep * args.sim_seeds + j),
                             trace, slo, specs, sinfo) for j in range(args.sim_seeds)]
         sims[i] += own
-        runs[i].append(own)
+        per_run[i].append(own)
         reals[i].append(real_of[rep, i])
         if view_of.get((rep, i)) is not None:
             views[i].append(view_of[rep, i])
     per_rate = []
     for i in range(len(rates)):
-        r = compare_rate(reals[i], sims[i], runs[i])
+        r = compare_rate(reals[i], sims[i], per_run[i])
         if views[i]:
             r["engine"] = views[i]
         per_rate.append(r)
@@ -513,7 +539,8 @@ def run_validate(args) -> int:
         "scaling": sinfo.to_dict(), "slo": dataclasses.asdict(slo), "goals": GOALS,
         "profile": {"path": args.profile, "name": prof.name, "source": prof.source, "engine": prof.engine},
         "simulator": dataclasses.asdict(cfg) | {"noise_quantiles": len(cfg.noise_quantiles),
-                                                "speed_from_step_log": args.speed_from_step_log},
+                                                "speed_from_step_log": args.speed_from_step_log,
+                                                "speed_window_s": args.speed_window, "speed_schedule": None},
         "rates": per_rate, "summary": summary,
     }
     for r in per_rate:

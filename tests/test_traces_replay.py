@@ -215,13 +215,16 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
         (eng,) = c["engine"]
         assert abs(c["sim"]["busy_s"] / eng["busy_s"] - 1) < abs(b["sim"]["busy_s"] / eng["busy_s"] - 1)
     # --speed-window: the speed per quarter second of each run, each stretch of the simulation at its own
+    # (a profile with step noise: told each window's speed, the simulation draws the scatter about it)
+    prof["noise"] = {"quantiles": [0.5 + 0.01 * k for k in range(101)], "quantiles_within": [1.0] * 101}
+    (tmp_path / "p3.json").write_text(json.dumps(prof))
     rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
-               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v4.json"),
+               str(tmp_path / "p3.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v4.json"),
                "--replays", str(tmp_path / "runs"), "--step-log", step_log, "--speed-from-step-log",
                "--speed-window", "0.25", "--no-progress"])
     assert rc == 0
     windowed = json.loads((tmp_path / "v4.json").read_text())
-    assert windowed["simulator"]["speed_window_s"] == 0.25
+    assert windowed["simulator"]["speed_window_s"] == 0.25 and windowed["simulator"]["noise_within_windows"]
     for b, c in zip(again["rates"], windowed["rates"]):
         (eng,) = c["engine"]
         starts = [w[0] for w in eng["speed_windows"]]

@@ -11,7 +11,7 @@ import pytest
 from stepserve import AsyncEngine, SamplingParams
 from stepserve.engine.step_log import FIELDS, read_step_log
 from stepserve.scheduler.latency_model import LinearLatencyModel
-from stepserve.traces.validate import compare_rate, format_rate, judge, knee, step_log_view
+from stepserve.traces.validate import compare_rate, format_rate, format_summary, judge, knee, step_log_view
 
 
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
@@ -150,6 +150,16 @@ def test_each_run_is_also_judged_against_its_own_simulations():
     assert second["tpot_p90"] == pytest.approx(0.2)
     assert "each run against its own simulations: attainment +0.0pt/-3.0pt; goodput +5%/-5%" in format_rate(r)
     assert "paired" not in compare_rate(reals, runs[0])
+    # judged per rate on the median over its runs: goodput +5% and -5% -> 0%; TPOT p90 0% and +20% -> +10%
+    j = judge([r])["paired"]
+    assert j["goodput"]["per_rate"] == [pytest.approx(0.0)] and j["goodput"]["met"]
+    assert j["tpot_p90"]["per_rate"] == [pytest.approx(0.1)] and j["tpot_p90"]["met"]
+    assert j["attainment"]["worst"] == pytest.approx(0.015) and j["all_met"]
+    far = compare_rate(reals, [s for run in runs for s in run], [runs[0], [_report(2, 1.5, 0.8, 0.02, 0.01)]])
+    assert not judge([far])["paired"]["goodput"]["met"]  # +5% and -25%: a median of -10%
+    text = format_summary(judge([r]), [r])
+    assert "goals on each run against its own simulations" in text and "by rate: +0%" in text
+    assert "paired" not in judge([compare_rate(reals, runs[0])])
 
 
 def test_knee_is_the_first_rate_below_the_level():
@@ -334,3 +344,22 @@ def test_a_stored_run_is_judged_by_the_slos_asked_for_now(tmp_path):
     assert tight["slo"]["ttft_s"] == 0.04 and tight["ttft_s"] == report["ttft_s"]  # the times are the run's
     assert store.load(0, 0, scaling, SLO(ttft_s=1.0, tpot_s=0.004))["slo_attainment"] == 0.0
     assert store.load(0, 0, {"rate_rps": 20.0}, loose) is None  # another rate: not this run
+
+
+def test_the_scatter_within_takes_out_the_machines_slow_swings():
+    """Step ratios of a machine that runs at 1.0 and then at 1.5, with a +-4%
+    scatter: about their running median they scatter as before, the swing
+    gone; a series shorter than the window is left as it is."""
+    import numpy as np
+
+    from stepserve.traces.calibrate import within_ratios
+
+    rng = np.random.default_rng(0)
+    scatter = rng.uniform(0.96, 1.04, 2000)
+    raw = np.concatenate([np.full(1000, 1.0), np.full(1000, 1.5)]) * scatter
+    w = within_ratios(raw, half_window=50)
+    assert np.percentile(raw, 90) > 1.4 and np.percentile(raw, 10) < 1.0
+    away = np.r_[0:950, 1050:2000]  # past the running window's reach of the swing
+    assert np.allclose(w[away] * np.median(scatter), scatter[away], rtol=0.02)
+    assert 0.95 < np.percentile(w, 1) and np.percentile(w, 99) < 1.05 * 1.02
+    assert np.array_equal(within_ratios(raw[:50], half_window=50), raw[:50])

@@ -29,7 +29,9 @@ over the same sweep:
               which no iteration holds
   noise       quantiles of (measured iteration / model) over busy iterations,
               and their lag-1 autocorrelation around a running median
-              (`noise_lag1`)
+              (`noise_lag1`); and the quantiles around that running median
+              (`within_ratios`), the scatter left once the machine's speed
+              of the moment is known
 
 The server and the profiler must share a clock (one machine): the step log
 holds wall-clock times, and so do the probes.
@@ -173,6 +175,19 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
 LAG1_HALF_WINDOW = 50  # busy steps each side of the running median that noise_lag1 divides out
 
 
+def within_ratios(ratios: np.ndarray, half_window: int = LAG1_HALF_WINDOW) -> np.ndarray:
+    """Each ratio divided by the running median of the `half_window` ratios
+    either side (0, or too few ratios: as they are): the step scatter with
+    the slow swings of the machine's speed taken out."""
+    r = np.maximum(np.asarray(ratios, dtype=np.float64), 1e-12)
+    w = 2 * half_window + 1
+    if half_window <= 0 or len(r) <= w:
+        return r
+    log = np.log(r)
+    padded = np.pad(log, half_window, mode="edge")
+    return np.exp(log - np.median(np.lib.stride_tricks.sliding_window_view(padded, w), axis=1))
+
+
 def noise_lag1(ratio: list[tuple[bool, float]], half_window: int = LAG1_HALF_WINDOW) -> float:
     """Lag-1 autocorrelation of the step scatter: the correlation of the normal
     scores of measured/predicted between each busy step and the busy step
@@ -192,11 +207,7 @@ def noise_lag1(ratio: list[tuple[bool, float]], half_window: int = LAG1_HALF_WIN
     busy = np.array([r for b, r in ratio if b], dtype=np.float64)
     if len(busy) < 10:
         return 0.0
-    log = np.log(np.maximum(busy, 1e-12))
-    w = 2 * half_window + 1
-    if half_window > 0 and len(log) > w:  # half_window 0: the raw ratios
-        padded = np.pad(log, half_window, mode="edge")
-        log = log - np.median(np.lib.stride_tricks.sliding_window_view(padded, w), axis=1)
+    log = np.log(within_ratios(busy, half_window))
     order = np.argsort(np.argsort(log, kind="stable"), kind="stable")
     inv = NormalDist().inv_cdf
     score = iter([inv((k + 0.5) / len(busy)) for k in order])
@@ -254,14 +265,18 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         wake_curve=curve,
         loop_s=float(gaps.mean()) if len(gaps) else 0.0,
     )
-    q = np.percentile(np.asarray(busy_ratio), np.arange(101))
-    q = np.clip(q, q[1], q[99])
+    def quantiles(r):
+        q = np.percentile(np.asarray(r), np.arange(101))
+        return [float(x) for x in np.clip(q, q[1], q[99])]
     return {
         "model": model,
         "costs": costs,
         "fit": fit,
         "noise": {"kind": "measured/predicted iteration quantiles, busy steps of the step log, clipped to p1..p99",
-                  "n": len(busy_ratio), "quantiles": [float(x) for x in q], "lag1": noise_lag1(ratio)},
+                  "n": len(busy_ratio), "quantiles": quantiles(busy_ratio), "lag1": noise_lag1(ratio),
+                  # the scatter about the machine's speed of the moment (`within_ratios`): for a simulation that
+                  # is told that speed (`stepserve validate --speed-window`), which the raw quantiles hold too
+                  "quantiles_within": quantiles(within_ratios(np.asarray(busy_ratio)))},
         "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery),
                     "loop": len(gaps)},
     }

@@ -72,7 +72,8 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speed-window", type=positive_float, default=None, metavar="S",
                    help="with --speed-from-step-log: measure the speed per S seconds of each run instead of once "
                         "per run, and simulate each stretch at its own (the machine's speed swings within a run "
-                        "too); a window with fewer than %d steps takes the run's" % MIN_WINDOW_STEPS)
+                        "too); a window with fewer than %d steps takes the run's. The step noise is then the "
+                        "profile's scatter about its running median, where it has one" % MIN_WINDOW_STEPS)
     g.add_argument("--replays", default=None, metavar="DIR",
                    help="keep each real run's report in DIR; a run already there (same trace, scaling and repeat) "
                         "is read back instead of replayed, so a profile or simulator change is validated against "
@@ -175,6 +176,25 @@ def judge(per_rate: list[dict]) -> dict:
                  "note": "first rate with SLO attainment below 90% (None: none of the rates)"},
     }
     out["all_met"] = all(v["met"] for v in out.values() if isinstance(v, dict))
+    if per_rate and all(r.get("paired") for r in per_rate):
+        out["paired"] = judge_paired(per_rate)
+    return out
+
+
+def judge_paired(per_rate: list[dict]) -> dict:
+    """The same goals on the paired errors (`paired_errors`): at each rate,
+    the median over its runs of each run's error against its own
+    simulations. Where each run is simulated at its measured speed, this
+    judges the simulator, not how far apart the machine put the runs."""
+    out = {}
+    for k in ("attainment",) + PAIRED:
+        goal = GOALS["attainment_abs"] if k == "attainment" else GOALS["goodput_rel"] if k == "goodput" \
+            else GOALS["latency_rel"]
+        med = [_median([p[k] for p in r["paired"]]) for r in per_rate]
+        worst = max((abs(x) for x in med if x is not None), default=None)
+        out[k] = {"per_rate": med, "worst": worst, "goal": goal,
+                  "met": all(abs(x) <= goal for x in med if x is not None)}
+    out["all_met"] = all(v["met"] for v in out.values())
     return out
 
 
@@ -333,7 +353,7 @@ def format_summary(summary: dict, per_rate: list[dict]) -> str:
                      + " ".join(f"{_pct(r['latency'][f'{m}_{q}']['error']):>13s}" for m, q in GATED))
     lines.append("goals:")
     for k, v in summary.items():
-        if k == "all_met":
+        if k in ("all_met", "paired"):
             continue
         if k == "knee":
             def rate(x):
@@ -345,6 +365,16 @@ def format_summary(summary: dict, per_rate: list[dict]) -> str:
                                                else f"{v['worst']:.1%}")
         goal = f"{v['goal'] * 100:.0f}pt" if k == "attainment" else f"{v['goal']:.0%}"
         lines.append(f"  {k:12s} worst {worst:>7s} (goal {goal}): {'met' if v['met'] else 'MISSED'}")
+    if summary.get("paired"):
+        lines.append("goals on each run against its own simulations (per rate, the median over its runs):")
+        for k, v in summary["paired"].items():
+            if k == "all_met":
+                continue
+            att = k == "attainment"
+            errs = " ".join("-" if x is None else f"{x * 100:+.1f}pt" if att else _pct(x) for x in v["per_rate"])
+            worst = "-" if v["worst"] is None else (f"{v['worst'] * 100:.1f}pt" if att else f"{v['worst']:.1%}")
+            goal = f"{v['goal'] * 100:.0f}pt" if att else f"{v['goal']:.0%}"
+            lines.append(f"  {k:12s} worst {worst:>7s} (goal {goal}): {'met' if v['met'] else 'MISSED'}   by rate: {errs}")
     return "\n".join(lines)
 
 
@@ -509,6 +539,11 @@ def run_validate(args) -> int:
     if args.step_log:
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
         view_of = {k: step_log_view(lines, real, prof.model, args.speed_window) for k, real in real_of.items()}
+    # told the machine's speed of each window, the simulation draws only the scatter about it: the raw
+    # quantiles also hold the speed's swings during the profile, which the windows now carry
+    noise = prof.data.get("noise") or {}
+    within = {"noise_quantiles": list(noise["quantiles_within"])} \
+        if args.speed_window and cfg.noise_quantiles and noise.get("quantiles_within") else {}
     for rep, i in grid:
         specs, sinfo = scal[rep, i]
         p, c = prof, cfg
@@ -517,7 +552,7 @@ def run_validate(args) -> int:
             if v is None:
                 raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
             if args.speed_window:  # the profile's model, rescaled window by window as the run went
-                c = dataclasses.replace(cfg, speed_schedule=v["speed_windows"])
+                c = dataclasses.replace(cfg, speed_schedule=v["speed_windows"], **within)
             else:
                 p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
         own = [simulate_one(args, p, dataclasses.replace(c, noise_seed=args.seed + rep * args.sim_seeds + j),
@@ -540,7 +575,8 @@ def run_validate(args) -> int:
         "profile": {"path": args.profile, "name": prof.name, "source": prof.source, "engine": prof.engine},
         "simulator": dataclasses.asdict(cfg) | {"noise_quantiles": len(cfg.noise_quantiles),
                                                 "speed_from_step_log": args.speed_from_step_log,
-                                                "speed_window_s": args.speed_window, "speed_schedule": None},
+                                                "speed_window_s": args.speed_window, "speed_schedule": None,
+                                                "noise_within_windows": bool(within)},
         "rates": per_rate, "summary": summary,
     }
     for r in per_rate:

@@ -363,3 +363,31 @@ def test_the_scatter_within_takes_out_the_machines_slow_swings():
     assert np.allclose(w[away] * np.median(scatter), scatter[away], rtol=0.02)
     assert 0.95 < np.percentile(w, 1) and np.percentile(w, 99) < 1.05 * 1.02
     assert np.array_equal(within_ratios(raw[:50], half_window=50), raw[:50])
+
+
+def test_a_window_whose_two_factors_stray_scales_the_runs_two():
+    """A window's two speed factors are fitted as the run's are; one whose fit
+    lands more than 4x from the run's (here a window whose steps say the
+    per-step part ran 40x slower and the per-token part 40x faster) keeps
+    the run's split and scales it by its measured over predicted time."""
+    from stepserve.traces.validate import WINDOW_SPLIT
+
+    model = LinearLatencyModel("linear", [0.002, 0.0, 0.0, 0.0005])
+    lines, t = [], 100.0
+    for w, (fs, ft), n in ((0, (1.0, 1.0), 300), (1, (40.0, 1 / 40), 40), (2, (1.0, 1.0), 300)):
+        t = 100.0 + w * 10.0
+        for i in range(n):
+            new = 1 + (i % 9) * 4
+            dt = 0.002 * fs + 0.0005 * new * ft
+            lines.append(_line(t, step=dt, new=new))
+            t += dt
+    real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
+    v = step_log_view(lines, real, model, window_s=10.0)
+    a, b = v["speed"]["step"], v["speed"]["token"]
+    (_, a0, b0), (_, a1, b1), (_, a2, b2) = v["speed_windows"]
+    assert a0 == pytest.approx(1.0, rel=1e-3) and b0 == pytest.approx(1.0, rel=1e-3)  # fitted, as they ran
+    assert a1 / a == pytest.approx(b1 / b) and not a / WINDOW_SPLIT <= 40.0 <= a * WINDOW_SPLIT
+    steps = lines[300:340]
+    measured = sum(ln["step"] for ln in steps)
+    predicted = sum(model.rescaled(a, b).predict(1, 10, ln["new"]) for ln in steps)
+    assert a1 == pytest.approx(a * measured / predicted)

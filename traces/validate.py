@@ -43,6 +43,7 @@ LATENCIES = ("ttft", "tpot", "itl", "e2e")
 QUANTILES = ("p50", "p90", "p99")
 GATED = [(m, q) for m in ("ttft", "tpot") for q in ("p50", "p90")]  # the latency goals
 MIN_WINDOW_STEPS = 30  # steps that a speed window needs to be measured on its own (`--speed-window`)
+WINDOW_SPLIT = 4.0  # a window's two factors within this ratio of the run's, or one scale on the run's two
 
 
 def add_validate_args(p: argparse.ArgumentParser) -> None:
@@ -70,10 +71,10 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
                         "What is left is the simulator's own error (a diagnostic: on a shared machine the speed "
                         "drifted by up to 1.6x between the profile and a replay)")
     g.add_argument("--speed-window", type=positive_float, default=None, metavar="S",
-                   help="with --speed-from-step-log: measure the speed per S seconds of each run instead of once "
-                        "per run, and simulate each stretch at its own (the machine's speed swings within a run "
-                        "too); a window with fewer than %d steps takes the run's. The step noise is then the "
-                        "profile's scatter about its running median, where it has one" % MIN_WINDOW_STEPS)
+                   help="with --speed-from-step-log: measure the two speed factors per S seconds of each run "
+                        "instead of once per run, and simulate each stretch at its own (the machine's speed swings "
+                        "within a run too); a window with fewer than %d steps keeps the run's. The step noise is "
+                        "then the profile's scatter about its running median, where it has one" % MIN_WINDOW_STEPS)
     g.add_argument("--replays", default=None, metavar="DIR",
                    help="keep each real run's report in DIR; a run already there (same trace, scaling and repeat) "
                         "is read back instead of replayed, so a profile or simulator change is validated against "
@@ -229,11 +230,25 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
     gaps = loop_gaps(window)
     windows = None
     if window_s:
+        a, b = speed["step"], speed["token"]
+        scaled = model.rescaled(a, b) if hasattr(model, "rescaled") else None
+        run_pred = np.array([scaled.predict_features(f) for f in feats]) if scaled is not None else pred * a
         k = np.floor((np.array([ln["t"] for ln in steps]) - t0) / window_s).astype(int)
         windows = []
         for w in range(int(k.max()) + 1):
             m = np.flatnonzero(k == w)
-            sp = run_speed(model, [feats[i] for i in m], it[m], pred[m]) if len(m) >= MIN_WINDOW_STEPS else speed
+            if len(m) < MIN_WINDOW_STEPS:
+                windows.append([w * window_s, a, b])
+                continue
+            # both factors, as for the run: the machine does not slow the two parts alike from one second to
+            # the next either (one scale per window on the run's split simulated 4-10% less goodput than the
+            # real runs past their knee, the two factors within 4%). A window that cannot tell the parts
+            # apart (a few prefill tokens: once a factor of 0.002) scales the run's two by one.
+            sp = run_speed(model, [feats[i] for i in m], it[m], pred[m])
+            if sp["token"] is not None and b is not None and not (
+                    a / WINDOW_SPLIT <= sp["step"] <= a * WINDOW_SPLIT and b / WINDOW_SPLIT <= sp["token"] <= b * WINDOW_SPLIT):
+                x = float(it[m].sum() / run_pred[m].sum())
+                sp = {"step": a * x, "token": b * x}
             windows.append([w * window_s, sp["step"], sp["token"]])
         windows[0][0] = 0.0
     after_idle = np.array([idle for idle, _ in timed]) > 0.001

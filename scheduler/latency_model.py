@@ -545,14 +545,18 @@ class ServingCosts:
                 every step; one that woke from idle pays the wake-up instead
                 (its wait ends where the poll returns). Step logs of a 2-core
                 server: 0.07 ms after a one-row step to 0.27 ms after 64 rows
-                or more, 4-7% of a small decode step (a mean is fitted).
+                or more, 4-7% of a small decode step.
+    loop_row_s  more of it per row of the step before (the loop lets go of
+                that step's outputs at its top): a busy step starts
+                loop_s + loop_row_s * (rows of the step before) after the
+                one before ended. Fitted there: 0.08 ms + 3 us per row.
 
     The step policies (TAPER, speculation) choose between plans of one step
     of a busy engine: delivery does not change a step's time, a busy engine
     does not wake, and loop_s is the same for every plan of a step (TAPER's
     budget, slack less the baseline step, moves by it: 0.1-0.3 ms against
-    TPOT SLOs of 10 ms and more; measured, it grows by some 3 us per row of
-    the step before, which a constant leaves out). The real engine's
+    TPOT SLOs of 10 ms and more; loop_row_s follows the rows of the step
+    before, which every plan of this one shares). The real engine's
     policies measure steps without it, too, so the simulated ones see what
     the real ones see.
     """
@@ -563,8 +567,9 @@ class ServingCosts:
     wake_s: float = 0.0
     wake_curve: tuple[tuple[float, float], ...] = ()
     loop_s: float = 0.0
+    loop_row_s: float = 0.0
 
-    SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s")
+    SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s")
     KEYS = SCALARS + ("wake_curve",)
 
     def __post_init__(self):
@@ -600,6 +605,10 @@ class ServingCosts:
                 return y0 + (y - y0) * (idle_s - x0) / (x - x0)
             x0, y0 = x, y
         return y0
+
+    def loop(self, rows_before: int) -> float:
+        """The busy loop's time before a step, after a step of `rows_before` rows."""
+        return self.loop_s + self.loop_row_s * rows_before
 
     def delivery(self, tokens: int) -> float:
         """Delay from a step's end to its client holding a token, for a step that made `tokens`."""

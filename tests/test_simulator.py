@@ -107,6 +107,19 @@ def test_busy_loop_time_comes_before_every_step_but_a_wake_up():
     assert res.stats["virtual_busy_s"] == pytest.approx(2 * 0.003 + 7e-3 + 5 * 0.0002)
 
 
+def test_busy_loop_time_grows_with_the_rows_of_the_step_before():
+    """loop_row_s more per row of the step before: two requests decode side by
+    side (2 rows) after their prefill step (2 rows), then one alone."""
+    specs = [_spec(0, 0.0, 10, 3), _spec(1, 0.0, 10, 5)]
+    cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, loop_s=0.0002, loop_row_s=0.0001)
+    a, b = Simulator(CONST_1MS, cfg).run(specs).records
+    assert a.ttft == pytest.approx(0.001) and b.ttft == pytest.approx(0.001)
+    # steps of 2 rows until a ends (2 more steps), then b alone: 0.4 ms before each step after a 2-row one,
+    # 0.3 ms after a 1-row one
+    assert a.end_s == pytest.approx(0.001 + 2 * 0.0014)
+    assert b.end_s == pytest.approx(a.end_s + 0.0014 + 0.0013)
+
+
 def test_busy_loop_time_is_host_time_under_the_overlap_schedule():
     """Under the overlap schedule the loop's time is host work: it runs beside
     the device's part of the step before, so a device-bound engine hides it
@@ -145,7 +158,7 @@ def test_profile_serving_costs_reach_the_simulator():
     cfg = SimConfig.from_profile({"kv_slots": 100, "delivery_s": 0.002, "wake_s": 0.001, "entry_s": 0.0005,
                                   "stream_s": 0.0001, "loop_s": 0.0001})
     assert (cfg.entry_s, cfg.delivery_s, cfg.stream_s, cfg.wake_s) == (0.0005, 0.002, 0.0001, 0.001)
-    assert cfg.loop_s == 0.0001 and cfg.serving().loop_s == 0.0001
+    assert cfg.loop_s == 0.0001 and cfg.serving().loop_s == 0.0001 and cfg.serving().loop_row_s == 0.0
     old = SimConfig.from_profile({"kv_slots": 100, "request_overhead_s": 0.006})
     assert (old.entry_s, old.delivery_s) == (0.0, 0.006)
 

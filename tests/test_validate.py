@@ -173,13 +173,14 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     (times a +-5% scatter), steps after idle take wake_s more, probes reach the
     idle engine entry_s after their send, their first token reaches the
     client delivery_s + stream_s * (tokens of its step) after the step ends,
-    and a busy loop spends loop_s between one step's end and the next's start."""
+    and a busy loop spends loop_s + loop_row_s per row of the step before
+    between one step's end and the next's start."""
     import random
 
     from stepserve.traces.calibrate import calibrate
 
     truth = LinearLatencyModel("linear", [4e-3, 1e-4, 1e-6, 1.5e-4])
-    entry, delivery, stream, wake, loop = 0.4e-3, 2e-3, 1e-4, 3e-3, 0.15e-3
+    entry, delivery, stream, wake, loop, loop_row = 0.4e-3, 2e-3, 1e-4, 3e-3, 0.08e-3, 3e-6
     rng = random.Random(1)
     lines, probes, t = [], [], 1000.0
 
@@ -194,7 +195,7 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         # a busy stretch of B decode rows
         b = rng.choice([2, 4, 8, 16, 32])
         for _ in range(20):
-            t = step(t, 0.0, 0, b, b * rng.randint(20, 400), b, 0.0) + loop
+            t = step(t, 0.0, 0, b, b * rng.randint(20, 400), b, 0.0) + loop + loop_row * b
         # a probe of P tokens beside the same B decode rows (busy: no wake)
         p = rng.choice([16, 64, 256])
         send = t - 0.002  # sent during the last decode step
@@ -206,7 +207,7 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         t = send + entry
         end = step(t, t - send + 0.1999, 1, 1, p, p, p * (p + 1) / 2, extra=wake)
         probes.append({"start": send, "first": end + delivery + stream, "prompt": p})
-        t = end + loop
+        t = end + loop + loop_row
     cal = calibrate(lines, probes, 0.0, t + 1, form="linear")
     c = cal["costs"]
     # the attention term's column is free here (no quadratic cost in the truth): auto may take either form
@@ -216,8 +217,9 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     assert c.delivery_s == pytest.approx(delivery, rel=1e-6) and c.stream_s == pytest.approx(stream, rel=1e-6)
     assert c.wake_s == pytest.approx(wake, abs=0.5e-3)
     # every busy gap (the log's first step has none before it), and none before a step that took in a
-    # prompt on an idle engine
-    assert c.loop_s == pytest.approx(loop, abs=1e-9) and cal["samples"]["loop"] == 40 * 21 - 1
+    # prompt on an idle engine; the gap grows with the rows of the step before
+    assert c.loop_s == pytest.approx(loop, abs=1e-9) and c.loop_row_s == pytest.approx(loop_row, abs=1e-10)
+    assert cal["samples"]["loop"] == 40 * 21 - 1
     (point,) = c.wake_curve  # every probe idled ~0.2 s: one range of idle times
     assert point[0] == pytest.approx(0.2, abs=1e-3) and point[1] == pytest.approx(wake, abs=0.5e-3)
     assert cal["samples"]["delivery"] == 80 and cal["samples"]["after_idle"] == 40

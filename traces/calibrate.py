@@ -24,9 +24,11 @@ over the same sweep:
               to the client holding it, fitted as delivery_s + stream_s * k
               over probes whose step made k tokens (1 alone, B + 1 beside B
               streams)
-  loop_s      the mean time from one busy iteration's end to the next one's
-              start (`loop_gaps`): the loop's poll, bookkeeping and log line,
-              which no iteration holds
+  loop_s, loop_row_s
+              the time from one busy iteration's end to the next one's start
+              (`loop_gaps`): the loop's poll, bookkeeping and log line, which
+              no iteration holds; a least-squares line in the rows of the
+              iteration before (`fit_loop`)
   noise       quantiles of (measured iteration / model) over busy iterations,
               and their lag-1 autocorrelation around a running median
               (`noise_lag1`); and the quantiles around that running median
@@ -42,7 +44,7 @@ from __future__ import annotations
 import numpy as np
 
 from stepserve.scheduler.latency_model import (
-    LinearLatencyModel, ServingCosts, StepFeatures, error_summary,
+    LinearLatencyModel, ServingCosts, StepFeatures, error_summary, nnls,
 )
 
 IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
@@ -76,17 +78,31 @@ def features(line: dict) -> StepFeatures:
                         line["rows"] - line["decode_rows"] if ext is None else ext)
 
 
-def loop_gaps(lines: list[dict]) -> np.ndarray:
-    """Seconds from each busy iteration's end to the next iteration's start.
-    Busy: the next iteration decoded a row, so a request was running all the
-    while and the loop's poll did not block for one. Its wait is in the gap
-    (the non-blocking poll), and so is what the loop does after the line's
-    last clock reading."""
-    out = []
+def loop_gaps(lines: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(seconds from each busy iteration's end to the next iteration's start,
+    rows of the iteration before). Busy: the next iteration decoded a row,
+    so a request was running all the while and the loop's poll did not
+    block for one. Its wait is in the gap (the non-blocking poll), and so is
+    what the loop does after the line's last clock reading."""
+    gaps, rows = [], []
     for a, b in zip(lines, lines[1:]):
         if "rows" in a and "rows" in b and b["decode_rows"] > 0:
-            out.append(b["t"] - (a["t"] + iteration_time(a)))
-    return np.maximum(np.array(out, dtype=np.float64), 0.0)
+            gaps.append(b["t"] - (a["t"] + iteration_time(a)))
+            rows.append(a["rows"])
+    return np.maximum(np.array(gaps, dtype=np.float64), 0.0), np.array(rows, dtype=np.float64)
+
+
+def fit_loop(gaps: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
+    """(loop_s, loop_row_s): the non-negative least-squares line through the
+    busy gaps against the rows of the step before (in seconds, not relative:
+    what the simulator's clock must add up to); one mean where the rows do
+    not vary."""
+    if not len(gaps):
+        return 0.0, 0.0
+    if np.ptp(rows) == 0:
+        return float(gaps.mean()), 0.0
+    a, b = nnls(np.column_stack([np.ones_like(rows), rows]), gaps)
+    return float(a), float(b)
 
 
 def _folds(n: int, k: int = 4) -> list[np.ndarray]:
@@ -242,7 +258,8 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
     ratio = [(idle < BUSY_S, iteration_time(ln) / model.predict_features(features(ln))) for idle, ln in steps]
     busy_ratio = [r for busy, r in ratio if busy]
     entry, delivery = probe_costs(window, probes)
-    gaps = loop_gaps(window)
+    gaps, gap_rows = loop_gaps(window)
+    loop_s, loop_row_s = fit_loop(gaps, gap_rows)
     delivery_s = stream_s = 0.0
     if delivery:
         k = np.array([d[0] for d in delivery], dtype=float)
@@ -263,7 +280,8 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         stream_s=max(0.0, float(stream_s)),
         wake_s=max(0.0, float(np.median(woke))) if woke else 0.0,
         wake_curve=curve,
-        loop_s=float(gaps.mean()) if len(gaps) else 0.0,
+        loop_s=loop_s,
+        loop_row_s=loop_row_s,
     )
     def quantiles(r):
         q = np.percentile(np.asarray(r), np.arange(101))

@@ -58,13 +58,14 @@ class SimConfig:
     # reaches its client delivery_s + stream_s * (tokens of its step) after its
     # step ends; the first step after the engine sat idle takes wake_s longer,
     # or, with a wake_curve, as much as the curve says for how long it idled;
-    # every other step starts loop_s after the one before ended.
+    # every other step starts loop_s + loop_row_s * (rows of the step before) after that one ended.
     entry_s: float = 0.0
     delivery_s: float = 0.0
     stream_s: float = 0.0
     wake_s: float = 0.0
     wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
     loop_s: float = 0.0
+    loop_row_s: float = 0.0
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
     # model's per-step `overhead_s` (a roofline profile's scheduling, launches, sampling; a measured
@@ -73,7 +74,7 @@ class SimConfig:
 
     def serving(self) -> ServingCosts:
         return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s,
-                            tuple((float(x), float(y)) for x, y in self.wake_curve), self.loop_s)
+                            tuple((float(x), float(y)) for x, y in self.wake_curve), self.loop_s, self.loop_row_s)
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of
@@ -191,6 +192,7 @@ class SimRunner:
         self.idle_s = float("inf")
         self._z = self.rng.gauss(0.0, 1.0) if self.rho else 0.0  # the AR(1) state, from its stationary law
         self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
+        self.rows_before = 0  # rows of the step before (the busy loop's time after it grows with them)
 
     @staticmethod
     def _schedule(model, schedule) -> tuple[list[float], list]:
@@ -227,6 +229,7 @@ class SimRunner:
         dt = self.step_time(features)
         draft_s = self.speculate(plan) if plan.num_verify else 0.0
         dt += draft_s + self._between()
+        self.rows_before = features.rows
         self.clock.t += dt
         return SimOutput([PLACEHOLDER_TOKEN] * len(plan.samples), draft_s=draft_s)
 
@@ -236,7 +239,7 @@ class SimRunner:
             extra = self.costs.wake(self.idle_s)
             self.idle_s = 0.0
             return extra
-        return self.costs.loop_s
+        return self.costs.loop(self.rows_before)
 
     def launch(self, plan, features: StepFeatures, prev=None, sample: bool = True) -> SimLaunched:
         """The overlap schedule's half of `run`: the host spends the step's
@@ -249,6 +252,7 @@ class SimRunner:
             raise ValueError("the overlap schedule does not run speculative steps")
         dt = self.step_time(features)
         between = self._between()  # host time, before the step's own
+        self.rows_before = features.rows
         host = min(float(getattr(self.model, "overhead_s", 0.0)), dt) + between
         dt += between
         self.clock.t += host

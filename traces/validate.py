@@ -227,7 +227,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
                      for f in feats])
     ratio = it / pred
     speed = run_speed(model, feats, it, pred)
-    gaps = loop_gaps(window)
+    gaps, _ = loop_gaps(window)
     windows = None
     if window_s:
         a, b = speed["step"], speed["token"]

@@ -207,7 +207,14 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         t = send + entry
         end = step(t, t - send + 0.1999, 1, 1, p, p, p * (p + 1) / 2, extra=wake)
         probes.append({"start": send, "first": end + delivery + stream, "prompt": p})
-        t = end + loop + loop_row
+        # eight prompts come together after 1 ms of idling: a step that runs 6 ms past the model, which
+        # is the model's misfit for such a step, not a wake-up
+        t = end + 0.001
+        dt = truth.predict(8, 8 * 64, 8 * 64, 8 * 64 * 65 / 2) + 0.006
+        lines.append({"t": t, "wait": 0.001, "adds": 8, "cmd": 0.0, "rows": 8, "decode_rows": 0, "ext": 8,
+                      "ctx": 8 * 64, "new": 8 * 64, "pairs": 8 * 64 * 65 / 2, "step": dt, "fwd": dt, "out": 0.0,
+                      "emit": 0.0, "outs": 8})
+        t += dt + loop + loop_row * 8
     cal = calibrate(lines, probes, 0.0, t + 1, form="linear")
     c = cal["costs"]
     # the attention term's column is free here (no quadratic cost in the truth): auto may take either form
@@ -220,7 +227,7 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     # prompt on an idle engine; the gap grows with the rows of the step before
     assert c.loop_s == pytest.approx(loop, abs=1e-9) and c.loop_row_s == pytest.approx(loop_row, abs=1e-10)
     assert cal["samples"]["loop"] == 40 * 21 - 1
-    (point,) = c.wake_curve  # every probe idled ~0.2 s: one range of idle times
+    (point,) = c.wake_curve  # every probe idled ~0.2 s: one range of idle times (the batches are no wake-up)
     assert point[0] == pytest.approx(0.2, abs=1e-3) and point[1] == pytest.approx(wake, abs=0.5e-3)
     assert cal["samples"]["delivery"] == 80 and cal["samples"]["after_idle"] == 40
     q = cal["noise"]["quantiles"]

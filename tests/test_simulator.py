@@ -663,18 +663,20 @@ def test_overlap_schedule_charges_each_step_its_own_launch():
     assert all(r.forward_s >= 0 for r in recs)
 
 
-def test_overlap_schedule_is_the_roofline_default_without_speculation():
+def _sim_config(profile: str, **kw) -> SimConfig:
+    """`simulate`'s SimConfig for `profile`, its options at their defaults but `kw`."""
     from argparse import Namespace
 
     from stepserve.traces.simulate_cli import sim_config
 
-    def cfg(profile, **kw):
-        a = dict(max_running=None, max_batched_tokens=None, kv_slots=None, vocab_size=None, seed=0,
-                 admission="fcfs", no_prefix_caching=False, check_every=0, no_step_noise=True, acceptance=None,
-                 acceptance_spread=None, no_serving_costs=False, overlap_schedule="auto", speculative="none")
-        a.update(kw)
-        return sim_config(Namespace(**a), load_profile(profile))
+    a = dict(max_running=None, max_batched_tokens=None, kv_slots=None, vocab_size=None, seed=0,
+             admission="fcfs", no_prefix_caching=False, check_every=0, no_step_noise=True, acceptance=None,
+             acceptance_spread=None, no_serving_costs=False, overlap_schedule="auto", speculative="none")
+    return sim_config(Namespace(**{**a, **kw}), load_profile(profile))
 
+
+def test_overlap_schedule_is_the_roofline_default_without_speculation():
+    cfg = _sim_config
     assert cfg("h100:llama3-8b").overlap_schedule is True
     assert cfg("h100:llama3-8b", overlap_schedule="off").overlap_schedule is False
     assert cfg("h100:llama3-8b", speculative="ngram", acceptance="0.8").overlap_schedule is False
@@ -685,3 +687,19 @@ def test_overlap_schedule_is_the_roofline_default_without_speculation():
 
         Simulator(CONST_1MS, SimConfig(kv_slots=100, overlap_schedule=True, acceptance=[0.8]),
                   [speculation_policy("fixed:2", latency_model=CONST_1MS)])
+
+
+def test_no_serving_costs_leaves_every_serving_cost_out(tmp_path):
+    """`--no-serving-costs`: the profile's entry, delivery, wake-up and
+    busy-loop costs all at 0, the steps as the profile has them."""
+    import json
+
+    from stepserve.scheduler.latency_model import ServingCosts
+
+    engine = {"kv_slots": 100, "entry_s": 0.002, "delivery_s": 0.001, "stream_s": 1e-4, "wake_s": 0.003,
+              "wake_curve": [[0.01, 0.002]], "loop_s": 1e-4, "loop_row_s": 1e-6}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"kind": "stepserve-latency-profile", "source": "measured",
+                                "latency": {"form": "linear", "coef": [1e-3, 0.0, 0.0, 0.0]}, "engine": engine}))
+    assert _sim_config(str(path)).serving() == ServingCosts.from_engine(engine)
+    assert _sim_config(str(path), no_serving_costs=True).serving() == ServingCosts()

@@ -193,21 +193,21 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
     # --replays kept the real runs: a slower profile is validated against the same runs, with no server
     prof["latency"]["coef"][0] = 6e-3
     (tmp_path / "p2.json").write_text(json.dumps(prof))
-    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
-               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v2.json"),
-               "--replays", str(tmp_path / "runs"), "--no-progress"])
-    assert rc == 0
+
+    def from_stored_runs(profile: str, out: str, *more: str) -> int:  # no server: --url answers nothing
+        return main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
+                     str(tmp_path / profile), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / out),
+                     "--replays", str(tmp_path / "runs"), "--no-progress", *more])
+
+    assert from_stored_runs("p2.json", "v2.json") == 0
     again = json.loads((tmp_path / "v2.json").read_text())
     for a, b in zip(res["rates"], again["rates"]):
         assert a["real"] == b["real"] and a["latency"]["ttft_p50"]["real"] == b["latency"]["ttft_p50"]["real"]
         assert b["latency"]["tpot_p50"]["sim"] > a["latency"]["tpot_p50"]["sim"]  # the simulation did change
     # --speed-from-step-log: each simulation runs at its real run's measured speed, so a profile 3x off
     # in its intercept still simulates the engine's busy time; --sim-seeds: simulations per real run
-    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
-               str(tmp_path / "p2.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v3.json"),
-               "--replays", str(tmp_path / "runs"), "--step-log", step_log, "--speed-from-step-log",
-               "--sim-seeds", "2", "--no-progress"])
-    assert rc == 0
+    assert from_stored_runs("p2.json", "v3.json", "--step-log", step_log, "--speed-from-step-log",
+                            "--sim-seeds", "2") == 0
     fast = json.loads((tmp_path / "v3.json").read_text())
     assert fast["simulator"]["speed_from_step_log"] is True
     for b, c in zip(again["rates"], fast["rates"]):
@@ -218,11 +218,8 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
     # (a profile with step noise: told each window's speed, the simulation draws the scatter about it)
     prof["noise"] = {"quantiles": [0.5 + 0.01 * k for k in range(101)], "quantiles_within": [1.0] * 101}
     (tmp_path / "p3.json").write_text(json.dumps(prof))
-    rc = main(["validate", "--trace", TRACE, "--rates", "4,16", "--url", "http://127.0.0.1:9", "--profile",
-               str(tmp_path / "p3.json"), "--slo-ttft", "0.5", "--slo-tpot", "0.1", "--out", str(tmp_path / "v4.json"),
-               "--replays", str(tmp_path / "runs"), "--step-log", step_log, "--speed-from-step-log",
-               "--speed-window", "0.25", "--no-progress"])
-    assert rc == 0
+    assert from_stored_runs("p3.json", "v4.json", "--step-log", step_log, "--speed-from-step-log",
+                            "--speed-window", "0.25") == 0
     windowed = json.loads((tmp_path / "v4.json").read_text())
     assert windowed["simulator"]["speed_window_s"] == 0.25 and windowed["simulator"]["noise_within_windows"]
     for b, c in zip(again["rates"], windowed["rates"]):

@@ -35,7 +35,7 @@ Definitions (DESIGN, "Figures every benchmark reports"):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -190,8 +190,7 @@ def rejudged(report: dict, slo: SLO) -> dict:
     come back as they are.)"""
     if report.get("slo") == slo.to_dict():
         return report
-    keys = ("request_id", "arrival_s", "prompt_tokens", "n", "stages", "start_s", "first_token_s", "end_s",
-            "output_tokens", "cached_tokens", "error")
+    keys = [f.name for f in fields(RequestRecord) if f.name != "itl_s"]  # (the ITLs: no SLO judges them)
     records = [RequestRecord(**{k: d[k] for k in keys if k in d}) for d in report["requests"]]
     figures = summarize(records, report["duration_s"], slo, itl_values=())
     return {**report, **{k: figures[k] for k in SLO_FIGURES}}

@@ -175,8 +175,9 @@ def sim_config(args, prof):
         acceptance_spread=parse_spread(args.acceptance_spread) if args.acceptance_spread is not None else None,
     )
     if args.no_serving_costs:
-        cfg = dataclasses.replace(cfg, entry_s=0.0, delivery_s=0.0, stream_s=0.0, wake_s=0.0, wake_curve=[], loop_s=0.0,
-                                  loop_row_s=0.0)
+        from stepserve.scheduler.latency_model import ServingCosts
+
+        cfg = dataclasses.replace(cfg, **ServingCosts().to_dict())  # every serving cost at 0
     overlap = getattr(args, "overlap_schedule", "auto")
     if overlap == "on" and args.speculative != "none":
         raise SystemExit("stepserve: --overlap-schedule on cannot be combined with --speculative (as in the engine)")

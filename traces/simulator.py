@@ -73,8 +73,8 @@ class SimConfig:
     overlap_schedule: bool = False
 
     def serving(self) -> ServingCosts:
-        return ServingCosts(self.entry_s, self.delivery_s, self.stream_s, self.wake_s,
-                            tuple((float(x), float(y)) for x, y in self.wake_curve), self.loop_s, self.loop_row_s)
+        return ServingCosts(**{k: getattr(self, k) for k in ServingCosts.SCALARS},
+                            wake_curve=tuple((float(x), float(y)) for x, y in self.wake_curve))
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of

@@ -189,8 +189,7 @@ def judge_paired(per_rate: list[dict]) -> dict:
     judges the simulator, not how far apart the machine put the runs."""
     out = {}
     for k in ("attainment",) + PAIRED:
-        goal = GOALS["attainment_abs"] if k == "attainment" else GOALS["goodput_rel"] if k == "goodput" \
-            else GOALS["latency_rel"]
+        goal = GOALS[{"attainment": "attainment_abs", "goodput": "goodput_rel"}.get(k, "latency_rel")]
         med = [_median([p[k] for p in r["paired"]]) for r in per_rate]
         worst = max((abs(x) for x in med if x is not None), default=None)
         out[k] = {"per_rate": med, "worst": worst, "goal": goal,
@@ -318,6 +317,19 @@ def _pct(v) -> str:
     return "-" if v is None else f"{v:+.0%}"
 
 
+def _err(k: str, v) -> str:
+    """An error as the goal on `k` reads it: attainment in points, the rest relative."""
+    return "-" if v is None else f"{v * 100:+.1f}pt" if k == "attainment" else _pct(v)
+
+
+def _goal_line(k: str, v: dict) -> str:
+    """One goal of `judge`'s: its worst error, the goal and whether it was met."""
+    att = k == "attainment"
+    worst = "-" if v["worst"] is None else (f"{v['worst'] * 100:.1f}pt" if att else f"{v['worst']:.1%}")
+    goal = f"{v['goal'] * 100:.0f}pt" if att else f"{v['goal']:.0%}"
+    return f"  {k:12s} worst {worst:>7s} (goal {goal}): {'met' if v['met'] else 'MISSED'}"
+
+
 def format_rate(r: dict) -> str:
     reps = r.get("repeats", 1)
     head = f"rate {r['rate']:.3g} req/s" + (f" (medians of {reps} runs each)" if reps > 1 else "")
@@ -336,11 +348,9 @@ def format_rate(r: dict) -> str:
     lines.append(f"  {'attainment':10s} {r['real']['slo_attainment']:7.1%} {r['sim']['slo_attainment']:7.1%} "
                  f"{r['attainment_error'] * 100:+6.1f}pt" + (f"  (real runs {lo:.1%}-{hi:.1%})" if reps > 1 else ""))
     if r.get("paired"):
-        def errs(k):
-            xs = [p[k] for p in r["paired"]]
-            return "/".join(f"{x * 100:+.1f}pt" if k == "attainment" else _pct(x) for x in xs)
         lines.append("  each run against its own simulations: "
-                     + "; ".join(f"{k.replace('_', ' ')} {errs(k)}" for k in ("attainment",) + PAIRED))
+                     + "; ".join(f"{k.replace('_', ' ')} " + "/".join(_err(k, p[k]) for p in r["paired"])
+                                 for k in ("attainment",) + PAIRED))
     sim = r["sim"]
     if sim.get("steps") is not None:
         lines.append(f"  simulator: {sim['steps']:.0f} steps, busy {sim['busy_s']:.2f} s, "
@@ -376,20 +386,12 @@ def format_summary(summary: dict, per_rate: list[dict]) -> str:
             lines.append(f"  knee (attainment < 90%): real {rate(v['real'])}, sim {rate(v['sim'])} req/s: "
                          f"{'met' if v['met'] else 'MISSED'} (within one grid step)")
             continue
-        worst = "-" if v["worst"] is None else (f"{v['worst'] * 100:.1f}pt" if k == "attainment"
-                                               else f"{v['worst']:.1%}")
-        goal = f"{v['goal'] * 100:.0f}pt" if k == "attainment" else f"{v['goal']:.0%}"
-        lines.append(f"  {k:12s} worst {worst:>7s} (goal {goal}): {'met' if v['met'] else 'MISSED'}")
+        lines.append(_goal_line(k, v))
     if summary.get("paired"):
         lines.append("goals on each run against its own simulations (per rate, the median over its runs):")
         for k, v in summary["paired"].items():
-            if k == "all_met":
-                continue
-            att = k == "attainment"
-            errs = " ".join("-" if x is None else f"{x * 100:+.1f}pt" if att else _pct(x) for x in v["per_rate"])
-            worst = "-" if v["worst"] is None else (f"{v['worst'] * 100:.1f}pt" if att else f"{v['worst']:.1%}")
-            goal = f"{v['goal'] * 100:.0f}pt" if att else f"{v['goal']:.0%}"
-            lines.append(f"  {k:12s} worst {worst:>7s} (goal {goal}): {'met' if v['met'] else 'MISSED'}   by rate: {errs}")
+            if k != "all_met":
+                lines.append(_goal_line(k, v) + "   by rate: " + " ".join(_err(k, x) for x in v["per_rate"]))
     return "\n".join(lines)
 
 

@@ -123,7 +123,9 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     prof = json.loads(out.read_text())
     assert prof["source"] == "measured-http"
     scenarios = {p["scenario"] for p in prof["points"]}
-    assert {"prefill", "mixed"} <= scenarios <= {"decode", "prefill", "mixed"}
+    assert {"prefill", "hit", "mixed"} <= scenarios <= {"decode", "prefill", "hit", "mixed"}
+    # each prompt went again after an idle wait: a full prefix hit, whose one token is a decode-shaped step
+    assert all(p["new_tokens"] == 1 for p in prof["points"] if p["scenario"] == "hit")
     # every decode stream is accounted for: timed, or its tokens came merged into too few events to time (a
     # loaded machine's front end falls behind: seen on 2 cores under CI), and then it says so
     streams = prof["sweep"]["decode_streams"]
@@ -135,6 +137,8 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert "request_overhead_s" not in prof["engine"]
     cal = prof["calibration"]
     assert cal["busy_steps"] >= 10 and cal["samples"]["delivery"] >= 1 and cal["samples"]["entry"] >= 1
+    # the server kept the probes' KV: their hits ran one-row steps after idling, and the wake-up is read there
+    assert cal["samples"]["wake_from"] == "hits"
     assert cal["form"] == prof["latency"]["form"] and cal["client_points"]["n"] == len(prof["points"])
     assert prof["target"].startswith("engine loop iteration")
     costs = ServingCosts.from_engine(prof["engine"])

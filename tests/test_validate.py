@@ -235,6 +235,57 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     assert cal["fit"]["heldout_steps"]["median_ape"] < 0.05
 
 
+def test_wake_up_is_read_off_full_prefix_hits_where_the_model_misprices_lone_prompts():
+    """The busy steps (decode rows, and chunks beside them) price a lone
+    prompt's step by extrapolation: here such steps run 1.5 ms under the
+    model after idling, so with the wake-up they read as none. The hit
+    probes' steps (one decode-shaped row after idling, a prompt sent again)
+    carry the wake-up alone, and calibration reads it there, and finds each
+    hit probe's token on the first step after its pickup."""
+    import random
+
+    from stepserve.traces.calibrate import calibrate
+
+    truth = LinearLatencyModel("linear", [0.5e-3, 2e-5, 1e-6, 5e-5])
+    entry, delivery, wake = 0.4e-3, 1.5e-3, 1e-3
+    rng = random.Random(2)
+    lines, probes, t = [], [], 1000.0
+
+    def step(t, wait, adds, rows, decode_rows, ctx, new, pairs, extra=0.0):
+        dt = truth.predict(rows, ctx, new, pairs) * rng.uniform(0.97, 1.03) + extra
+        lines.append({"t": t, "wait": wait, "adds": adds, "cmd": 0.0, "rows": rows, "decode_rows": decode_rows,
+                      "ctx": ctx, "new": new, "pairs": pairs, "step": dt, "fwd": dt, "out": 0.0, "emit": 0.0,
+                      "outs": rows})
+        return t + dt
+
+    for rep in range(30):
+        b = rng.choice([1, 2, 4, 8])
+        for _ in range(20):
+            t = step(t, 0.0, 0, b, b, b * rng.randint(20, 400), b, 0.0)
+        p = rng.choice([32, 128])
+        t = step(t, 0.0, 0, b + 1, b, b * 200 + p, b + p, p * (p + 1) / 2)  # a chunk beside the decode rows
+        for hit in (False, True):
+            idle_from, send = t, t + rng.uniform(0.01, 0.2)
+            t = send + entry
+            if hit:  # the prompt again: one token computed over its cached KV
+                end = step(t, t - idle_from, 1, 1, 1, p, 1, 0.0, extra=wake)
+            else:  # a lone prompt: the model overprices it by more than the wake-up
+                end = step(t, t - idle_from, 1, 1, 0, p, p, p * (p + 1) / 2, extra=wake - 1.5e-3)
+            probes.append({"start": send, "first": end + delivery, "prompt": p, "hit": hit})
+            t = end
+    cal = calibrate(lines, probes, 0.0, t + 1, form="linear")
+    c = cal["costs"]
+    assert cal["samples"]["wake_from"] == "hits" and cal["samples"]["after_idle"] == 30
+    assert c.wake_s == pytest.approx(wake, abs=0.1e-3)
+    assert c.wake_curve and all(y == pytest.approx(wake, abs=0.2e-3) for _, y in c.wake_curve)
+    assert cal["samples"]["delivery"] == 60 and c.delivery_s == pytest.approx(delivery, rel=1e-6)
+    assert c.entry_s == pytest.approx(entry, rel=1e-6)
+    # without the hits, the lone prompts are all there is, and they read as no wake-up
+    lone = calibrate([ln for ln in lines if not (ln["wait"] and ln["rows"] == ln["decode_rows"] == 1)],
+                     [p for p in probes if not p["hit"]], 0.0, t + 1, form="linear")
+    assert lone["samples"]["wake_from"] == "prompts" and lone["costs"].wake_s == 0.0
+
+
 def test_calibration_takes_the_attention_term_where_long_prefills_need_it():
     """Steps whose cost has a quadratic attention part: most prefill chunks are
     short, a tenth attend over long contexts; auto takes linear+attn and

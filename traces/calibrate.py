@@ -14,10 +14,10 @@ over the same sweep:
               advance by), thousands of exact shapes instead of ~60 medians
   wake_s      the median extra time, over the model, of the iterations that
               followed an idle wait of at least `IDLE_S`
-  wake_curve  the same per range of idle time (`WAKE_BINS`), both from steps
-              that took in one prompt (as the idle probes do): how the wake-up
+  wake_curve  the same per range of idle time (`WAKE_BINS`): how the wake-up
               grows with the idling before it (the probes idle for log-uniform
-              times, 2-300 ms)
+              times, 2-300 ms); both from the steps of `wake_steps`: one
+              decode-shaped row (the hit probes), else one prompt
   entry_s     the median time from a probe's send (client clock) to the
               engine taking it in, for probes that reached an idle engine
   delivery_s, stream_s
@@ -181,7 +181,8 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
         if idle:
             entry.append(ln["t"] - p["start"])
         for step in lines[i:]:
-            if "rows" in step and step["new"] - step["decode_rows"] >= p["prompt"]:
+            # (a hit probe's one token is a decode-shaped row: the first step after its pickup)
+            if "rows" in step and (p.get("hit") or step["new"] - step["decode_rows"] >= p["prompt"]):
                 end = step["t"] + iteration_time(step)
                 if p["first"] >= end:
                     delivery.append((step["rows"], p["first"] - end))
@@ -247,16 +248,32 @@ def wake_curve(samples: list[tuple[float, float]]) -> tuple[tuple[float, float],
     return tuple(out)
 
 
+def wake_steps(steps: list[tuple[float, dict]]) -> tuple[list[tuple[float, dict]], str]:
+    """The steps a wake-up is read off, and which they are ("hits" or
+    "prompts"): those that ran one decode-shaped row
+    (a full prefix hit's first step: the profile's hit probes) where at least
+    `MIN_BIN` of them followed an idle wait of `IDLE_S`, else those that took
+    in at most one prompt. The busy steps price a decode-shaped step from
+    thousands like it; a lone prompt's step they price only by extrapolation
+    from chunks beside decode rows (measured on a 2-core server: lone prompts
+    ran 0.6-1.3 ms under the model after idling, one-row hits 1 ms over it,
+    the two together reading as no wake-up). Never a batch of prompts that
+    arrived together after a short idle: a step the model may misprice, not a
+    wake-up (58 steps of 8 prompts read as 6.6 ms of wake-up after 1 ms of
+    idling, charged to every lone prompt after it)."""
+    hits = [(idle, ln) for idle, ln in steps if ln["rows"] == 1 and ln["decode_rows"] == 1]
+    if sum(idle >= IDLE_S for idle, _ in hits) >= MIN_BIN:
+        return hits, "hits"
+    return [(idle, ln) for idle, ln in steps if features(ln).extend_rows <= 1], "prompts"
+
+
 def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float, form: str = "auto") -> dict:
     """The step model and the serving costs from the step log's lines between
     t_from and t_to (wall clock) and the probes sent meanwhile."""
     window = [ln for ln in lines if t_from <= ln["t"] <= t_to]
     steps = step_lines(window)
     model, fit = fit_steps(steps, form)
-    # a wake-up is read off steps that took in one prompt, as the idle probes do: a batch of prompts
-    # arriving together after a short idle is a step the model may misprice, not a wake-up (58 such steps
-    # of 8 prompts read as 6.6 ms of wake-up after 1 ms of idling, charged to every lone prompt after it)
-    alone = [(idle, ln) for idle, ln in steps if features(ln).extend_rows <= 1]
+    alone, wake_from = wake_steps(steps)
     woke = [iteration_time(ln) - model.predict_features(features(ln)) for idle, ln in alone if idle >= IDLE_S]
     curve = wake_curve([(idle, iteration_time(ln) - model.predict_features(features(ln)))
                         for idle, ln in alone if idle >= BUSY_S])
@@ -301,5 +318,6 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
                   # is told that speed (`stepserve validate --speed-window`), which the raw quantiles hold too
                   "quantiles_within": quantiles(within_ratios(np.asarray(busy_ratio)))},
         "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery),
-                    "loop": len(gaps)},
+                    "loop": len(gaps),
+                    "wake_from": wake_from},
     }

@@ -19,6 +19,9 @@ clients observe should use a profile measured where they are:
            them: a per-request overhead (its own column, stored as
            `engine.delivery_s`), a wake-up (a column for the points sent to an
            idle engine, `engine.wake_s`), and the step, charged per step
+  hit      the same prompt again after another idle: a full prefix hit, whose
+           one step computes one token (decode-shaped), so its TTFT is the
+           overhead, the wake-up and a step the decode points price
   mixed    TTFT of a P-token prompt sent (at a random phase) while B streams
            decode: overhead + half a decode step of waiting + the mixed step
            (a busy engine: no wake-up), and B streams' worth of the front
@@ -86,18 +89,21 @@ class HTTPSweep:
     def _spec(self, plen: int, out: int) -> RequestSpec:
         return RequestSpec(f"profile-{self.rng.random()}", 0.0, out, (Segment(f"profile:{self.rng.random()}", plen),))
 
-    async def _probe(self, replayer, plen: int) -> RequestRecord:
+    async def _probe(self, replayer, plen: int, spec: RequestSpec | None = None) -> tuple[RequestRecord, RequestSpec]:
         """One request of `plen` prompt tokens and one output token; its send and
-        first-token times are kept (wall clock) in `probes`."""
-        spec = self._spec(plen, 1)
+        first-token times are kept (wall clock) in `probes`. `spec`: send that
+        prompt again (its KV cached by the server: a full prefix hit)."""
+        hit = spec is not None
+        spec = RequestSpec(f"profile-{self.rng.random()}", 0.0, 1, spec.segments) if hit else self._spec(plen, 1)
         rec = RequestRecord(spec.request_id, 0.0, plen)
         t0 = time.perf_counter()
         await replayer._one(spec, rec, t0)
         if rec.error:
             raise RuntimeError(f"profile request failed: {rec.error}")
         base = self._epoch + t0
-        self.probes.append({"start": base + rec.start_s, "first": base + rec.first_token_s, "prompt": plen})
-        return rec
+        self.probes.append({"start": base + rec.start_s, "first": base + rec.first_token_s, "prompt": plen,
+                            "hit": hit})
+        return rec, spec
 
     async def decode(self, replayer, bs: int, ctx: int) -> None:
         """B streams started together; each stream's time per token from its
@@ -133,16 +139,30 @@ class HTTPSweep:
         OpenAI completions route, streamed), so it holds the same per-request
         overhead as a replay's TTFT. Each probe is sent after the engine idled
         for a time drawn log-uniformly from `idle_s` (low, high), as requests
-        at different loads find it: the longer the idling, the deeper asleep."""
-        raw = []
+        at different loads find it: the longer the idling, the deeper asleep.
+        After another such idle the same prompt goes again: a full prefix hit,
+        whose one step computes one token, shaped like a decode step. Those
+        are what the wake-up is read from (`calibrate`): the step model prices
+        decode-shaped steps from thousands of busy ones, where a lone prompt's
+        step is one the busy steps (prefill chunks beside decode rows) price
+        less well."""
+        raw, hits = [], []
         f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
+        f_hit = StepFeatures(1, plen, 1)
         for rep in range(self.warmup + self.repeats):
-            lo, hi = self.idle_s
-            await asyncio.sleep(lo * (hi / lo) ** self.rng.random())
-            rec = await self._probe(replayer, plen)
+            await self._idle()
+            rec, spec = await self._probe(replayer, plen)
+            await self._idle()
+            again, _ = await self._probe(replayer, plen, spec)
             if rep >= self.warmup:
                 raw.append((f, rec.ttft))
+                hits.append((f_hit, again.ttft))
         self._add({"scenario": "prefill", "prompt": plen, "from_request": True, "from_idle": True}, raw)
+        self._add({"scenario": "hit", "prompt": plen, "from_request": True, "from_idle": True}, hits)
+
+    async def _idle(self) -> None:
+        lo, hi = self.idle_s
+        await asyncio.sleep(lo * (hi / lo) ** self.rng.random())
 
     async def mixed(self, replayer, bs: int, ctx: int, plen: int) -> None:
         """TTFT of a P-token prompt sent while B streams decode: the request's
@@ -167,7 +187,7 @@ class HTTPSweep:
         for rep in range(self.warmup + self.repeats):
             gaps = [g for r in recs for g in r.itl_s[-4:]]
             await asyncio.sleep(self.rng.uniform(0, statistics.median(gaps) if gaps else 0.005))
-            rec = await self._probe(replayer, plen)
+            rec, _ = await self._probe(replayer, plen)
             if any(t.done() for t in tasks):
                 break  # the batch is thinning: this probe no longer saw B decode rows
             if rep >= self.warmup:

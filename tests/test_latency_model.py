@@ -306,6 +306,30 @@ def test_online_refit_with_a_base_rescales_it():
     assert free.predict_features(wide) != pytest.approx(slow.predict_features(wide), rel=0.05)
 
 
+def test_online_rescale_adds_up_to_the_measured_time_under_scatter():
+    """Steps 1.3x the base with a log-normal scatter (sigma 0.3, about this
+    machine's): the rescaled model's predictions over the window add up to
+    the measured time. The least-relative-error scale, which the offline fit
+    uses across shapes, comes out well below it for one scale."""
+    base = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    m = OnlineLatencyModel(base=base, window=200, min_samples=200, refit_every_steps=200)
+    rng = np.random.default_rng(3)
+    feats, times = [], []
+    for _ in range(200):
+        b = int(rng.integers(1, 64))
+        f = StepFeatures(b, b * int(rng.integers(100, 900)), b)
+        t = 1.3 * base.predict_features(f) * float(np.exp(rng.normal(0.0, 0.3)))
+        feats.append(f)
+        times.append(t)
+        m.observe(None, FakeRecord(f, t))
+    assert m.num_refits >= 1
+    predicted = sum(m.current().predict_features(f) for f in feats)
+    assert predicted == pytest.approx(sum(times), rel=1e-9)
+    r = np.array([base.predict_features(f) for f in feats]) / np.array(times)
+    least_relative = r.sum() / (r * r).sum()
+    assert least_relative * sum(base.predict_features(f) for f in feats) < 0.9 * sum(times)
+
+
 def test_nnls_is_exact_and_nonnegative():
     """`nnls` against the constrained optimum found by a fine grid, and the
     unconstrained solution where that is already non-negative."""

@@ -483,6 +483,11 @@ class OnlineLatencyModel:
         return plan
 
     def observe(self, plan, record) -> None:
+        if getattr(record, "cold", False):
+            # a shape the runner had not run before: one-off work (kernels built for it) in its time, no
+            # steady-state price. A first refit on the 32 steps after a server's start took such steps in
+            # and priced every step 1.75x its time until the next refit, 600 s later.
+            return
         f = plan_features(plan) if plan is not None else record_features(record)
         self.add(f, getattr(record, self.target))
 

@@ -330,6 +330,28 @@ def test_online_rescale_adds_up_to_the_measured_time_under_scatter():
     assert least_relative * sum(base.predict_features(f) for f in feats) < 0.9 * sum(times)
 
 
+def test_online_model_leaves_cold_steps_out():
+    """A step that ran a new shape (`StepRecord.cold`: kernels built for it)
+    is no steady-state price: a first refit over a server's first steps,
+    several of them cold and 20x their time, would price every step far
+    too high until the next refit."""
+    base = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    m = OnlineLatencyModel(base=base, min_samples=32)
+    rng = np.random.default_rng(4)
+    for i in range(40):
+        b = int(rng.integers(1, 16))
+        f = StepFeatures(b, b * 200, b)
+        rec = FakeRecord(f, base.predict_features(f) * (20.0 if i % 4 == 0 else 1.0))
+        rec.cold = i % 4 == 0
+        m.observe(None, rec)
+    assert len(m.window) == 30 and m.num_refits == 0  # the cold ones never entered the window
+    for _ in range(2):
+        f = StepFeatures(4, 800, 4)
+        m.observe(None, FakeRecord(f, base.predict_features(f)))
+    assert m.num_refits == 1
+    assert m.current().coef == pytest.approx(base.coef, rel=1e-9)
+
+
 def test_nnls_is_exact_and_nonnegative():
     """`nnls` against the constrained optimum found by a fine grid, and the
     unconstrained solution where that is already non-negative."""

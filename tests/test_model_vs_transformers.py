@@ -350,6 +350,11 @@ def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
         assert torch.equal(qkv[:, : hq * d].view(t, hq, d), gq)  # rotated in place
         gu = torch.randn(t, 2 * 48, generator=g) * 4
         torch.testing.assert_close(fused.silu_and_mul(gu), ref.silu_and_mul(gu), **close)
+    # the native kernel's own exp, over every gate a model sees and past it, against float64 (NaN stays NaN)
+    gate = torch.linspace(-100, 100, 20001)
+    got = fused.silu_and_mul(torch.stack([gate, torch.ones_like(gate)], 1))[:, 0]
+    torch.testing.assert_close(got, (gate.double() * torch.sigmoid(gate.double())).float(), rtol=1e-6, atol=1e-30)
+    assert torch.isnan(fused.silu_and_mul(torch.tensor([[float("nan"), 1.0]]))).all()
     with pytest.raises(RuntimeError, match="position out of the table"):
         fused.rope(torch.tensor([64]), torch.randn(1, d), torch.randn(1, d), d)
 

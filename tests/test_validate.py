@@ -349,6 +349,43 @@ def test_calibration_takes_the_segmented_form_for_a_concave_batch_curve():
         pytest.approx([2.5e-3, 4e-4, 4e-4], rel=0.15)
 
 
+def test_calibration_pulls_segment_slopes_together_where_the_steps_cannot_tell_them_apart():
+    """A server whose every decode row costs the same, timed as a sweep
+    times it (points of 15 steps that share a phase of the machine, 10%
+    scatter per step): the free segmented fit gives each batch range its own
+    slope out of the noise (they differ by 1.5x or more on some sweeps), and
+    the calibrated fit, whose slope penalty the held-out error picks, gives
+    every range one slope on every sweep. Which sweep a profile came from
+    then no longer moves the per-row price the simulator and TAPER use."""
+    import random
+
+    from stepserve.traces.calibrate import SMOOTH_GRID, features, fit_steps
+
+    truth = LinearLatencyModel("segmented", [5e-4] + [6e-5] * 6 + [8e-7, 6e-5, 0.0, 1.6e-3, 4e-5],
+                               knots=(1, 2, 4, 8, 16, 32))
+    free_spread, fitted_spread = [], []
+    for seed in range(4):
+        rng = random.Random(seed)
+        steps = []
+        for _ in range(200):
+            b = rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
+            ext = rng.choice([0, 0, 0, 1])
+            n = b + sum(rng.choice([16, 64, 256]) for _ in range(ext))
+            ctx = b * rng.randint(16, 500) + n - b
+            phase = rng.lognormvariate(0, 0.08)
+            for _ in range(15):
+                t = truth.predict(b + ext, ctx, n, 0.0, ext) * phase * rng.lognormvariate(0, 0.1)
+                steps.append((0.0, {"rows": b + ext, "decode_rows": b, "ctx": ctx, "new": n, "pairs": 0.0,
+                                    "step": t, "cmd": 0.0, "out": 0.0, "emit": 0.0}))
+        model, fit = fit_steps(steps, "segmented")
+        assert fit["smooth"] in SMOOTH_GRID and set(fit["smooth_heldout_time_error"]) == {str(x) for x in SMOOTH_GRID}
+        free = LinearLatencyModel.fit([features(ln) for _, ln in steps], [ln["step"] for _, ln in steps], "segmented")
+        fitted_spread.append(max(model.coef[1:7]) / min(model.coef[1:7]))
+        free_spread.append(max(free.coef[1:7]) / max(min(free.coef[1:7]), 1e-9))
+    assert max(fitted_spread) < 1.1
+    assert max(free_spread) > 1.5  # what the penalty takes out
+
+
 def test_profile_refuses_a_step_log_it_would_not_read(tmp_path):
     """--step-log names a server's log; the in-process sweep has none to read."""
     from stepserve.cli import main

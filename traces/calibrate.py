@@ -45,7 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from stepserve.scheduler.latency_model import (
-    LinearLatencyModel, ServingCosts, StepFeatures, error_summary, nnls,
+    LinearLatencyModel, ServingCosts, StepFeatures, design, error_summary, nnls, row_knots,
 )
 
 IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
@@ -106,20 +106,30 @@ def fit_loop(gaps: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def _folds(n: int, k: int = 4) -> list[np.ndarray]:
-    idx = np.random.default_rng(0).permutation(n)
-    return [idx[i::k] for i in range(k)]
+FOLD_BLOCK = 100  # consecutive busy steps held out together
 
 
-def _heldout(feats: list[StepFeatures], times: np.ndarray, form: str) -> np.ndarray:
-    """4-fold held-out relative error of each step."""
+def _folds(n: int, k: int = 4, block: int = FOLD_BLOCK) -> list[np.ndarray]:
+    """k folds of whole blocks of `block` consecutive steps, the blocks dealt
+    at random. Steps next to each other run the same sweep point in the same
+    phase of the machine: folds of single steps would test each on its twins
+    and reward a fit of the noise they share."""
+    blocks = np.arange(n) // block
+    order = np.random.default_rng(0).permutation(int(blocks.max()) + 1 if n else 0)
+    fold_of = order[blocks] % k
+    return [np.flatnonzero(fold_of == i) for i in range(k)]
+
+
+def _heldout(feats: list[StepFeatures], times: np.ndarray, form: str, smooth: float = 0.0) -> np.ndarray:
+    """4-fold held-out relative error of each step (`_folds`)."""
+    knots = row_knots(max(f.rows for f in feats)) if form == "segmented" else ()
+    X = design(feats, form, knots)
     errs = np.zeros(len(feats))
     for test in _folds(len(feats)):
-        held = set(test.tolist())
-        train = [i for i in range(len(feats)) if i not in held]
-        m = LinearLatencyModel.fit([feats[i] for i in train], times[train], form)
-        for i in test:
-            errs[i] = abs(m.predict_features(feats[i]) - times[i]) / times[i]
+        train = np.setdiff1d(np.arange(len(feats)), test)
+        coef = LinearLatencyModel.solve(X[train], times[train], form, knots, smooth=smooth)
+        pred = np.maximum(X[test] @ coef, LinearLatencyModel.min_s)
+        errs[test] = np.abs(pred - times[test]) / times[test]
     return errs
 
 
@@ -137,6 +147,34 @@ def time_error(errs: np.ndarray, times: np.ndarray) -> float:
 
 CANDIDATE_FORMS = ("linear", "linear+attn", "segmented")  # simplest first; each nests the one before
 PARSIMONY = 0.005  # a form with more terms is taken when it is more than 0.5% better held out
+SMOOTH_GRID = (0.0, 0.1, 1.0, 10.0, 100.0)  # the segmented form's slope penalties tried (`LinearLatencyModel.solve`)
+
+
+def pick_smooth(feats: list[StepFeatures], times: np.ndarray) -> tuple[float, np.ndarray, dict]:
+    """(penalty, its held-out errors, held-out time error per penalty) for the
+    segmented form: the largest of `SMOOTH_GRID` that is not worse held out
+    than the best one by more than `PARSIMONY` of it or one standard error of
+    the difference, whichever is more (the one-standard-error rule; the
+    error of the difference is taken over `FOLD_BLOCK` blocks of steps,
+    paired). Where the steps cannot tell the slopes apart the held-out
+    errors differ by noise, and the penalty that gives one slope wins."""
+    errs = {lam: _heldout(feats, times, "segmented", lam) for lam in SMOOTH_GRID}
+    terr = {lam: time_error(e, times) for lam, e in errs.items()}
+    best = min(terr, key=terr.get)
+    blocks = np.arange(len(times)) // FOLD_BLOCK
+    total = float(times.sum())
+
+    def per_block(e):
+        return np.bincount(blocks, weights=e * times) / total
+
+    ok = []
+    for lam in SMOOTH_GRID:
+        d = per_block(errs[lam]) - per_block(errs[best])
+        se = float(np.sqrt(len(d)) * d.std(ddof=1)) if len(d) > 1 else 0.0
+        if d.sum() <= max(PARSIMONY * terr[best], se):
+            ok.append(lam)
+    lam = max(ok)
+    return lam, errs[lam], terr
 
 
 def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[LinearLatencyModel, dict]:
@@ -145,16 +183,20 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[Line
     in time (`time_error`) is within `PARSIMONY` of the least (the richer
     forms nest the simpler ones: where they are no better, their extra terms
     would only fit noise); linear+attn only when its attention coefficient
-    is positive."""
+    is positive. The segmented form's slopes are pulled together as far as
+    the held-out error allows (`pick_smooth`)."""
     busy = [ln for idle, ln in steps if idle < BUSY_S]
     if len(busy) < 10:
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
     feats = [features(ln) for ln in busy]
     times = np.array([iteration_time(ln) for ln in busy])
     forms = CANDIDATE_FORMS if form == "auto" else (form,)
-    errs = {f: _heldout(feats, times, f) for f in forms}
+    errs = {f: _heldout(feats, times, f) for f in forms if f != "segmented"}
+    smooth, smooth_errs = 0.0, {}
+    if "segmented" in forms:
+        smooth, errs["segmented"], smooth_errs = pick_smooth(feats, times)
     terr = {f: time_error(e, times) for f, e in errs.items()}
-    models = {f: LinearLatencyModel.fit(feats, times, f) for f in forms}
+    models = {f: LinearLatencyModel.fit(feats, times, f, smooth=smooth if f == "segmented" else 0.0) for f in forms}
     if form == "auto":
         ok = [f for f in forms if f != "linear+attn" or models[f].coef[-1] > 0]
         best = min(terr[f] for f in ok)
@@ -162,7 +204,9 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[Line
     model = models[form]
     return model, {"form": form, "heldout_steps": _summary(errs[form]) | {"time_error": terr[form]},
                    "forms_heldout_steps": {f: _summary(e) | {"time_error": terr[f]} for f, e in errs.items()},
-                   "train_steps": error_summary(model, feats, times), "busy_steps": len(busy)}
+                   "train_steps": error_summary(model, feats, times), "busy_steps": len(busy),
+                   **({"smooth": smooth, "smooth_heldout_time_error": {str(k): v for k, v in smooth_errs.items()}}
+                      if smooth_errs else {})}
 
 
 def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], list[tuple[int, float]]]:

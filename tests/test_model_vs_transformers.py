@@ -70,6 +70,38 @@ def test_pure_torch_backend_equals_native_kernel(ckpt_factory):
     assert run(native, prompts, 20) == run(torch_only, prompts, 20) == reference(path, prompts, 20)
 
 
+def test_native_decode_attention_against_float64():
+    """The native paged decode kernel (its softmax on the kernel's own
+    vectorized exp) against softmax attention in float64 over the same
+    slots: grouped heads, scattered slots, contexts from 1 to 700, scores
+    from flat to so peaked that most weights underflow, float32 and
+    bfloat16 storage."""
+    from stepserve.engine.cpu_kernels import paged_decode_module
+
+    native = paged_decode_module()
+    if native is None:
+        pytest.skip("native CPU kernel did not build on this machine")
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, pool = 4, 2, 64, 4096
+    lens = torch.tensor([1, 2, 37, 700, 300, 64], dtype=torch.int64)
+    b = len(lens)
+    table = torch.stack([torch.randperm(pool, generator=g)[:700] for _ in range(b)])
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):  # (old libm-exp kernel: 5e-6, 7e-3)
+        kp = torch.randn(pool, hkv, d, generator=g).to(dtype)
+        vp = torch.randn(pool, hkv, d, generator=g).to(dtype)
+        for sharp in (0.1, 1.0, 30.0):  # scores' spread: up to thousands apart at 30
+            q = (torch.randn(b, hq, d, generator=g) * sharp).to(dtype)
+            rows = torch.arange(b, dtype=torch.int64)
+            out = native.paged_decode(q, kp, vp, table, rows, lens, d ** -0.5)
+            for i in range(b):
+                slots = table[i, : lens[i]]
+                k = kp[slots].double().repeat_interleave(hq // hkv, dim=1)  # [n, hq, d]
+                v = vp[slots].double().repeat_interleave(hq // hkv, dim=1)
+                p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), k) * d ** -0.5, dim=-1)
+                want = torch.einsum("hn,nhd->hd", p, v)
+                torch.testing.assert_close(out[i].double(), want.to(dtype).double(), rtol=10 * tol, atol=tol)
+
+
 def test_chunked_prefill_tiny_chunks(ckpt_factory):
     path = ckpt_factory("qwen2")
     prompts = prompts_of([45, 3, 90])

@@ -37,7 +37,7 @@ from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.policies import branch_admission_policy, policy_stats, speculation_policy
 from stepserve.scheduler.policy import StepPolicy
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from stepserve.scheduler.speculation import SpecLengthSpec
+from stepserve.scheduler.speculation import CPU_SETTLE, SETTLE, SpecLengthSpec
 
 log = logging.getLogger("stepserve.engine")
 
@@ -234,11 +234,13 @@ def _positive_int(v, what: str) -> int:
     return v
 
 
-def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
+def builtin_policies(config: EngineConfig, proposer=None, device_type: str = "cpu") -> list[StepPolicy]:
     """The step policies `config` names (branch admission, speculation
     length), in their fixed order. `proposer`: the engine's, whose proposals
     the speculation length replays on the history, and asks for before the
-    step's slots are reserved, when it is deterministic (the n-gram lookup)."""
+    step's slots are reserved, when it is deterministic (the n-gram lookup).
+    `device_type`: where the model runs; on a CPU the adaptive length times
+    a plain step further from drafting (`CPU_SETTLE`)."""
     model = None
     if config.latency_profile:
         from stepserve.scheduler.latency_model import load_profile
@@ -252,7 +254,8 @@ def builtin_policies(config: EngineConfig, proposer=None) -> list[StepPolicy]:
     if config.speculative != "none":
         ngram = isinstance(proposer, NgramProposer)
         spec = speculation_policy(config.spec_length or "adaptive", latency_model=model,
-                                  replay=proposer.matches if ngram else None, propose=proposer.propose_for if ngram else None)
+                                  replay=proposer.matches if ngram else None, propose=proposer.propose_for if ngram else None,
+                                  settle=CPU_SETTLE if device_type == "cpu" else SETTLE)
         if spec is not None:
             out.append(spec)
     return out
@@ -375,7 +378,7 @@ class Engine:
         self.req_pool = ReqToTokenPool(ReqToTokenPool.rows_for(config.max_running), self.max_model_len + 1)
         kv = KVManager(SlotAllocator(kv_slots + 1), self.req_pool, config.prefix_caching)
         proposer = NgramProposer() if config.speculative == "ngram" else None
-        self.policies = builtin_policies(config, proposer) + list(config.policies)
+        self.policies = builtin_policies(config, proposer, self.device.type) + list(config.policies)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_running=config.max_running,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from stepserve.scheduler.branch_admission import BranchAdmissionPolicy, BranchAdmissionSpec
 from stepserve.scheduler.policy import NoopPolicy
-from stepserve.scheduler.speculation import SpecLengthPolicy, SpecLengthSpec
+from stepserve.scheduler.speculation import SETTLE, SpecLengthPolicy, SpecLengthSpec
 
 
 def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=None, slo_ttft_s: float | None = None,
@@ -25,16 +25,16 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
 
 
 def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay=None,
-                       propose=None) -> SpecLengthPolicy | None:
+                       propose=None, settle: int = SETTLE) -> SpecLengthPolicy | None:
     """The speculation-length policy of `spec`, or None for `none`. `replay`:
     a deterministic proposer's `matches` (`NgramProposer.matches`), which
     the adaptive length replays on the sequences' history; `propose`: its
     `propose_for`, which drafts in the policy, before the step's slots are
-    reserved."""
+    reserved; `settle`: the adaptive length's default `settle`."""
     spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
     if spec.mode == "none":
         return None
-    return SpecLengthPolicy(spec, latency_model=latency_model, replay=replay, propose=propose)
+    return SpecLengthPolicy(spec, latency_model=latency_model, replay=replay, propose=propose, settle=settle)
 
 
 def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):

@@ -46,7 +46,9 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              over the time with none, measured in the batch-size range b of
              the drafting rows (1, 2-3, 4-7, ...; `DraftCostTable`) from
              pairs of back-to-back decode steps, one at 0 and one at k, each
-             after a step like itself (`_Pair`); a cell stands for
+             after steps like itself (`_Pair`; on a CPU the step at 0 comes
+             6 plain steps after drafting, once the caches the draft model
+             disturbed have settled); a cell stands for
              the median of its last 8 pairs, so a pair that a hiccup of the
              machine lengthened does not decide. A pair sees the
              same contexts and the same machine, so it needs no step model,
@@ -136,6 +138,8 @@ EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range
 EXPLORE_TURNS = 32  # ... and come at least once in this many exploration turns (`explore_every` steps each)
 LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
+SETTLE = 2  # a pair from drafting runs this many steps at 0 and times the last (`_Pair`; `adaptive:settle=N`)
+CPU_SETTLE = 6  # ... the engine's default on a CPU, whose caches the draft model's work disturbs
 MIN_SPREAD = 2.0  # the least weight `RowSpread` gives the rows' spread
 SMALL_BATCH = 16  # up to this many rows, the per-row choice is worked out in plain floats
 PAIR_SLACK = 16  # a pair's steps may differ in rows by 1/PAIR_SLACK of its own (and its step at k may have as
@@ -149,6 +153,7 @@ class SpecLengthSpec:
     k: int = 0  # fixed:K
     kmax: int = 8  # adaptive: the longest draft considered
     per_row: bool = True  # adaptive: each row's drafts follow its own acceptance (`SpecLengthPolicy._per_row`)
+    settle: int | None = None  # adaptive: steps at 0 of a pair from drafting (`_Pair`; None: the policy's default)
 
     @classmethod
     def parse(cls, text: str) -> "SpecLengthSpec":
@@ -159,7 +164,7 @@ class SpecLengthSpec:
         if head == "fixed":
             return cls("fixed", k=_draft_length(rest, "fixed:K"))
         if head == "adaptive":
-            kmax, per_row = 8, True
+            kmax, per_row, settle = 8, True, None
             for opt in filter(None, rest.split(",")):
                 key, _, val = opt.partition("=")
                 if key == "kmax":
@@ -168,10 +173,15 @@ class SpecLengthSpec:
                     if val not in ("0", "1"):
                         raise ValueError(f"adaptive per_row takes 0 or 1, got {val!r}")
                     per_row = val == "1"
+                elif key == "settle":
+                    if not val.isdigit() or not 1 <= int(val) <= 16:
+                        raise ValueError(f"adaptive settle takes a step count in [1, 16], got {val!r}")
+                    settle = int(val)
                 else:
-                    raise ValueError(f"unknown adaptive option {key!r} (kmax, per_row)")
-            return cls("adaptive", kmax=kmax, per_row=per_row)
-        raise ValueError(f"unknown speculation length {text!r} (none, fixed:K, adaptive[:kmax=K,per_row=0|1])")
+                    raise ValueError(f"unknown adaptive option {key!r} (kmax, per_row, settle)")
+            return cls("adaptive", kmax=kmax, per_row=per_row, settle=settle)
+        raise ValueError(f"unknown speculation length {text!r} "
+                         "(none, fixed:K, adaptive[:kmax=K,per_row=0|1,settle=N])")
 
 
 def _draft_length(text: str, what: str) -> int:
@@ -535,22 +545,30 @@ def _line_nonneg(x: list[int], y: list[float], w: list[int]) -> tuple[float, flo
 
 @dataclass
 class _Pair:
-    """An exploration pair in flight: three back-to-back decode steps of
-    `rows` rows, one step at k and one at 0 measured, each after a step like
-    itself, so that each is what a steady run at its length costs: from
-    plain decoding, (0, k, k), the first measured, the second priming the
-    proposer (a draft model catches up on every token decoded since its rows
-    last drafted, up to the whole prompt of a new request), the third
-    measured; from drafting, (k, 0, 0), the first and third measured. (A
-    step at 0 right after a drafting step, the former reference, ran 3%
-    slower than one after another at 0 at batch 1 on the 2-core EPYC: the
-    draft model's work had evicted the target's weights from the cache. With
-    the policy's own work in it too, k = 1-4 were priced 10% low.)"""
+    """An exploration pair in flight: back-to-back decode steps of `rows`
+    rows, one step at k and one at 0 measured, each after steps like itself,
+    so that each is what a steady run at its length costs (`pair_steps`).
+    From plain decoding, (0, k, k): the first measured, the second priming
+    the proposer (a draft model catches up on every token decoded since its
+    rows last drafted, up to the whole prompt of a new request), the third
+    measured. From drafting, k and then `settle` steps at 0: the first and
+    the last measured. A plain step soon after drafting runs slow where the
+    draft model's work evicts the target's weights and KV from the cache: at
+    batch 1 on the 2-core EPYC (fixed:4 drafting 15 steps, then 15 plain,
+    interleaved), the 1st plain step after drafting took 1.30x a steady one,
+    the 2nd 1.08x, the 3rd 1.04x, from the 4th on 1.00x (in a slow phase of
+    the machine 1.64, 1.43, 1.38, 1.29x, within 5% from the 7th). With the 2nd as the
+    reference (`settle` 2, the default), k = 4 (3.12 plain steps measured,
+    3.38 steady) tied with plain decoding at a 0.74 first-position rate, and
+    the adaptive length drafted on half the steps at batch 1, where every
+    fixed length lost to plain decoding; the engine on a CPU takes 3
+    (`CPU_SETTLE`). Where the weights stream from memory every step anyway
+    (a GPU, the simulator) there is nothing to settle."""
 
     bucket: int
     rows: int
     k: int  # the draft length measured
-    steps: tuple[int, int, int] = (0, 0, 0)  # the length of each of its steps
+    steps: tuple[int, ...] = (0, 0, 0)  # the length of each of its steps (`pair_steps`)
     done: int = 0  # steps of the pair observed
     ref: float = 0.0  # wall time of the measured step at 0
     at_k: tuple[float, float] = (0.0, 1.0)  # ... and of the one at k, with the share of its drafts delivered
@@ -564,6 +582,22 @@ class _Pair:
     @property
     def next_k(self) -> int:
         return self.steps[self.done]
+
+    @property
+    def last(self) -> int:
+        return len(self.steps) - 1
+
+    def measured(self, i: int) -> bool:
+        """Whether its i-th step is timed: the first and the last (from
+        plain decoding the middle one primes the proposer; from drafting the
+        middle ones settle the cache)."""
+        return i == 0 or i == self.last
+
+
+def pair_steps(k: int, primed: bool, settle: int = SETTLE) -> tuple[int, ...]:
+    """An exploration pair's lengths (`_Pair`): from drafting (`primed`: the
+    rows drafted last step), k then `settle` steps at 0; else (0, k, k)."""
+    return (k,) + (0,) * settle if primed else (0, k, k)
 
 
 def _remember(memo: list[tuple], key: tuple, out) -> list[tuple]:
@@ -656,7 +690,7 @@ class SpecLengthPolicy:
 
     def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
                  min_samples: int = 32, explore_every: int = 32, replay=None, replay_every: int = 16,
-                 propose=None):
+                 propose=None, settle: int = SETTLE):
         """`replay(token_ids, start, stop, k)`: for each position p in
         [start, stop), how many of the k tokens a deterministic proposer
         proposes after token_ids[:p] agree with token_ids[p:]
@@ -666,11 +700,13 @@ class SpecLengthPolicy:
         or None: with it the rows draft here, before the step's slots are reserved, and a
         row it proposes nothing for stays a plain decode row (a verify row
         with nothing to verify costs more than a decode row: measured +19%
-        on a batch-1 step)."""
+        on a batch-1 step). `settle`: the steps at 0 of a pair from drafting
+        (`_Pair`), where the spec does not name them."""
         self.propose = propose
         self._asked: tuple[int, list[int], int | None] = (0, [], None)  # this step: drafts asked for, the
         # asks that got no proposal, and the k every eligible row was asked for (None: not all alike)
         self.spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
+        self.settle = self.spec.settle or settle
         kmax = self.spec.kmax if self.spec.mode == "adaptive" else max(self.spec.k, 1)
         self.acceptance = AcceptanceEstimate(kmax)
         self.spread = RowSpread()  # how much the rows differ in acceptance (`_per_row`)
@@ -782,8 +818,7 @@ class SpecLengthPolicy:
         """The adaptive k for this step: the k that maximises expected tokens
         per second, with the cost of k drafts per row from `DraftCostTable`.
         A batch-size range with fewer than two draft lengths measured runs
-        exploration pairs (`_Pair`: three steps, one at k and one at 0
-        measured) at k = 1 and k = min(4, kmax) first; after, one step in
+        exploration pairs (`_Pair`: a step at k and one at 0 measured) at k = 1 and k = min(4, kmax) first; after, one step in
         `explore_every` starts a pair at a length next to the range's last
         choice (or at it; at 1 and 2 next to 0), in turn, so the costs keep following the machine
         and the batch where it matters, k = 0 included."""
@@ -793,7 +828,7 @@ class SpecLengthPolicy:
         bucket = row_bucket(n)
         pair = self._pair
         if pair is not None:
-            if pure and 0 < pair.done < 3 and self._pair_fits(pair, n):
+            if pure and 0 < pair.done <= pair.last and self._pair_fits(pair, n):
                 if not pair.next_k:
                     pair.paid = True
                 return pair.next_k, None
@@ -963,7 +998,7 @@ class SpecLengthPolicy:
         decode steps, and restarting at once paid a step at k = 0 for each
         try (simulated Azure conversations, 8B + 1B H100 profiles, 21 req/s:
         175 tries at 128-255 rows, none completed). That holds for a pair
-        that starts at the length its rows drafted anyway, (k, 0, 0), too:
+        that starts at the length its rows drafted anyway, (k, 0, ..., 0), too:
         in runs of 3 decode steps, one started on a run's second step ran its
         step at 0 on the third and was dropped by the chunk after, run after
         run, so a third of the decode steps ran plain and its length was never
@@ -980,7 +1015,7 @@ class SpecLengthPolicy:
         # the pair's loss against it spaces the range's next pair (`_pair_step`)
         expected = self._source().expected(self.spec.kmax, priced=False)
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
-        self._pair = pair = _Pair(bucket, n, k, steps=(k, 0, 0) if primed else (0, k, k), rate=rate)
+        self._pair = pair = _Pair(bucket, n, k, steps=pair_steps(k, primed, self.settle), rate=rate)
         pair.paid = not pair.next_k
         return pair.next_k, None
 
@@ -1382,7 +1417,7 @@ class SpecLengthPolicy:
         wall = record.wall_s * self._to_pair_rows(plan, pair.rows)
         pair.spent += wall
         pair.tokens += emitted
-        if pair.done == 1:  # the middle step: priming the proposer, or settling back to plain decoding
+        if not pair.measured(pair.done):  # priming the proposer, or settling back to plain decoding
             if k and not record.cold:  # (a cold one prices no switch: the draft model's catch-up on a whole
                 # prompt runs shapes of its own, and at batch 2 such steps had priced starting to draft at 1.5
                 # plain steps, where warm ones put it at 0.15, and held k = 0 on most steps)
@@ -1397,9 +1432,9 @@ class SpecLengthPolicy:
             pair.at_k = (wall, fill)
         else:
             pair.ref = wall
-        if pair.done != 1:  # a measured step
+        if pair.measured(pair.done):
             pair.cold |= record.cold
-        if pair.done == 2:
+        if pair.done == pair.last:
             if pair.cold:
                 self._pair = None
                 return

@@ -73,7 +73,7 @@ def add_speculative_args(g) -> None:
                    help="the draft model for --speculative draft: a Hugging Face directory sharing the target's "
                         "tokenizer (default: the embedded draft, kjv-llama-draft)")
     g.add_argument("--spec-length", type=_checked(SpecLengthSpec.parse), default=None, metavar="SPEC",
-                   help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K] (the default: the k, "
+                   help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K,per_row=0|1,settle=N] (the default: the k, "
                         "0 included, that maximises the step's expected tokens per second)")
 
 

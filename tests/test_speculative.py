@@ -20,7 +20,7 @@ from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 from stepserve.scheduler.sequence import Seq
-from stepserve.scheduler.speculation import (AcceptanceEstimate, DraftCostTable, ReplayedLength, SpecLengthPolicy,
+from stepserve.scheduler.speculation import (CPU_SETTLE, SETTLE, AcceptanceEstimate, DraftCostTable, ReplayedLength, SpecLengthPolicy,
                                              RowSpread, SpecLengthSpec, TRUSTED, row_bucket)
 
 PROMPTS = [
@@ -619,6 +619,50 @@ def test_adaptive_length_follows_measured_draft_costs(name, cost):
     # rest on the line through one pair at k = 4)
     k = 1 if want == 0 else 3
     assert pol.costs.ratio(row_bucket(32), k) == pytest.approx(cost(32, k, 300) / cost(32, 0, 300), rel=0.1)
+
+
+@pytest.mark.parametrize("settle", [2, 6])
+def test_a_pair_from_drafting_times_a_plain_step_once_the_cache_has_settled(settle):
+    """One row, drafting winning (a step at k costs 1.1 + 0.1 k plain steps;
+    drafts accepted at 0.8), on a machine where the plain steps right after
+    drafting run slow: the j-th takes 1 + 0.3 * 0.5^(j - 1) of a steady one
+    (the CPU's caches refilling after the draft model's work). A pair from
+    drafting times the last of its `settle` plain steps: after 6 the cost it
+    reads is the steady one within 1%, after 2 (the reference 1.15x slow) it
+    reads drafting 13% cheaper than it is."""
+    rng = np.random.default_rng(0)
+    pol = SpecLengthPolicy(f"adaptive:kmax=6,settle={settle}")
+    assert pol.settle == settle
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    since = 100  # plain steps since the last drafting step
+    for i in range(2000):
+        plan = pol.plan(_decode_plan(1, start=100 + i), view)
+        k = _verify(plan, rng, 0.8)
+        since = 0 if k else since + 1
+        wall = 1e-3 * ((1.1 + 0.1 * k) if k else 1 + 0.3 * 0.5 ** (since - 1))
+        pol.observe(plan, StepRecord(i, 1, plan.num_decode, 100 + i, plan.num_new_tokens, wall, wall, 0.0))
+    priced = {k: pol.costs.ratio(row_bucket(1), k) / (1.1 + 0.1 * k) for k in pol.costs.measured(row_bucket(1))
+              if pol.costs.count(row_bucket(1), k) >= 3}
+    assert priced, pol.costs.to_dict()
+    if settle == 6:
+        assert all(r == pytest.approx(1.0, abs=0.012) for r in priced.values()), priced
+    else:
+        assert all(r < 0.9 for r in priced.values()), priced
+
+
+def test_the_engine_on_a_cpu_settles_its_pairs_longer():
+    """`adaptive` on the CPU engine takes `CPU_SETTLE`; `settle=N` overrides
+    it; elsewhere (a GPU engine, the simulator) the default is `SETTLE`."""
+    from stepserve.engine.engine import EngineConfig, builtin_policies
+
+    def settle(spec, device):
+        pol, = builtin_policies(EngineConfig(speculative="draft", spec_length=spec), device_type=device)
+        return pol.settle
+
+    assert settle("adaptive", "cpu") == CPU_SETTLE and settle("adaptive", "cuda") == SETTLE < CPU_SETTLE
+    assert settle("adaptive:settle=5", "cuda") == settle("adaptive:settle=5", "cpu") == 5
+    with pytest.raises(ValueError, match="settle"):
+        SpecLengthPolicy("adaptive:settle=0")
 
 
 def test_draft_costs_stand_for_the_median_of_recent_pairs():

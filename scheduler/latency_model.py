@@ -375,15 +375,17 @@ class LinearLatencyModel:
                 idx = np.arange(nseg - 1)
                 P[idx, 1 + idx], P[idx, 2 + idx] = -s, s
                 Xw, yw = np.vstack([Xw, P]), np.concatenate([yw, np.zeros(nseg - 1)])
-        n = len(y)  # the data rows (ridge's scale leaves any penalty rows out)
-        A = Xw[:n].T @ Xw[:n]
-        if nonneg:
-            # ridge as extra rows of the system: sqrt(D) (coef - w0) ~ 0
-            d = np.sqrt(np.maximum(np.diag(A), 1e-12) * ridge)
-            return nnls(np.vstack([Xw, np.diag(d)]), np.concatenate([yw, d * w0])) if ridge > 0 else nnls(Xw, yw)
         if ridge > 0:
+            n = len(y)  # the data rows (ridge's scale leaves any penalty rows out)
+            A = Xw[:n].T @ Xw[:n]
+            if nonneg:
+                # ridge as extra rows of the system: sqrt(D) (coef - w0) ~ 0
+                d = np.sqrt(np.maximum(np.diag(A), 1e-12) * ridge)
+                return nnls(np.vstack([Xw, np.diag(d)]), np.concatenate([yw, d * w0]))
             D = np.diag(np.maximum(np.diag(A), 1e-12)) * ridge
             return np.linalg.solve(A + D, Xw.T @ yw + D @ w0)
+        if nonneg:
+            return nnls(Xw, yw)
         coef, *_ = np.linalg.lstsq(Xw, yw, rcond=None)
         return coef
 

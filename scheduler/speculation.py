@@ -561,7 +561,7 @@ class _Pair:
     reference (`settle` 2, the default), k = 4 (3.12 plain steps measured,
     3.38 steady) tied with plain decoding at a 0.74 first-position rate, and
     the adaptive length drafted on half the steps at batch 1, where every
-    fixed length lost to plain decoding; the engine on a CPU takes 3
+    fixed length lost to plain decoding; the engine on a CPU takes 6
     (`CPU_SETTLE`). Where the weights stream from memory every step anyway
     (a GPU, the simulator) there is nothing to settle."""
 

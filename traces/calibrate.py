@@ -120,13 +120,14 @@ def _folds(n: int, k: int = 4, block: int = FOLD_BLOCK) -> list[np.ndarray]:
     return [np.flatnonzero(fold_of == i) for i in range(k)]
 
 
-def _heldout(feats: list[StepFeatures], times: np.ndarray, form: str, smooth: float = 0.0) -> np.ndarray:
-    """4-fold held-out relative error of each step (`_folds`)."""
-    knots = row_knots(max(f.rows for f in feats)) if form == "segmented" else ()
-    X = design(feats, form, knots)
-    errs = np.zeros(len(feats))
-    for test in _folds(len(feats)):
-        train = np.setdiff1d(np.arange(len(feats)), test)
+def _heldout(X: np.ndarray, times: np.ndarray, form: str, knots: tuple[int, ...] = (),
+             smooth: float = 0.0) -> np.ndarray:
+    """4-fold held-out relative error of each step (`_folds`), from the
+    steps' design matrix (`design`)."""
+    n = len(times)
+    errs = np.zeros(n)
+    for test in _folds(n):
+        train = np.setdiff1d(np.arange(n), test)
         coef = LinearLatencyModel.solve(X[train], times[train], form, knots, smooth=smooth)
         pred = np.maximum(X[test] @ coef, LinearLatencyModel.min_s)
         errs[test] = np.abs(pred - times[test]) / times[test]
@@ -150,7 +151,7 @@ PARSIMONY = 0.005  # a form with more terms is taken when it is more than 0.5% b
 SMOOTH_GRID = (0.0, 0.1, 1.0, 10.0, 100.0)  # the segmented form's slope penalties tried (`LinearLatencyModel.solve`)
 
 
-def pick_smooth(feats: list[StepFeatures], times: np.ndarray) -> tuple[float, np.ndarray, dict]:
+def pick_smooth(X: np.ndarray, times: np.ndarray, knots: tuple[int, ...]) -> tuple[float, np.ndarray, dict]:
     """(penalty, its held-out errors, held-out time error per penalty) for the
     segmented form: the largest of `SMOOTH_GRID` that is not worse held out
     than the best one by more than `PARSIMONY` of it or one standard error of
@@ -158,7 +159,7 @@ def pick_smooth(feats: list[StepFeatures], times: np.ndarray) -> tuple[float, np
     error of the difference is taken over `FOLD_BLOCK` blocks of steps,
     paired). Where the steps cannot tell the slopes apart the held-out
     errors differ by noise, and the penalty that gives one slope wins."""
-    errs = {lam: _heldout(feats, times, "segmented", lam) for lam in SMOOTH_GRID}
+    errs = {lam: _heldout(X, times, "segmented", knots, lam) for lam in SMOOTH_GRID}
     terr = {lam: time_error(e, times) for lam, e in errs.items()}
     best = min(terr, key=terr.get)
     blocks = np.arange(len(times)) // FOLD_BLOCK
@@ -191,12 +192,20 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[Line
     feats = [features(ln) for ln in busy]
     times = np.array([iteration_time(ln) for ln in busy])
     forms = CANDIDATE_FORMS if form == "auto" else (form,)
-    errs = {f: _heldout(feats, times, f) for f in forms if f != "segmented"}
+    errs, models = {}, {}
     smooth, smooth_errs = 0.0, {}
-    if "segmented" in forms:
-        smooth, errs["segmented"], smooth_errs = pick_smooth(feats, times)
+    for f in forms:  # each form's design matrix built once, for its folds and its fit
+        knots = row_knots(max(x.rows for x in feats)) if f == "segmented" else ()
+        X = design(feats, f, knots)
+        lam = 0.0
+        if f == "segmented":
+            lam, errs[f], smooth_errs = pick_smooth(X, times, knots)
+            smooth = lam
+        else:
+            errs[f] = _heldout(X, times, f)
+        coef = LinearLatencyModel.solve(X, times, f, knots, smooth=lam)
+        models[f] = LinearLatencyModel(f, [float(c) for c in coef], knots=knots)
     terr = {f: time_error(e, times) for f, e in errs.items()}
-    models = {f: LinearLatencyModel.fit(feats, times, f, smooth=smooth if f == "segmented" else 0.0) for f in forms}
     if form == "auto":
         ok = [f for f in forms if f != "linear+attn" or models[f].coef[-1] > 0]
         best = min(terr[f] for f in ok)

@@ -596,13 +596,22 @@ class ServingCosts:
                 that step's outputs at its top): a busy step starts
                 loop_s + loop_row_s * (rows of the step before) after the
                 one before ended. Fitted there: 0.08 ms + 3 us per row.
+                Both from the gaps before steps that took in no request.
+    intake_s    more of it per request a busy loop takes in before a step:
+                the poll reads and unpickles each new request from the
+                front end's pipe while the front end, which has just handled
+                the request's HTTP call, competes for the same cores. (Into
+                an idle engine a request comes with its entry_s instead: the
+                blocking poll returns with it.) Step logs of a 2-core server:
+                0.09-0.16 ms per request, more for longer prompts.
 
     The step policies (TAPER, speculation) choose between plans of one step
     of a busy engine: delivery does not change a step's time, a busy engine
     does not wake, and loop_s is the same for every plan of a step (TAPER's
     budget, slack less the baseline step, moves by it: 0.1-0.3 ms against
     TPOT SLOs of 10 ms and more; loop_row_s follows the rows of the step
-    before, which every plan of this one shares). The real engine's
+    before, which every plan of this one shares, and intake_s the requests
+    that arrived, which every plan of the step takes in). The real engine's
     policies measure steps without it, too, so the simulated ones see what
     the real ones see.
     """
@@ -614,8 +623,9 @@ class ServingCosts:
     wake_curve: tuple[tuple[float, float], ...] = ()
     loop_s: float = 0.0
     loop_row_s: float = 0.0
+    intake_s: float = 0.0
 
-    SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s")
+    SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s")
     KEYS = SCALARS + ("wake_curve",)
 
     def __post_init__(self):
@@ -652,9 +662,10 @@ class ServingCosts:
             x0, y0 = x, y
         return y0
 
-    def loop(self, rows_before: int) -> float:
-        """The busy loop's time before a step, after a step of `rows_before` rows."""
-        return self.loop_s + self.loop_row_s * rows_before
+    def loop(self, rows_before: int, taken: int = 0) -> float:
+        """The busy loop's time before a step, after a step of `rows_before`
+        rows, taking in `taken` new requests."""
+        return self.loop_s + self.loop_row_s * rows_before + self.intake_s * taken
 
     def delivery(self, tokens: int) -> float:
         """Delay from a step's end to its client holding a token, for a step that made `tokens`."""

@@ -120,6 +120,19 @@ def test_busy_loop_time_grows_with_the_rows_of_the_step_before():
     assert b.end_s == pytest.approx(a.end_s + 0.0014 + 0.0013)
 
 
+def test_a_busy_loop_pays_intake_for_each_request_it_takes_in():
+    """intake_s per request that reaches a busy engine, before the step after
+    it arrived: two arrive during the fourth step of a decoding request, so
+    the fifth starts 2 x 0.5 ms after the fourth ended. One that reaches an
+    idle engine pays nothing of it (its way in is entry_s)."""
+    specs = [_spec(0, 0.0, 10, 8), _spec(1, 0.0035, 10, 2), _spec(2, 0.0035, 10, 2), _spec(3, 1.0, 10, 2)]
+    cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, intake_s=0.0005)
+    a, b, c, d = Simulator(CONST_1MS, cfg).run(specs).records
+    assert b.ttft == pytest.approx(0.004 + 0.001 + 0.001 - 0.0035) and c.ttft == b.ttft
+    assert a.end_s == pytest.approx(0.008 + 0.001)  # 8 steps of 1 ms, one of them 1 ms late
+    assert d.ttft == pytest.approx(0.001)
+
+
 def test_busy_loop_time_is_host_time_under_the_overlap_schedule():
     """Under the overlap schedule the loop's time is host work: it runs beside
     the device's part of the step before, so a device-bound engine hides it
@@ -148,10 +161,19 @@ def test_speed_schedule_rescales_the_steps_from_each_window_on():
     assert list(res.itl_s) == pytest.approx([1e-3] * 9 + [2e-3] * 10)
     same = Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[0.0, 1.0, None]]})).run(specs)
     assert list(same.itl_s) == pytest.approx(list(Simulator(CONST_1MS, cfg).run(specs).itl_s))
+    # a loop factor scales the busy loop's time between steps from its window on (None: as it is)
+    looped = SimConfig(**{**cfg.__dict__, "loop_s": 0.5e-3,
+                          "speed_schedule": [[0.0, 1.0, 1.0, None], [0.0105, 1.0, 1.0, 3.0]]})
+    res = Simulator(CONST_1MS, looped).run(specs)
+    # steps start at 0, 1.5, ..., 10.5 ms (0.5 ms of loop before each), and the loop after the one that
+    # ends at 11.5 ms, in the second window, takes 1.5 ms
+    assert list(res.itl_s) == pytest.approx([1.5e-3] * 7 + [2.5e-3] * 12)
     with pytest.raises(ValueError, match="must increase"):
         Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[1.0, 1.0, 1.0], [0.5, 1.0, 1.0]]}))
     with pytest.raises(ValueError, match="positive"):
         Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[0.0, 0.0, 1.0]]}))
+    with pytest.raises(ValueError, match="positive"):
+        Simulator(CONST_1MS, SimConfig(**{**cfg.__dict__, "speed_schedule": [[0.0, 1.0, 1.0, 0.0]]}))
 
 
 def test_profile_serving_costs_reach_the_simulator():

@@ -10,7 +10,7 @@ import pytest
 
 from stepserve import AsyncEngine, SamplingParams
 from stepserve.engine.step_log import FIELDS, read_step_log
-from stepserve.scheduler.latency_model import LinearLatencyModel
+from stepserve.scheduler.latency_model import LinearLatencyModel, ServingCosts
 from stepserve.traces.validate import compare_rate, format_rate, format_summary, judge, knee, step_log_view
 
 
@@ -80,21 +80,33 @@ def test_engine_view_of_a_replay():
 def test_engine_view_measures_the_speed_window_by_window():
     """A run whose machine ran at the model's speed for its first second and
     at half of it for the next: one window each, and a last window with too
-    few steps to measure takes the run's speed."""
+    few steps to measure takes the run's speed. The loop between the steps
+    ran at the profile's 0.1 ms in the first second and three times that in
+    the next, taking in a request (0.2 ms more) before every tenth step."""
     model = LinearLatencyModel("linear", [0.01, 0.0, 0.0, 0.0])
+    costs = ServingCosts(loop_s=1e-4, intake_s=2e-4)
     lines, t = [], 100.0
-    for dt, n in ((0.010, 100), (0.020, 50), (0.010, 5)):
-        for _ in range(n):
-            lines.append(_line(t, step=dt))
+    gaps = pred = 0.0
+    for w, (dt, n, loop) in enumerate(((0.010, 99, 1.0), (0.020, 49, 3.0), (0.010, 5, 1.0))):
+        for i in range(n):
+            adds = int(i % 10 == 5)
+            if lines:
+                gap = max(loop * (1e-4 + 2e-4 * adds), 100.001 + w - t)  # the phase from its window's start
+                t += gap
+                gaps, pred = gaps + gap, pred + 1e-4 + 2e-4 * adds
+            lines.append(_line(t, step=dt, adds=adds))
             t += dt
     real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
-    v = step_log_view(lines, real, model, window_s=1.0)
+    v = step_log_view(lines, real, model, window_s=1.0, costs=costs)
     run = v["speed"]["step"]
-    assert run == pytest.approx((1.0 + 1.0 + 0.05) / 1.55)  # measured / predicted busy time
-    (w0, a0, _), (w1, a1, _), (w2, a2, _) = v["speed_windows"]
+    assert run == pytest.approx((0.99 + 0.98 + 0.05) / (0.99 + 0.49 + 0.05))  # measured / predicted busy time
+    assert v["speed"]["loop"] == pytest.approx(gaps / pred)
+    (w0, a0, _, l0), (w1, a1, _, l1), (w2, a2, _, l2) = v["speed_windows"]
     assert (w0, w1, w2) == (0.0, 1.0, 2.0)
     assert a0 == pytest.approx(1.0) and a1 == pytest.approx(2.0) and a2 == pytest.approx(run)
+    assert l0 == pytest.approx(1.0) and l1 == pytest.approx(3.0) and l2 == pytest.approx(gaps / pred)
     assert step_log_view(lines, real, model)["speed_windows"] is None
+    assert step_log_view(lines, real, model)["speed"]["loop"] is None  # no profile costs to measure it against
 
 
 def _report(rate, goodput, attainment, ttft, tpot):
@@ -174,13 +186,14 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     idle engine entry_s after their send, their first token reaches the
     client delivery_s + stream_s * (tokens of its step) after the step ends,
     and a busy loop spends loop_s + loop_row_s per row of the step before
-    between one step's end and the next's start."""
+    between one step's end and the next's start, plus intake_s per request
+    it takes in."""
     import random
 
     from stepserve.traces.calibrate import calibrate
 
     truth = LinearLatencyModel("linear", [4e-3, 1e-4, 1e-6, 1.5e-4])
-    entry, delivery, stream, wake, loop, loop_row = 0.4e-3, 2e-3, 1e-4, 3e-3, 0.08e-3, 3e-6
+    entry, delivery, stream, wake, loop, loop_row, intake = 0.4e-3, 2e-3, 1e-4, 3e-3, 0.08e-3, 3e-6, 0.15e-3
     rng = random.Random(1)
     lines, probes, t = [], [], 1000.0
 
@@ -199,6 +212,7 @@ def test_calibration_from_a_step_log_recovers_each_cost():
         # a probe of P tokens beside the same B decode rows (busy: no wake)
         p = rng.choice([16, 64, 256])
         send = t - 0.002  # sent during the last decode step
+        t += intake
         end = step(t, 0.0, 1, b + 1, b * 200 + p, b + p, p * (p + 1) / 2)
         probes.append({"start": send, "first": end + delivery + stream * (b + 1), "prompt": p})
         t = end
@@ -224,9 +238,11 @@ def test_calibration_from_a_step_log_recovers_each_cost():
     assert c.delivery_s == pytest.approx(delivery, rel=1e-6) and c.stream_s == pytest.approx(stream, rel=1e-6)
     assert c.wake_s == pytest.approx(wake, abs=0.5e-3)
     # every busy gap (the log's first step has none before it), and none before a step that took in a
-    # prompt on an idle engine; the gap grows with the rows of the step before
+    # prompt on an idle engine; the gap grows with the rows of the step before, and one that took a
+    # request in holds its intake too
     assert c.loop_s == pytest.approx(loop, abs=1e-9) and c.loop_row_s == pytest.approx(loop_row, abs=1e-10)
-    assert cal["samples"]["loop"] == 40 * 21 - 1
+    assert c.intake_s == pytest.approx(intake, abs=1e-9)
+    assert cal["samples"]["loop"] == 40 * 20 - 1 and cal["samples"]["intake"] == 40
     (point,) = c.wake_curve  # every probe idled ~0.2 s: one range of idle times (the batches are no wake-up)
     assert point[0] == pytest.approx(0.2, abs=1e-3) and point[1] == pytest.approx(wake, abs=0.5e-3)
     assert cal["samples"]["delivery"] == 80 and cal["samples"]["after_idle"] == 40
@@ -481,7 +497,7 @@ def test_a_window_whose_two_factors_stray_scales_the_runs_two():
     real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
     v = step_log_view(lines, real, model, window_s=10.0)
     a, b = v["speed"]["step"], v["speed"]["token"]
-    (_, a0, b0), (_, a1, b1), (_, a2, b2) = v["speed_windows"]
+    (_, a0, b0, _), (_, a1, b1, _), (_, a2, b2, _) = v["speed_windows"]
     assert a0 == pytest.approx(1.0, rel=1e-3) and b0 == pytest.approx(1.0, rel=1e-3)  # fitted, as they ran
     assert a1 / a == pytest.approx(b1 / b) and not a / WINDOW_SPLIT <= 40.0 <= a * WINDOW_SPLIT
     steps = lines[300:340]

@@ -58,7 +58,8 @@ class SimConfig:
     # reaches its client delivery_s + stream_s * (tokens of its step) after its
     # step ends; the first step after the engine sat idle takes wake_s longer,
     # or, with a wake_curve, as much as the curve says for how long it idled;
-    # every other step starts loop_s + loop_row_s * (rows of the step before) after that one ended.
+    # every other step starts loop_s + loop_row_s * (rows of the step before) after that one ended, plus
+    # intake_s per request that arrived at the busy engine since that step started.
     entry_s: float = 0.0
     delivery_s: float = 0.0
     stream_s: float = 0.0
@@ -66,6 +67,7 @@ class SimConfig:
     wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
     loop_s: float = 0.0
     loop_row_s: float = 0.0
+    intake_s: float = 0.0
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
     # model's per-step `overhead_s` (a roofline profile's scheduling, launches, sampling; a measured
@@ -101,11 +103,12 @@ class SimConfig:
     # draft/target pair the spread measured is about 1.2 (README, speculative decoding in the simulator).
     acceptance_spread: float = 0.0
     # The machine's speed through the run, where it is known (`stepserve validate --speed-window`: measured
-    # from the step log of the real run simulated): [[t_from_s, step_factor, token_factor], ...], increasing
-    # in t_from. From virtual time t_from on, steps cost the latency model rescaled by these factors
+    # from the step log of the real run simulated): [[t_from_s, step_factor, token_factor, loop_factor], ...],
+    # increasing in t_from. From virtual time t_from on, steps cost the latency model rescaled by these factors
     # (`LinearLatencyModel.rescaled`: one for the per-step, per-row and per-context-token part, one for the
-    # per-token part; a token factor None scales all by the step factor). Before the first, and when empty,
-    # the model as it is.
+    # per-token part; a token factor None scales all by the step factor), and the busy loop's time between
+    # steps (loop_s, loop_row_s, intake_s) is scaled by the loop factor (absent or None: as it is). Before the
+    # first, and when empty, the model and the loop as they are.
     speed_schedule: list = field(default_factory=list)
 
     @classmethod
@@ -174,7 +177,7 @@ class SimRunner:
         if any(not 0.0 <= a <= 1.0 for a in acceptance):
             raise ValueError(f"acceptance rates must be in [0, 1], got {list(acceptance)}")
         self.model = latency_model
-        self._speed_t, self._speed_models = self._schedule(latency_model, speed_schedule)
+        self._speed_t, self._speed_models, self._loop_factors = self._schedule(latency_model, speed_schedule)
         self.acceptance = [float(a) for a in acceptance]
         self.draft_model = draft_model  # the draft model's step latency (None: a proposer that costs nothing)
         self.clock = clock
@@ -193,27 +196,34 @@ class SimRunner:
         self._z = self.rng.gauss(0.0, 1.0) if self.rho else 0.0  # the AR(1) state, from its stationary law
         self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
         self.rows_before = 0  # rows of the step before (the busy loop's time after it grows with them)
+        self.taken = 0  # requests that arrived at the busy engine since the last step started (intake_s each)
 
     @staticmethod
-    def _schedule(model, schedule) -> tuple[list[float], list]:
-        """(window starts, the model rescaled for each) of `SimConfig.speed_schedule`."""
+    def _schedule(model, schedule) -> tuple[list[float], list, list[float]]:
+        """(window starts, the model rescaled for each, the loop's factor in
+        each) of `SimConfig.speed_schedule`."""
         if not schedule:
-            return [], []
+            return [], [], []
         if not hasattr(model, "rescaled"):
             raise ValueError(f"a speed schedule rescales a measured (linear) step model, not a {type(model).__name__}")
         starts = [float(w[0]) for w in schedule]
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"speed_schedule: window starts must increase, got {starts}")
-        if any(not w[1] > 0 or (w[2] is not None and not w[2] > 0) for w in schedule):
+        loops = [1.0 if len(w) < 4 or w[3] is None else float(w[3]) for w in schedule]
+        if any(not w[1] > 0 or (w[2] is not None and not w[2] > 0) for w in schedule) or any(
+                not x > 0 for x in loops):
             raise ValueError("speed_schedule: factors must be positive")
-        return starts, [model.rescaled(float(w[1]), None if w[2] is None else float(w[2])) for w in schedule]
+        return starts, [model.rescaled(float(w[1]), None if w[2] is None else float(w[2])) for w in schedule], loops
+
+    def _window(self) -> int:
+        """The speed schedule's window at the clock's time (-1: before the first, or none)."""
+        return bisect_right(self._speed_t, self.clock.t) - 1 if self._speed_t else -1
 
     def step_time(self, f: StepFeatures) -> float:
         model = self.model
-        if self._speed_t:
-            i = bisect_right(self._speed_t, self.clock.t) - 1
-            if i >= 0:
-                model = self._speed_models[i]
+        i = self._window()
+        if i >= 0:
+            model = self._speed_models[i]
         dt = model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
         if self.noise:
             q = self.noise
@@ -238,8 +248,12 @@ class SimRunner:
         if self.idle_s:
             extra = self.costs.wake(self.idle_s)
             self.idle_s = 0.0
+            self.taken = 0
             return extra
-        return self.costs.loop(self.rows_before)
+        i = self._window()
+        dt = self.costs.loop(self.rows_before, self.taken) * (self._loop_factors[i] if i >= 0 else 1.0)
+        self.taken = 0
+        return dt
 
     def launch(self, plan, features: StepFeatures, prev=None, sample: bool = True) -> SimLaunched:
         """The overlap schedule's half of `run`: the host spends the step's
@@ -449,6 +463,8 @@ class Simulator:
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while i < n or core.has_work():
             t = clock.t
+            # requests a busy loop reads off the pipe before its next step (an idle one waits for them)
+            busy_loop = not self.runner.idle_s and core.has_work()
             while i < n and send_time(specs[i]) + oh <= t:
                 spec = specs[i]
                 at = send_time(spec)
@@ -473,6 +489,8 @@ class Simulator:
                         heapq.heappush(freed, at)  # answered at once: the slot is free again
                     continue
                 later = sum(len(st.branches) for st in stages)
+                if busy_loop:
+                    self.runner.taken += 1
                 core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n + later, acceptance=own), seeds=[0] * spec.n,
                                    stages=stages or None, stage_seeds=[0] * later if stages else None,
                                    ignore_eos=True, speculative=speculative)

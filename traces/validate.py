@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import nnls
+from stepserve.scheduler.latency_model import ServingCosts, nnls
 from stepserve.traces.calibrate import features, iteration_time, loop_gaps, step_lines
 from stepserve.traces.options import (add_trace_args, positive_float, positive_int, rates_from_args,
                                        scaling_from_args, slo_from_args)
@@ -67,11 +67,12 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speed-from-step-log", action="store_true",
                    help="simulate each run with the profile's step model scaled to that run's steps in the step "
                         "log (one factor for the per-step, per-row and per-context-token part, one for the per-token "
-                        "part): the machine's speed at the time of the run, not of the profile. "
+                        "part), and the busy loop's time between steps scaled to the run's gaps between them: "
+                        "the machine's speed at the time of the run, not of the profile. "
                         "What is left is the simulator's own error (a diagnostic: on a shared machine the speed "
                         "drifted by up to 1.6x between the profile and a replay)")
     g.add_argument("--speed-window", type=positive_float, default=None, metavar="S",
-                   help="with --speed-from-step-log: measure the two speed factors per S seconds of each run "
+                   help="with --speed-from-step-log: measure the speed factors (steps, tokens, loop) per S seconds of each run "
                         "instead of once per run, and simulate each stretch at its own (the machine's speed swings "
                         "within a run too); a window with fewer than %d steps keeps the run's. The step noise is "
                         "then the profile's scatter about its running median, where it has one" % MIN_WINDOW_STEPS)
@@ -201,12 +202,19 @@ def judge_paired(per_rate: list[dict]) -> dict:
 # -- the engine's view, from its step log --------------------------------------------------------
 
 
-def step_log_view(lines: list[dict], real: dict, model, window_s: float | None = None) -> dict | None:
+def step_log_view(lines: list[dict], real: dict, model, window_s: float | None = None,
+                  costs: ServingCosts | None = None) -> dict | None:
     """What the server's step log shows for one replay: steps, busy time, the
     profile's step model against the measured steps (whole iterations: the step
     plus the loop's command, output and hand-over time), a request's entry
     into an idle engine, the extra time of steps that start after idle, and
     the loop's mean time between busy steps (`ServingCosts.loop_s`).
+    `costs`: the profile's serving costs, against which the loop's speed is
+    measured too (`speed["loop"]`: the busy gaps' total over what `costs.loop`
+    predicts for them, with their rows before and requests taken in: the
+    loop is Python on the host, which the machine's load moves more than the
+    steps; replays on a 2-core server ran its gaps at 0.44-0.83x of a sweep's
+    where their steps ran at 0.66-1.24x).
     `window_s`: also the machine's speed per that many seconds of the run
     (`speed_windows`, a `SimConfig.speed_schedule`)."""
     t0 = real.get("t0_epoch")
@@ -226,18 +234,29 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
                      for f in feats])
     ratio = it / pred
     speed = run_speed(model, feats, it, pred)
-    gaps, _ = loop_gaps(window)
+    gaps, gap_rows, gap_adds, gap_t = loop_gaps(window)
+    loop_pred = None
+    if costs is not None and len(gaps):
+        loop_pred = costs.loop_s + costs.loop_row_s * gap_rows + costs.intake_s * gap_adds
+        if loop_pred.sum() <= 0:
+            loop_pred = None
+    speed["loop"] = float(gaps.sum() / loop_pred.sum()) if loop_pred is not None else None
     windows = None
     if window_s:
         a, b = speed["step"], speed["token"]
         scaled = model.rescaled(a, b) if hasattr(model, "rescaled") else None
         run_pred = np.array([scaled.predict_features(f) for f in feats]) if scaled is not None else pred * a
         k = np.floor((np.array([ln["t"] for ln in steps]) - t0) / window_s).astype(int)
+        kg = np.floor((gap_t - t0) / window_s).astype(int)
         windows = []
         for w in range(int(k.max()) + 1):
+            loop = speed["loop"]
+            g = kg == w
+            if loop is not None and g.sum() >= MIN_WINDOW_STEPS:
+                loop = float(gaps[g].sum() / loop_pred[g].sum())
             m = np.flatnonzero(k == w)
             if len(m) < MIN_WINDOW_STEPS:
-                windows.append([w * window_s, a, b])
+                windows.append([w * window_s, a, b, loop])
                 continue
             # both factors, as for the run: the machine does not slow the two parts alike from one second to
             # the next either (one scale per window on the run's split simulated 4-10% less goodput than the
@@ -248,7 +267,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
                     a / WINDOW_SPLIT <= sp["step"] <= a * WINDOW_SPLIT and b / WINDOW_SPLIT <= sp["token"] <= b * WINDOW_SPLIT):
                 x = float(it[m].sum() / run_pred[m].sum())
                 sp = {"step": a * x, "token": b * x}
-            windows.append([w * window_s, sp["step"], sp["token"]])
+            windows.append([w * window_s, sp["step"], sp["token"], loop])
         windows[0][0] = 0.0
     after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
@@ -365,7 +384,8 @@ def format_rate(r: dict) -> str:
                      + f"; {v['steps_after_idle']} steps after idle, "
                      f"+{_ms(v['wake_extra_s_p50'])} ms p50; entry into an idle engine "
                      f"{_ms(e['p50'])} ms p50 ({e['n']} requests)"
-                     + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms"))
+                     + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms")
+                     + ("" if v["speed"].get("loop") is None else f" (x{v['speed']['loop']:.2f} the profile's)"))
     return "\n".join(lines)
 
 
@@ -555,7 +575,8 @@ def run_validate(args) -> int:
     view_of = {}
     if args.step_log:
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
-        view_of = {k: step_log_view(lines, real, prof.model, args.speed_window) for k, real in real_of.items()}
+        costs = cfg.serving()
+        view_of = {k: step_log_view(lines, real, prof.model, args.speed_window, costs) for k, real in real_of.items()}
     # told the machine's speed of each window, the simulation draws only the scatter about it: the raw
     # quantiles also hold the speed's swings during the profile, which the windows now carry
     noise = prof.data.get("noise") or {}
@@ -572,6 +593,10 @@ def run_validate(args) -> int:
                 c = dataclasses.replace(cfg, speed_schedule=v["speed_windows"], **within)
             else:
                 p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
+                if v["speed"].get("loop") is not None:
+                    x = v["speed"]["loop"]
+                    c = dataclasses.replace(cfg, loop_s=cfg.loop_s * x, loop_row_s=cfg.loop_row_s * x,
+                                            intake_s=cfg.intake_s * x)
         own = [simulate_one(args, p, dataclasses.replace(c, noise_seed=args.seed + rep * args.sim_seeds + j),
                             trace, slo, specs, sinfo) for j in range(args.sim_seeds)]
         sims[i] += own

@@ -1166,6 +1166,35 @@ def test_pairs_price_the_drafts_delivered_and_asking_pays_for_the_share_delivere
     assert pol._cost(b, 4) == pytest.approx(1.0 + 0.5 * (full(4) - 1.0), rel=1e-6)
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_drafting_steps_fixed_cost_is_paid_whole_whenever_a_row_drafts(seed):
+    """A step with any drafts in it pays 0.3 plain steps whatever it
+    verifies, and 0.05 per draft verified; each row's lookup finds a draft
+    three times in four, so of two rows' pairs some verify every draft asked
+    and some half. Asking for k is priced as it runs: the 0.3 whenever a row
+    drafts, the drafts' part at the share delivered. Scaling the 0.3 by the
+    share too priced the lengths up to 8.5% off, as the pairs' mix of
+    shares fell."""
+    import random
+
+    rng = random.Random(seed)
+    pol = SpecLengthPolicy("adaptive:kmax=4", propose=lambda seq, k: [7] * k if rng.random() < 0.75 else [])
+    view = EngineView(0.0, 2, 0, 10_000, 10_000, 4096, 2048)
+    for i in range(3000):
+        plan = pol.plan(_lookup_plan([2, 4]), view)
+        plan.sort_decode_first()
+        drafted = sum(r.draft_len for r in plan.verify_rows)
+        for r in plan.verify_rows:
+            r.num_accepted = 0
+        wall = 1e-3 * (1.0 + (0.3 if drafted else 0.0) + 0.05 * drafted)
+        pol.observe(plan, StepRecord(i, 2, plan.num_decode, 404, plan.num_new_tokens, wall, wall, 0.0))
+    b, f = row_bucket(2), pol.fill.value
+    assert pol.pairs >= 10 and 0.6 < f < 0.9
+    for k in range(1, 5):  # what a step asked for k costs at this share: the 0.3 unless neither row drafts
+        truth = 1.0 + 0.3 * (1.0 - (1.0 - f) ** 2) + 0.05 * 2 * k * f
+        assert pol._cost(b, k) == pytest.approx(truth, rel=0.06), k
+
+
 def test_draft_costs_past_the_longest_length_measured_grow_at_least_in_proportion():
     """Two cells that read alike lay the line flat; past the longest length
     measured a length is priced as if the extra time grew in proportion to

@@ -1270,7 +1270,10 @@ class SpecLengthPolicy:
         steps win when they commit more tokens per second. `switch`: what
         starting to draft costs (`_switch_price`)."""
         tokens = base_tokens + n * (expected[k] - 1.0)
-        return tokens / (self._cost(bucket, k) + (self._switch_added(switch, n, tokens) if k and switch[0] else 0.0))
+        if not k:
+            return tokens
+        cost = self._costs_of(bucket)[k - 1]  # (cached until a pair or the fill moves it)
+        return tokens / (cost + (self._switch_added(switch, n, tokens) if switch[0] else 0.0))
 
     def _cost(self, bucket: int, k: int) -> float:
         """Step time when k drafts per row are asked for, over the time

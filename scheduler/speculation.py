@@ -1463,7 +1463,7 @@ class SpecLengthPolicy:
             unit = max(pair.ref, 1e-12)
             at_k, fill = pair.at_k
             r = at_k / unit  # scaled to k drafts delivered on every row, the jump kept whole (`_cost`)
-            j = self._jump(pair.bucket, r) if fill < 1.0 else 0.0
+            j = self._jump(pair.bucket, r)
             self.costs.add(pair.bucket, pair.k, 1.0 + j + (r - 1.0 - j) / fill)
             self._warm = pair.bucket
             if pair.prime > 0.0:  # the priming step over the same step primed: what starting to draft costs

@@ -237,7 +237,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
     gaps, gap_rows, gap_adds, gap_t = loop_gaps(window)
     loop_pred = None
     if costs is not None and len(gaps):
-        loop_pred = costs.loop_s + costs.loop_row_s * gap_rows + costs.intake_s * gap_adds
+        loop_pred = costs.loop(gap_rows, gap_adds)  # (elementwise over the gaps)
         if loop_pred.sum() <= 0:
             loop_pred = None
     speed["loop"] = float(gaps.sum() / loop_pred.sum()) if loop_pred is not None else None

@@ -254,7 +254,7 @@ def builtin_policies(config: EngineConfig, proposer=None, device_type: str = "cp
     if config.speculative != "none":
         ngram = isinstance(proposer, NgramProposer)
         spec = speculation_policy(config.spec_length or "adaptive", latency_model=model,
-                                  replay=proposer.matches if ngram else None, propose=proposer.propose_for if ngram else None,
+                                  replay=proposer.matches_for if ngram else None, propose=proposer.propose_for if ngram else None,
                                   settle=CPU_SETTLE if device_type == "cpu" else SETTLE)
         if spec is not None:
             out.append(spec)

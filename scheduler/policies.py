@@ -27,7 +27,7 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
 def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay=None,
                        propose=None, settle: int = SETTLE) -> SpecLengthPolicy | None:
     """The speculation-length policy of `spec`, or None for `none`. `replay`:
-    a deterministic proposer's `matches` (`NgramProposer.matches`), which
+    a deterministic proposer's `matches_for` (`NgramProposer.matches_for`), which
     the adaptive length replays on the sequences' history; `propose`: its
     `propose_for`, which drafts in the policy, before the step's slots are
     reserved; `settle`: the adaptive length's default `settle`."""

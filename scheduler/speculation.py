@@ -209,10 +209,9 @@ class AcceptanceEstimate:
     (`SpecLengthPolicy._choose`). The optimism fades as the tries come:
     0.04 at 100 tries of a rate of 0.8.
 
-    `version` counts the changes worth a new decision: an update that moves
-    some expected token count by more than `tolerance` (relative) since the
-    last change. A verification every step nudges the estimate a little each
-    time; the policy re-scores its choice only when it moved."""
+    The rates, and what is derived from them, are worked out when read
+    and kept until the next update: with E[k] from the replayed history (the
+    n-gram proposer) only the statistics read them."""
 
     def __init__(self, kmax: int, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.995,
                  tolerance: float = 0.005, optimism: float = 1.0):
@@ -224,12 +223,10 @@ class AcceptanceEstimate:
         self.decay = decay
         self.tolerance = tolerance
         self.optimism = optimism
-        self.version = 0
         self._expected: list[float] | None = None  # `expected` at the priced rates
         self._expected_mean: list[float] | None = None  # ... and at the mean rates
         self._rates: list[float] | None = None
         self._priced: list[float] | None = None
-        self._published = self.expected(kmax)  # the expected counts at the last version
 
     def update(self, drafted: list[int], accepted: list[int]) -> None:
         """One verification step: per verify row, the draft length asked for
@@ -247,11 +244,6 @@ class AcceptanceEstimate:
                 acc[j] += 1.0
         self.tried, self.accepted = tried, acc
         self._expected = self._expected_mean = self._rates = self._priced = None
-        new = self.expected(kmax)
-        tol = self.tolerance
-        if any(abs(x - y) > tol * y for x, y in zip(new, self._published)):
-            self.version += 1
-            self._published = new
 
     @property
     def alpha(self) -> np.ndarray:
@@ -322,7 +314,8 @@ class ReplayedLength:
     share inside, or the last step's tokens past the end would read high),
     and E[k] = the windows' tokens over their steps,
     in counts decayed by `decay` per `window` positions so that it follows
-    the workload. It is used once `min_positions` positions are counted."""
+    the workload. It is used once `min_positions` positions are counted.
+    `version` counts the windows added."""
 
     def __init__(self, kmax: int, window: int = 32, decay: float = 0.95, min_positions: int = 128):
         self.kmax = kmax
@@ -691,10 +684,10 @@ class SpecLengthPolicy:
     def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
                  min_samples: int = 32, explore_every: int = 32, replay=None, replay_every: int = 16,
                  propose=None, settle: int = SETTLE):
-        """`replay(token_ids, start, stop, k)`: for each position p in
+        """`replay(seq, start, stop, k)`: for each position p in
         [start, stop), how many of the k tokens a deterministic proposer
-        proposes after token_ids[:p] agree with token_ids[p:]
-        (`NgramProposer.matches`), or None; one step in `replay_every`, one
+        proposes after seq.token_ids[:p] agree with seq.token_ids[p:]
+        (`NgramProposer.matches_for`), or None; one step in `replay_every`, one
         decode row is replayed (see the module docstring). `propose(seq, k)`:
         that proposer's proposal for a sequence (`NgramProposer.propose_for`),
         or None: with it the rows draft here, before the step's slots are reserved, and a
@@ -744,7 +737,7 @@ class SpecLengthPolicy:
         # one dropped
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         self._memo: list[tuple] = []  # the last few (what a pure decode step's choice depends on, the choice)
-        self._records = 0  # counts the steps that moved some row's own record
+        self._records = 0  # counts the steps that moved the acceptance estimate and some row's own record
         self._warm: int | None = None  # the range whose prices a pair has just moved
         self._cost_rows: dict[int, tuple] = {}  # bucket -> (versions, `_cost` of k = 1..kmax)
 
@@ -910,17 +903,25 @@ class SpecLengthPolicy:
         return None
 
     def _decision_key(self, rows, bucket: int) -> tuple:
-        """What a pure decode step's choice (`_decision`) depends on: the rows
-        (their own records move only in `observe`, counted by `_records`)
-        and the versions of the estimates and costs (and whether the first
-        rate is still unsure, `AcceptanceEstimate.unsure`). The step model's
-        price of a verify token (`_token_cost`), which moves only with the
-        contexts and its online rescale, is read again whenever one of those
-        changes. At batch 1 the whole choice had cost 9 us a step, 3% of a
-        plain step, on the 2-core EPYC."""
-        est, rep = self.acceptance, self.replayed
-        return (bucket, tuple([r.seq for r in rows]), self._records, est.version, est.unsure(), rep.version,
-                rep.ready, self.costs.version, self.fill.version)
+        """What a pure decode step's choice (`_decision`) depends on: the
+        versions of the costs and the fill, and of what E[k] comes from: the
+        replayed E[k]'s version once it is the source; before, the steps that
+        moved the acceptance estimate and the rows' records (`_records`),
+        with the rows themselves where each is priced at its own record
+        (`_per_row`), else only their number. The step model's price of a
+        verify token (`_token_cost`), which moves only with the contexts and
+        its online rescale, is read again whenever one of those changes. At
+        batch 1 the whole choice had cost 9 us a step, 3% of a plain step,
+        on the 2-core EPYC; keyed on the rows' records while E[k] came from
+        the replay, the n-gram proposer's choice was made afresh on 97% of
+        its steps (31-43 us a step against 12-13 for a fixed length)."""
+        costs = (bucket, self.costs.version, self.fill.version)
+        rep = self.replayed
+        if self._source() is rep:
+            return costs + ("replayed", len(rows), rep.version)
+        if not self.spec.per_row:
+            return costs + ("pooled", len(rows), self._records)
+        return costs + ("per row", tuple([r.seq for r in rows]), self._records)
 
     def _decision(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None, source,
                   expected: list[float]) -> tuple:
@@ -973,12 +974,13 @@ class SpecLengthPolicy:
         n = len(rows)
         if busy is None:
             # (prefill chunks in the step and no step model yet: priced as if the chunks were free)
-            score = lambda k: self._rate(base, n, expected, bucket, k, switch)  # noqa: E731
+            scores = self._rates(base, n, expected, bucket, switch)
         else:
             score = self._mixed_score(plan, rows, bucket, busy, expected)
-        best_k, best = 0, score(0)
-        for k in range(1, self.spec.kmax + 1):
-            v = score(k)
+            scores = [score(k) for k in range(self.spec.kmax + 1)]
+        best_k, best = 0, scores[0]
+        for k in range(1, len(scores)):
+            v = scores[k]
             if v > best + 1e-9 * abs(best):
                 best_k, best = k, v
         return best_k, None
@@ -1257,7 +1259,7 @@ class SpecLengthPolicy:
         start = max(seq.spec_replayed, seq.prompt_len + 1)
         if stop - start < least:
             return False
-        self.replayed.add(self.replay(seq.token_ids, start, stop, self.spec.kmax))
+        self.replayed.add(self.replay(seq, start, stop, self.spec.kmax))
         seq.spec_replayed = stop
         return True
 
@@ -1269,11 +1271,17 @@ class SpecLengthPolicy:
         step of such a batch exists for its decode rows, so fewer, dearer
         steps win when they commit more tokens per second. `switch`: what
         starting to draft costs (`_switch_price`)."""
-        tokens = base_tokens + n * (expected[k] - 1.0)
-        if not k:
-            return tokens
-        cost = self._costs_of(bucket)[k - 1]  # (cached until a pair or the fill moves it)
-        return tokens / (cost + (self._switch_added(switch, n, tokens) if switch[0] else 0.0))
+        return self._rates(base_tokens, n, expected, bucket, switch)[k]
+
+    def _rates(self, base_tokens: int, n: int, expected: list[float], bucket: int,
+               switch: tuple[float, int] = (0.0, 1)) -> list[float]:
+        """`_rate` at every k in [0, kmax], in one pass."""
+        costs = self._costs_of(bucket)  # (cached until a pair or the fill moves them)
+        out = [float(base_tokens)]
+        for k in range(1, len(costs) + 1):
+            tokens = base_tokens + n * (expected[k] - 1.0)
+            out.append(tokens / (costs[k - 1] + (self._switch_added(switch, n, tokens) if switch[0] else 0.0)))
+        return out
 
     def _cost(self, bucket: int, k: int) -> float:
         """Step time when k drafts per row are asked for, over the time

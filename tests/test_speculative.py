@@ -878,6 +878,7 @@ class _History:
     max_tokens = 1 << 20
     spec_replayed = 0
     spec_last = -1
+    ngram_index = None
 
     def __init__(self, prompt: list[int]):
         self.token_ids = list(prompt)
@@ -898,30 +899,49 @@ class _History:
         return self.max_tokens - self.num_output
 
 
-def test_ngram_matches_replay_the_lookup():
-    """`matches` (all positions at once) is, at each position, the agreeing
-    prefix of what `lookup` proposes on the history up to there: random
-    histories over small vocabularies (many ties between equal matches),
-    n-gram sizes and windows, including windows at the start."""
-    rng = np.random.default_rng(0)
+def _replayed_lookup(ng, ids, start, stop, k):
+    """What `matches_for` should give: at each position, the agreeing prefix
+    of what `lookup` proposes on the history up to there."""
+    want = []
+    for p in range(start, stop):
+        proposal = ng.lookup(ids[:p], k)
+        m = 0
+        while m < len(proposal) and p + m < len(ids) and proposal[m] == ids[p + m]:
+            m += 1
+        want.append(m)
+    return want
+
+
+def test_ngram_replay_is_the_lookup_at_each_position():
+    """`matches_for` (from the index `propose_for` keeps, walked back past
+    each position) is, at each position, the agreeing prefix of what
+    `lookup` (a scan of the history up to there) proposes, and `propose_for`
+    keeps proposing what `lookup` does: random histories over small
+    vocabularies (many ties between equal matches), n-gram sizes and
+    windows, windows at the start, histories that grow between replays,
+    windows replayed in order as the policy does (from where the last
+    ended, a few positions at a time), some of them empty, and some that go
+    back."""
+    rng = np.random.default_rng(1)
     hits = 0
-    for _ in range(400):
-        n = int(rng.integers(1, 120))
-        ids = rng.integers(0, int(rng.integers(2, 8)), n).tolist()
+    for _ in range(250):
         min_n = int(rng.integers(1, 3))
         ng = NgramProposer(min_n, int(rng.integers(min_n, 5)))
+        vocab = int(rng.integers(2, 8))
+        seq = _History(rng.integers(0, vocab, int(rng.integers(1, 30))).tolist())
         k = int(rng.integers(1, 9))
-        start = int(rng.integers(0, n))
-        stop = int(rng.integers(start, n + 1))
-        want = []
-        for p in range(start, stop):
-            proposal = ng.lookup(ids[:p], k)
-            m = 0
-            while m < len(proposal) and p + m < n and proposal[m] == ids[p + m]:
-                m += 1
-            want.append(m)
-        assert ng.matches(ids, start, stop, k) == want
-        hits += sum(want)
+        done = int(rng.integers(0, seq.num_tokens + 1))
+        for _ in range(int(rng.integers(1, 8))):
+            seq.token_ids += rng.integers(0, vocab, int(rng.integers(0, 20))).tolist()
+            stop = int(rng.integers(done, seq.num_tokens + 1))
+            if rng.random() < 0.1:
+                done = int(rng.integers(0, done + 1))  # back
+            got = ng.matches_for(seq, done, stop, k)
+            assert got == _replayed_lookup(ng, seq.token_ids, done, stop, k)
+            hits += sum(got)
+            done = stop
+            if rng.random() < 0.5:
+                assert ng.propose_for(seq, k) == ng.lookup(seq.token_ids, k)
     assert hits > 0
 
 
@@ -971,9 +991,9 @@ def test_every_position_of_a_request_is_replayed_once():
     E[k] is priced over whole requests, loops at their ends included."""
     seen = []
 
-    def replay(ids, start, stop, k):
+    def replay(seq, start, stop, k):
         seen.extend(range(start, stop))
-        return _counting_matches(ids, start, stop, k)
+        return _counting_matches(seq, start, stop, k)
 
     pol = SpecLengthPolicy("adaptive:kmax=4", replay=replay, replay_every=3)
     seq = _History(list(range(10)))
@@ -1039,8 +1059,9 @@ def _drive_histories(pol, rng, steps: int, rows: int, fixed: float, runs: tuple[
     return ks
 
 
-def _counting_matches(ids, start, stop, k):
-    """`NgramProposer.matches` for a proposer that counts up from the last token."""
+def _counting_matches(seq, start, stop, k):
+    """`NgramProposer.matches_for` for a proposer that counts up from the last token."""
+    ids = seq.token_ids
     out = []
     for p in range(start, stop):
         m = 0
@@ -1712,18 +1733,25 @@ def test_a_pair_from_drafting_that_a_chunk_always_breaks_is_held_back():
     assert pol.costs.count(bucket, 5) >= TRUSTED
 
 
-@pytest.mark.parametrize("per_row", [1, 0])
+@pytest.mark.parametrize("per_row", [1, 0, "replayed"])
 def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
     """A pure decode step's choice is remembered with what it depends on
     (`SpecLengthPolicy._decision_key`) and reused while none of it moves:
     at every step of a run whose batch keeps changing (requests of
     different acceptance finishing and joining, lengths near a tie, a price
     of starting to draft), the choice made is the one a copy of the policy
-    with nothing remembered makes."""
+    with nothing remembered makes: priced per row, pooled, and with E[k]
+    from a replayed history (random agreeing prefixes here, replayed every
+    step)."""
     import copy
 
-    rng = np.random.default_rng(per_row)
-    pol = SpecLengthPolicy(f"adaptive:kmax=4,per_row={per_row}", explore_every=8)
+    rng = np.random.default_rng(7 if per_row == "replayed" else per_row)
+    if per_row == "replayed":
+        history = np.random.default_rng(8)
+        pol = SpecLengthPolicy("adaptive:kmax=4", explore_every=8, replay_every=1,
+                               replay=lambda seq, start, stop, k: history.integers(0, k + 1, stop - start).tolist())
+    else:
+        pol = SpecLengthPolicy(f"adaptive:kmax=4,per_row={per_row}", explore_every=8)
     view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
     seqs, rates = [], []
     compared = drafted = 0
@@ -1764,3 +1792,5 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
             r.seq.token_ids.extend([0] * (1 + r.num_accepted))
     assert compared == 1500 and 0 < drafted < 1500
     assert pol.costs.switch  # a price of starting to draft was measured, and priced in
+    if per_row == "replayed":
+        assert pol.replayed.ready and pol.replayed.version > 10

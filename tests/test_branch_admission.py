@@ -647,25 +647,30 @@ def test_ablation_options_parse_and_print():
 
 
 def test_refit_every_k_steps_follows_a_machine_whose_speed_moves():
-    """refit=K rescales the step model on the last steps every K observed
-    ones; without it, the rescale fitted when the first steps came in holds
-    until refit_period_s has passed, however the machine's speed moves."""
+    """TAPER rescales its step model on the last steps every `refit` (50 by
+    default) observed ones; with refit=0, the rescale fitted when the first
+    steps came in holds until refit_period_s has passed, however the
+    machine's speed moves."""
     from stepserve.scheduler.latency_model import StepFeatures
 
-    assert BranchAdmissionSpec.parse("taper:refit=50").refit == 50
-    assert BranchAdmissionSpec.parse(str(BranchAdmissionSpec.parse("taper:refit=50"))).refit == 50
+    assert BranchAdmissionSpec.parse("taper").refit == 50
+    assert BranchAdmissionSpec.parse("taper:refit=7").refit == 7
+    for text in ("taper:refit=7", "taper:refit=0", "taper"):
+        spec = BranchAdmissionSpec.parse(text)
+        assert BranchAdmissionSpec.parse(str(spec)) == spec
     with pytest.raises(ValueError, match="refit"):
         BranchAdmissionSpec.parse("taper:refit=-1")
     model = LinearLatencyModel("linear", [1e-3, 1e-4, 0.0, 0.0])
     f = StepFeatures(rows=10, context_tokens=1000, new_tokens=10)
     preds = {}
-    for spec in ("taper", "taper:refit=50"):
+    for spec in ("taper", "taper:refit=0", "taper:refit=50"):
         pol = BranchAdmissionPolicy(spec, latency_model=model, slo_tpot_s=0.05)
         for i in range(400):  # the machine runs at the profile's speed, then at half of it
             pol.predictor.add(f, model.predict_features(f) * (1.0 if i < 100 else 2.0))
         preds[spec] = pol.predictor.predict(10, 1000, 10) / model.predict_features(f)
-    assert preds["taper"] == pytest.approx(1.0)
+    assert preds["taper:refit=0"] == pytest.approx(1.0)
     assert preds["taper:refit=50"] == pytest.approx(2.0)
+    assert preds["taper"] == pytest.approx(2.0)
 
 
 def test_ablation_budget_slo_and_constant_predictor():

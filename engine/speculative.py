@@ -103,6 +103,9 @@ class Proposer(Protocol):
 # ---------------------------------------------------------------------------
 
 
+BULK_NGRAMS = 16  # `NgramProposer._index` adds more new tokens than this per size with zip, fewer one by one
+
+
 class _NgramIndex:
     """A sequence's n-grams (`NgramProposer.propose_for`): `tables[n - 1]`
     maps each n-gram ending before position `upto` to the latest position it
@@ -174,15 +177,30 @@ class NgramProposer:
             index = seq.ngram_index = _NgramIndex(self.max_n)
         lo, hi = self.min_n, self.max_n
         tables, prev = index.tables, index.prev
-        for i in range(index.upto, last):  # a later end overwrites, and keeps the one before
+        a = index.upto
+        if last - a > BULK_NGRAMS:
+            # a prompt: per size, the n-grams ending at a..last-1 made by zip in one pass (2x faster than
+            # the loop below at a 104-token prompt: 57 us against 118 on the 2-core EPYC), where a step's
+            # token or two are cheaper through the loop
             for n in range(1, hi + 1):
-                if lo <= n <= i + 1:
-                    g = tuple(ids[i - n + 1 : i + 1])
-                    t = tables[n - 1]
-                    prev[n - 1].append(t.get(g, -1))
+                pv = prev[n - 1]
+                s = last if n < lo else min(max(a, n - 1), last)  # (an n-gram ends at n - 1 at the earliest)
+                pv.extend([-1] * (s - a))
+                t = tables[n - 1]
+                get = t.get
+                for i, g in zip(range(s, last), zip(*[ids[s - n + 1 + j : last - n + 1 + j] for j in range(n)])):
+                    pv.append(get(g, -1))  # a later end overwrites, and keeps the one before
                     t[g] = i
-                else:
-                    prev[n - 1].append(-1)
+        else:
+            for i in range(a, last):
+                for n in range(1, hi + 1):
+                    if lo <= n <= i + 1:
+                        g = tuple(ids[i - n + 1 : i + 1])
+                        t = tables[n - 1]
+                        prev[n - 1].append(t.get(g, -1))
+                        t[g] = i
+                    else:
+                        prev[n - 1].append(-1)
         index.upto = last
         return index
 

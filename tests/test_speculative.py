@@ -928,11 +928,11 @@ def test_ngram_replay_is_the_lookup_at_each_position():
         min_n = int(rng.integers(1, 3))
         ng = NgramProposer(min_n, int(rng.integers(min_n, 5)))
         vocab = int(rng.integers(2, 8))
-        seq = _History(rng.integers(0, vocab, int(rng.integers(1, 30))).tolist())
+        seq = _History(rng.integers(0, vocab, int(rng.integers(1, 60))).tolist())  # (past BULK_NGRAMS: both paths)
         k = int(rng.integers(1, 9))
         done = int(rng.integers(0, seq.num_tokens + 1))
         for _ in range(int(rng.integers(1, 8))):
-            seq.token_ids += rng.integers(0, vocab, int(rng.integers(0, 20))).tolist()
+            seq.token_ids += rng.integers(0, vocab, int(rng.integers(0, 40))).tolist()
             stop = int(rng.integers(done, seq.num_tokens + 1))
             if rng.random() < 0.1:
                 done = int(rng.integers(0, done + 1))  # back

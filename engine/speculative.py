@@ -241,11 +241,11 @@ class NgramProposer:
                     if neg is None:
                         neg = walked[(n, g)] = [-j]
                     back = prev[n - 1]
-                    while -neg[-1] >= last and neg[-1] != 1:  # (1: the chain ended, at -1)
+                    while -neg[-1] >= last and back[-neg[-1]] >= 0:  # (-1: the chain ends)
                         neg.append(-back[-neg[-1]])
                     i = bisect.bisect_right(neg, -last)  # the first end below last
-                    if i == len(neg) or neg[i] == 1:
-                        continue
+                    if i == len(neg):
+                        continue  # none: every end of this n-gram is at or past last
                     j = -neg[i]
                 period, m = last - j, 0
                 while m < k and p + m < end and ids[j + 1 + m % period] == ids[p + m]:

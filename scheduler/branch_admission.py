@@ -74,7 +74,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from stepserve.scheduler.latency_model import (
     LinearLatencyModel, OnlineLatencyModel, linear_fit_of, plan_features,
@@ -165,8 +165,9 @@ class BranchAdmissionSpec:
         if self.mode == "cap":
             return f"cap:{self.cap}"
         if self.mode == "taper":
-            defaults = (("budget", "slack"), ("replan", 1), ("predictor", "model"), ("late", "drop"), ("refit", 50))
-            extra = "".join(f",{k}={getattr(self, k)}" for k, d in defaults if getattr(self, k) != d)
+            defaults = {f.name: f.default for f in fields(self)}
+            extra = "".join(f",{k}={getattr(self, k)}" for k in ("budget", "replan", "predictor", "late", "refit")
+                            if getattr(self, k) != defaults[k])
             return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
 

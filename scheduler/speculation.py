@@ -876,7 +876,7 @@ class SpecLengthPolicy:
             busy = view.num_waiting > 0 or any(r.num_new > 1 and not r.sample for r in plan.rows)
         memo = None
         if pure:  # the same rows, records, estimates, costs and fill give the same choice (`_decision_key`)
-            memo = self._decision_key(rows, bucket)
+            memo = self._decision_key(rows, bucket, source)
             got = self._recall(memo)
         if memo is None or got is None:
             got = self._decision(plan, rows, base, bucket, busy, source, expected)
@@ -902,9 +902,10 @@ class SpecLengthPolicy:
                 return out
         return None
 
-    def _decision_key(self, rows, bucket: int) -> tuple:
+    def _decision_key(self, rows, bucket: int, source) -> tuple:
         """What a pure decode step's choice (`_decision`) depends on: the
-        versions of the costs and the fill, and of what E[k] comes from: the
+        versions of the costs and the fill, and of what E[k] comes from
+        (`source`, `_source`): the
         replayed E[k]'s version once it is the source; before, the steps that
         moved the acceptance estimate and the rows' records (`_records`),
         with the rows themselves where each is priced at its own record
@@ -916,9 +917,8 @@ class SpecLengthPolicy:
         the replay, the n-gram proposer's choice was made afresh on 97% of
         its steps (31-43 us a step against 12-13 for a fixed length)."""
         costs = (bucket, self.costs.version, self.fill.version)
-        rep = self.replayed
-        if self._source() is rep:
-            return costs + ("replayed", len(rows), rep.version)
+        if source is self.replayed:
+            return costs + ("replayed", len(rows), source.version)
         if not self.spec.per_row:
             return costs + ("pooled", len(rows), self._records)
         return costs + ("per row", tuple([r.seq for r in rows]), self._records)

@@ -310,7 +310,8 @@ class BranchAdmissionPolicy:
         {request: (deadline, its TPOT SLO)}, the request keyed by its clock
         (all its branches and stages share it) or, under the token clock
         without one, by its group. `left`, when given, is filled with
-        {request: [tokens its rows may still generate, the most one row may]}."""
+        {request: its rows' sequences} (what they may still generate is read
+        only for the requests that are behind)."""
         default_tpot, default_ttft = self.slo_tpot_s, self.slo_ttft_s
         average = self.spec.clock == "average"
         ttfts: list[float] = []
@@ -339,10 +340,7 @@ class BranchAdmissionPolicy:
                 if t > last.get(k, (-math.inf, 0.0))[0]:
                     last[k] = (t, tpot)
             if left is not None:
-                got = left.setdefault(k, [0, 0])
-                n = seq.remaining_tokens
-                got[0] += n
-                got[1] = max(got[1], n)
+                left.setdefault(k, []).append(seq)
         for k, (t, tpot) in last.items():
             tpots[k] = (t + tpot, tpot)
         return ttfts, tpots
@@ -394,7 +392,8 @@ class BranchAdmissionPolicy:
                 if t_base >= tpot:
                     return False
                 # its last token: after as many baseline steps as its longest row has tokens left
-                tokens, longest = left[k]
+                n = [s.remaining_tokens for s in left[k]]
+                tokens, longest = sum(n), max(n)
                 return horizon + (longest - 1) * t_base <= deadline + (tokens - 1) * tpot
 
             ttfts = [d for d in ttfts if d >= horizon]
@@ -443,15 +442,35 @@ class BranchAdmissionPolicy:
                     return budget
                 w = widened[gi]
                 return budget_at(min(other, w[0] + w[1], least(gi)))
+        # each extra row's marginal latency, priced against the baseline (the greedy adds them up), request
+        # by request in row order, until they stop fitting the budget before any request's deadline moves
+        costs: list[list[float]] = [[] for _ in candidates]
+        t_all = t_base
+        for g, got in zip(candidates, costs):
+            for r in g:
+                c = predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_base
+                got.append(c)
+                t_all += c
+            if t_all > budget:
+                break
+        else:  # every extra row fits: all of them run
+            if widened:  # the budget the greedy would end at: each request's deadline moved by all its rows
+                budget = budget_at(min(other, min(w[0] + len(candidates[gi]) * w[1] for gi, w in widened.items())))
+            self.last_budget_s = budget
+            self.last_predicted_s = t_all
+            return set()
         # greedy by utility gain per marginal latency: one heap entry per request, its next row
         concave = self.spec.utility == "concave"
 
         def entry(gi: int, k: int) -> tuple:
             """Request gi's k-th extra row: (-gain per cost, staleness, gi, k, its marginal cost)."""
-            r = candidates[gi][k]
-            cost = predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_base
+            got = costs[gi]
+            if k == len(got):  # (a request's rows are reached in order)
+                r = candidates[gi][k]
+                got.append(predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_base)
+            cost = got[k]
             gain = math.log((k + 2) / (k + 1)) if concave else 1.0
-            return (-gain / max(cost, 1e-12), _staleness(r), gi, k, cost)
+            return (-gain / max(cost, 1e-12), _staleness(candidates[gi][k]), gi, k, cost)
 
         heap = [entry(gi, 0) for gi in range(len(candidates))]
         heapq.heapify(heap)

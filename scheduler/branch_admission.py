@@ -47,8 +47,13 @@ TAPER, each step:
     latency while the predicted step stays within the budget. Under the
     average clock each extra row of a request moves that request's deadline
     out by one TPOT SLO (the step brings it one more token), so the budget a
-    row is checked against is the one with its request's deadline moved; a
-    request whose row did not fit is tried again when the budget grows.
+    row is checked against is the one with its request's deadline moved; and
+    where a row costs less than that SLO, its request's own deadline does not
+    hold it back at all (each such row leaves the request less late, or more
+    ahead, than without it; counted, a request behind by more than a TPOT SLO
+    could never widen to catch up, and it held every other request's rows
+    to the baseline step too). A request whose row did not fit is tried
+    again when the budget grows.
     Utility of a
     request running k extra rows: `linear` k, or `concave` log(1 + k) (the
     default: a second branch of a request that has none running is worth more
@@ -436,11 +441,14 @@ class BranchAdmissionPolicy:
                 heapq.heappush(lheap, top)
                 return s
 
-            def budget_with(gi: int) -> float:
-                """The budget if request gi runs one more row (its own deadline moves out)."""
+            def budget_with(gi: int, cost: float) -> float:
+                """The budget for one more row of request gi, costing `cost`: its own deadline moves
+                out by its TPOT SLO, and does not count where that is more than the row costs."""
                 if gi not in widened:
                     return budget
                 w = widened[gi]
+                if cost < w[1]:
+                    return budget_at(min(other, least(gi)))
                 return budget_at(min(other, w[0] + w[1], least(gi)))
         # each extra row's marginal latency, priced against the baseline (the greedy adds them up), request
         # by request in row order, until they stop fitting the budget before any request's deadline moves
@@ -480,7 +488,7 @@ class BranchAdmissionPolicy:
         while heap:
             item = heapq.heappop(heap)
             _, _, gi, k, cost = item
-            b = budget if not widened else budget_with(gi)
+            b = budget if not widened else budget_with(gi, cost)
             if t + cost > b:
                 if widened:  # this request's later rows cost about the same: it waits for a larger budget
                     heapq.heappush(closed, (cost, item))

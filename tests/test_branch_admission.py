@@ -246,8 +246,11 @@ def _brute_force(policy, plan, groups, now):
     max(0, slack - T0), where under `late=drop` a deadline before the end of
     the baseline step is left out if its request cannot catch up, and under
     the average clock each
-    extra row of a request moves its deadline out by one SLO. Returns (that
-    count, the least budget of a largest admissible set)."""
+    extra row of a request moves its deadline out by one SLO, and a
+    request's own deadline does not count for its own rows where a row
+    costs less than the SLO: the step must fit the budget of the other
+    requests' deadlines for every request that runs extra rows.
+    Returns (that count, the least budget of a largest admissible set)."""
     m = policy.predictor.current()
     slo, rho, average = policy.slo_tpot_s, policy.spec.rho, policy.spec.clock == "average"
     base_rows = len(groups) + 1
@@ -262,11 +265,14 @@ def _brute_force(policy, plan, groups, now):
         fits = []
         for combo in itertools.combinations(extras, k):
             width = [sum(1 for gi, _ in combo if gi == g) for g in range(len(groups))]
-            slack = min([d + (width[g] * slo if average else 0.0) for g, ((d, _), kept)
-                         in enumerate(zip(deadlines, keep)) if kept], default=math.inf) - now
-            budget = t0 + rho * max(0.0, slack - t0)
+            moved = [(g, d + (width[g] * slo if average else 0.0)) for g, ((d, _), kept)
+                     in enumerate(zip(deadlines, keep)) if kept]
+            budget = t0 + rho * max(0.0, min([d for _, d in moved], default=math.inf) - now - t0)
             t = m.predict(base_rows + k, base_ctx + sum(s + 1 for _, (s, _) in combo), len(groups) + 16 + k)
-            if t <= budget + 1e-12:
+            row_s = m.predict(2, 0, 0) - m.predict(1, 0, 0)
+            limits = [min([d for h, d in moved if h != g or not average or row_s >= slo], default=math.inf)
+                      for g in range(len(groups)) if width[g]]
+            if all(t <= t0 + rho * max(0.0, x - now - t0) + 1e-12 for x in limits):
                 fits.append(budget)
         if fits:
             best = (k, min(fits))
@@ -332,6 +338,47 @@ def test_average_clock_banks_time_and_owes_it():
     avg1 = BranchAdmissionPolicy("taper", latency_model=model, slo_tpot_s=0.001)
     owed = avg1.slack(slow, now)
     assert owed == pytest.approx(0.999 - 0.08 + 41 * 0.001 - now) and owed < 0
+
+
+def _clocked(now: float, rows: int, behind_s: float, slo: float, sid) -> list[ScheduledRow]:
+    """One request's decode rows (its first the stalest) on one average
+    clock whose next token is due `behind_s` before `now` (negative: ahead),
+    each row 12 tokens into 100."""
+    g, clock = _Req(), RequestClock()
+    clock.start, clock.first, clock.tokens = now - 0.5, 1, round((0.5 - behind_s) / slo)
+    out = []
+    for i in range(rows):
+        s = Seq(next(sid), [1] * 16, 4, 100, 0.0, group=g, clock=clock)
+        s.first_token_time, s.last_token_time = now - 0.5, now - 0.010 + i * 1e-3
+        out.append(ScheduledRow(s, 15, 1, True))
+    return out
+
+
+@pytest.mark.parametrize("utility", ["concave", "linear"])
+def test_a_late_branching_request_widens_to_catch_up(utility):
+    """A branching request 30 ms behind its average clock (10 ms TPOT SLO)
+    that can still catch up: each of its rows costs 1 ms and brings it 10
+    ms, so its own deadline does not hold its rows back and all four run;
+    the rows of a request far ahead still wait, since its rows would delay
+    the late one's next token past its deadline. Counted against its own
+    deadline, as a one-row-ahead greedy would, the late request could not
+    widen (its deadline stays behind after any one more row), and it held
+    the other request to its baseline row too."""
+    now, slo = 1.0, 0.010
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])  # 1 ms a row
+    sid = itertools.count()
+    late, ahead = _clocked(now, 4, 0.030, slo, sid), _clocked(now, 4, -0.100, slo, sid)
+    serial = _clocked(now, 1, -0.050, slo, sid)
+    plan = StepPlan()
+    plan.rows = late + ahead + serial
+    pol = BranchAdmissionPolicy(f"taper:utility={utility}", latency_model=model, slo_tpot_s=slo)
+    assert pol.slack(plan, now) == pytest.approx(-0.030)
+    out = pol.plan(plan, EngineView(now, 9, 0, 1000, 1000))
+    kept = {id(r) for r in out.rows}
+    assert all(id(r) in kept for r in late)  # T0 = 5 ms; the budget for its rows: 5 + 0.8 * (50 - 5) ms
+    assert [id(r) in kept for r in ahead] == [True, False, False, False]  # its budget: the late one's 0 ms left
+    assert id(serial[0]) in kept
+    assert pol.last_predicted_s == pytest.approx(8e-3) and pol.last_predicted_s <= pol.last_budget_s
 
 
 def test_taper_concave_utility_spreads_width():

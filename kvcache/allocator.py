@@ -15,9 +15,18 @@ class SlotAllocator:
     """Free list of KV slots 1..num_slots-1.
 
     `free` is on the hot path (every finished request, every evicted leaf), so it
-    only appends the chunk to a pending list; the chunks are concatenated once,
-    lazily, when `alloc` actually needs them. Re-concatenating the whole free
-    list on every `free` would be O(free slots) per call.
+    only appends the chunk to a pending list. `alloc` hands out the slots
+    freed last first (the newest chunks), then the never-used ones in order:
+    the slots in use stay within about the peak number live, where the memory
+    is warm in the caches and the TLB. Handing out the oldest free slots first
+    walked the whole pool, and once it had gone round, every request's KV lay
+    in slots freed long before, scattered over the pool. Two servers on the
+    embedded model (1 GiB pool, 262k slots, 2-core Xeon), replaying fork/join
+    traces in turn at 24 req/s: over replays 6-16 (past the point where the
+    radix cache has filled the pool) TPOT p50 0.81 ms against 0.87 (p90 1.60
+    against 1.72), lower in 11 of 11; over the first five 0.68 against 0.70.
+    Both still slow down once the pool is full (0.68 -> 0.82 ms), when every
+    slot comes from an evicted least-recently-used leaf.
     """
 
     device = torch.device("cpu")
@@ -40,12 +49,13 @@ class SlotAllocator:
 
     def _merge(self) -> None:
         if self._pending:
-            self._free = torch.cat([self._free, *self._pending])
+            self._free = torch.cat([*reversed(self._pending), self._free])
             self._pending = []
             self._pending_count = 0
 
     def alloc(self, n: int) -> torch.Tensor | None:
-        """Take `n` free slots (int64 [n], on the host).
+        """Take `n` free slots (int64 [n], on the host): the newest freed
+        chunks first, then the never-used slots (see the class docstring).
 
         Returns None, allocating nothing, when fewer than `n` are free: the caller
         decides whether to evict from the radix cache and retry.
@@ -54,14 +64,36 @@ class SlotAllocator:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.available():
             return None
-        if n > self._free.numel():
-            self._merge()
-        # A view of the free list is fine: `_free` itself is never written in
-        # place, only re-sliced or replaced, so the caller's slots and the
-        # remaining free slots never alias.
-        out = self._free[:n]
-        self._free = self._free[n:]
-        return out
+        if n == 0:
+            return self._free[:0]
+        # Views are fine: a chunk or `_free` is never written in place, only
+        # re-sliced or replaced, so the caller's slots and the free ones never alias.
+        pending = self._pending
+        if pending and pending[-1].numel() >= n:  # the common case: one chunk holds them
+            last = pending[-1]
+            out = last[last.numel() - n:]
+            if last.numel() == n:
+                pending.pop()
+            else:
+                pending[-1] = last[:last.numel() - n]
+            self._pending_count -= n
+            return out
+        parts = []
+        need = n
+        while need and pending:
+            last = pending[-1]
+            if last.numel() <= need:
+                parts.append(pending.pop())
+                need -= last.numel()
+            else:
+                parts.append(last[last.numel() - need:])
+                pending[-1] = last[:last.numel() - need]
+                need = 0
+        self._pending_count -= n - need
+        if need:
+            parts.append(self._free[:need])
+            self._free = self._free[need:]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def free(self, slots: torch.Tensor) -> None:
         """Give slots back. Accepts empty tensors. No validation (see check.py)."""

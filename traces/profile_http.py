@@ -170,10 +170,28 @@ class HTTPSweep:
         average: probes are sent at a random phase), and the mixed step with
         B decode rows and the prompt. The fit gets all three as terms."""
         w = self.warmup + math.ceil(bs * ctx / self.max_batched) + 1
-        # long enough for every probe (each spans a few decode steps); the streams
+        per_probe = 12
+        for _ in range(3):
+            raw, gen = await self._mixed_run(replayer, bs, ctx, plen, w, per_probe)
+            if raw:
+                break
+            # the streams ended before a timed probe: on a loaded machine a probe's trip through the front
+            # end can span dozens of a small model's decode steps (seen on CI's 2 busy cores); longer streams
+            per_probe *= 4
+        ctx_tokens = round(bs * (ctx + gen))
+        decode = StepFeatures(bs, ctx_tokens, bs, 0.0)
+        step = StepFeatures(bs + 1, ctx_tokens + plen, bs + plen, plen * (plen + 1) / 2)
+        key = {"scenario": "mixed", "batch": bs, "context": ctx, "prompt": plen, "from_request": True, "streams": bs}
+        self._add(key, [(step, t) for t in raw])
+        self.terms[tuple(sorted(key.items()))] = [(0.5, decode), (1.0, step)]
+
+    async def _mixed_run(self, replayer, bs: int, ctx: int, plen: int, w: int, per_probe: int):
+        """One run of `mixed`: B streams, and probes once they decode; the
+        probes' TTFTs (those timed) and the streams' mean tokens decoded."""
+        # long enough for every probe (each spans a few decode steps: `per_probe`); the streams
         # then end on their own: cancelling them mid-stream leaves the client's
         # connection pool with half-closed connections that fail the next request
-        out = w + 12 * (self.warmup + self.repeats) + 8
+        out = w + per_probe * (self.warmup + self.repeats) + 8
         specs = [self._spec(ctx, out) for _ in range(bs)]
         recs = [RequestRecord(s.request_id, 0.0, ctx) for s in specs]
         t0 = time.perf_counter()
@@ -196,12 +214,7 @@ class HTTPSweep:
         await asyncio.gather(*tasks)
         if any(r.error for r in recs):
             raise RuntimeError(f"profile request failed: {next(r.error for r in recs if r.error)}")
-        ctx_tokens = round(bs * (ctx + gen))
-        decode = StepFeatures(bs, ctx_tokens, bs, 0.0)
-        step = StepFeatures(bs + 1, ctx_tokens + plen, bs + plen, plen * (plen + 1) / 2)
-        key = {"scenario": "mixed", "batch": bs, "context": ctx, "prompt": plen, "from_request": True, "streams": bs}
-        self._add(key, [(step, t) for t in raw])
-        self.terms[tuple(sorted(key.items()))] = [(0.5, decode), (1.0, step)]
+        return raw, gen
 
     def points(self) -> list[dict]:
         out = []

@@ -69,15 +69,6 @@ class SlotAllocator:
         # Views are fine: a chunk or `_free` is never written in place, only
         # re-sliced or replaced, so the caller's slots and the free ones never alias.
         pending = self._pending
-        if pending and pending[-1].numel() >= n:  # the common case: one chunk holds them
-            last = pending[-1]
-            out = last[last.numel() - n:]
-            if last.numel() == n:
-                pending.pop()
-            else:
-                pending[-1] = last[:last.numel() - n]
-            self._pending_count -= n
-            return out
         parts = []
         need = n
         while need and pending:

@@ -93,8 +93,9 @@ CLOCKS = ("average", "token")
 BUDGETS = ("slack", "slo")
 PREDICTORS = ("model", "constant")
 LATES = ("drop", "keep")
+CATCHUPS = ("step", "recent")
 TAPER_OPTIONS = {"rho": float, "utility": str, "clock": str, "budget": str, "replan": int, "predictor": str,
-                 "late": str, "refit": int}
+                 "late": str, "refit": int, "catchup": str}
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class BranchAdmissionSpec:
     # default servers' predictions were 11.8-18% low over runs where every 50 steps they were 2.6-7.1%; in the
     # simulator, 12.6% high against 0.03%, with the same goodput)
     refit: int = 50
+    # late=drop: the baseline steps a late request is checked to catch up at: this step's (`step`), or
+    # the mean baseline of the recent steps, prefill chunks included, when longer (`recent`)
+    catchup: str = "recent"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -132,6 +136,8 @@ class BranchAdmissionSpec:
             raise ValueError(f"taper predictor must be one of {', '.join(PREDICTORS)}; got {self.predictor!r}")
         if self.late not in LATES:
             raise ValueError(f"taper late must be one of {', '.join(LATES)}; got {self.late!r}")
+        if self.catchup not in CATCHUPS:
+            raise ValueError(f"taper catchup must be one of {', '.join(CATCHUPS)}; got {self.catchup!r}")
         if self.replan < 1:
             raise ValueError(f"taper replan must be at least 1, got {self.replan}")
         if self.refit < 0:
@@ -140,7 +146,7 @@ class BranchAdmissionSpec:
     @classmethod
     def parse(cls, spec: str) -> "BranchAdmissionSpec":
         """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token,
-        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep,refit=K]`."""
+        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep,refit=K,catchup=step|recent]`."""
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
@@ -154,8 +160,8 @@ class BranchAdmissionSpec:
                 k, eq, v = item.partition("=")
                 if not eq or k not in TAPER_OPTIONS:
                     raise ValueError("taper options are rho=R, utility=concave|linear, clock=average|token, "
-                                     "budget=slack|slo, replan=K, predictor=model|constant, late=drop|keep and "
-                                     "refit=K; "
+                                     "budget=slack|slo, replan=K, predictor=model|constant, late=drop|keep, "
+                                     "refit=K and catchup=step|recent; "
                                      f"got {item!r}")
                 try:
                     kw[k] = TAPER_OPTIONS[k](v)
@@ -171,7 +177,8 @@ class BranchAdmissionSpec:
             return f"cap:{self.cap}"
         if self.mode == "taper":
             defaults = {f.name: f.default for f in fields(self)}
-            extra = "".join(f",{k}={getattr(self, k)}" for k in ("budget", "replan", "predictor", "late", "refit")
+            extra = "".join(f",{k}={getattr(self, k)}" for k in ("budget", "replan", "predictor", "late", "refit",
+                                                                  "catchup")
                             if getattr(self, k) != defaults[k])
             return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
@@ -237,6 +244,8 @@ class BranchAdmissionPolicy:
         self.predicted_s = 0.0  # of those: the step times taper predicted for the plans it chose ...
         self.measured_s = 0.0  # ... and what they took
         self._widths: dict[int, int] = {}  # replan > 1: each request's width at the last plan
+        self._base_avg = 0.0  # catchup=recent: running mean of the steps' predicted baseline times
+        self._last_base: float | None = None  # the baseline the last plan predicted
         self._since_plan = 0
 
     def _now(self) -> float:
@@ -292,6 +301,14 @@ class BranchAdmissionPolicy:
 
     def observe(self, plan: StepPlan, record: StepRecord) -> None:
         if self.predictor is not None:
+            if self.spec.catchup == "recent" and self.predictor.calibrated:
+                base = self._last_base
+                if base is None:  # a step no plan narrowed is its own baseline
+                    f = plan_features(plan)
+                    base = self.predictor.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs,
+                                                  f.extend_rows)
+                self._base_avg += (base - self._base_avg) / 32.0
+            self._last_base = None
             if self._planned:  # the prediction it planned with, against the step's own time
                 self.planned_steps += 1
                 self.predicted_s += self.last_predicted_s
@@ -378,6 +395,7 @@ class BranchAdmissionPolicy:
             def predict(*_):
                 return mean
         t_base = predict(rows, ctx, new, pairs, ext)
+        self._last_base = t_base
         rho = self.spec.rho
 
         def budget_at(slack: float) -> float:  # the paper's step budget for a slack
@@ -392,14 +410,15 @@ class BranchAdmissionPolicy:
             # the baseline step (it falls further behind even at the baseline), or its tokens left
             # are too few to win the lost time back at baseline steps with all its rows running
             horizon = now + t_base
+            step = max(t_base, self._base_avg) if self.spec.catchup == "recent" else t_base
 
             def catches_up(k, deadline: float, tpot: float) -> bool:
-                if t_base >= tpot:
+                if step >= tpot:
                     return False
                 # its last token: after as many baseline steps as its longest row has tokens left
                 n = [s.remaining_tokens for s in left[k]]
                 tokens, longest = sum(n), max(n)
-                return horizon + (longest - 1) * t_base <= deadline + (tokens - 1) * tpot
+                return horizon + (longest - 1) * step <= deadline + (tokens - 1) * tpot
 
             ttfts = [d for d in ttfts if d >= horizon]
             tpots = {k: v for k, v in tpots.items() if v[0] >= horizon or catches_up(k, *v)}

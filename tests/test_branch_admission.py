@@ -17,7 +17,7 @@ from stepserve.scheduler.branch_admission import BranchAdmissionPolicy, BranchAd
 from stepserve.scheduler.latency_model import (
     LinearLatencyModel, linear_fit_of, load_profile, plan_features, sweep_features,
 )
-from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 from stepserve.scheduler.sequence import RequestClock, Seq
 from stepserve.traces.metrics import SLO, RequestRecord, summarize, victim_tpots
@@ -379,6 +379,36 @@ def test_a_late_branching_request_widens_to_catch_up(utility):
     assert [id(r) in kept for r in ahead] == [True, False, False, False]  # its budget: the late one's 0 ms left
     assert id(serial[0]) in kept
     assert pol.last_predicted_s == pytest.approx(8e-3) and pol.last_predicted_s <= pol.last_budget_s
+
+
+def test_recent_steps_decide_whether_a_late_request_can_catch_up():
+    """A serial request 3 ms behind its average clock (2 ms TPOT SLO) beside a
+    branching one far ahead. Its decode-only baseline step (1.2 ms) would win
+    the time back, but the recent steps, prompt chunks included, ran at 4-5
+    ms: under `catchup=recent` it cannot catch up at those steps, its
+    deadline is left out, and the branching request's rows all run; checked
+    at this step's baseline (`catchup=step`) it holds them all back."""
+    now, slo = 1.0, 0.002
+    model = LinearLatencyModel("linear", [1e-3, 1e-4, 0.0, 1e-5])  # 1 ms, 0.1 ms a row, 10 us a new token
+    chunk = StepPlan()  # a step that prefills 400 prompt tokens: 5.1 ms
+    chunk.rows = [ScheduledRow(Seq(10**6, [1] * 400, 400, 10, 0.0, group=_Req()), 0, 400, True)]
+    f = plan_features(chunk)
+    t_chunk = model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+    widths = {}
+    for catchup in ("step", "recent"):
+        pol = BranchAdmissionPolicy(f"taper:catchup={catchup}", latency_model=model, slo_tpot_s=slo)
+        for i in range(64):
+            pol.observe(chunk, StepRecord(i, f.rows, 0, f.context_tokens, f.new_tokens, t_chunk, t_chunk, 0.0,
+                                          prefill_pairs=f.prefill_pairs, extend_rows=f.extend_rows))
+        sid = itertools.count()
+        serial, branching = _clocked(now, 1, 0.003, slo, sid), _clocked(now, 4, -0.100, slo, sid)
+        plan = StepPlan()
+        plan.rows = serial + branching
+        out = pol.plan(plan, EngineView(now, 5, 0, 1000, 1000))
+        kept = {id(r) for r in out.rows}
+        assert id(serial[0]) in kept and id(branching[0]) in kept
+        widths[catchup] = sum(id(r) in kept for r in branching)
+    assert widths == {"step": 1, "recent": 4}
 
 
 def test_taper_concave_utility_spreads_width():

@@ -41,8 +41,14 @@ TAPER, each step:
     behind whatever runs), or the tokens it may still generate (its rows'
     `max_tokens` left) are too few to win the lost time back, even at
     baseline steps with all its rows running. One that short steps let
-    catch up in time stays. `late=keep` is the paper's rule, which holds
-    the step to T0 for them and defers rows that save no one.
+    catch up in time stays. The baseline step it is checked at is the
+    longer of this step's and the mean baseline of the recent steps, prompt
+    chunks included (`catchup=recent`, the default; a running mean over
+    about 32 steps): a decode-only step is short, but a request that the
+    steps with prompt chunks in them keep behind does not catch up at it.
+    `catchup=step` checks at this step's baseline alone. `late=keep` is the
+    paper's rule, which holds the step to T0 for them and defers rows that
+    save no one.
   * Extra rows are added greedily by utility gain per marginal predicted
     latency while the predicted step stays within the budget. Under the
     average clock each extra row of a request moves that request's deadline

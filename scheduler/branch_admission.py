@@ -309,10 +309,10 @@ class BranchAdmissionPolicy:
         if self.predictor is not None:
             if self.spec.catchup == "recent" and self.predictor.calibrated:
                 base = self._last_base
-                if base is None:  # a step no plan narrowed is its own baseline
-                    f = plan_features(plan)
-                    base = self.predictor.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs,
-                                                  f.extend_rows)
+                if base is None:  # a step no plan narrowed is its own baseline (its record's shape: O(1))
+                    r = record
+                    base = self.predictor.predict(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs,
+                                                  r.extend_rows)
                 self._base_avg += (base - self._base_avg) / 32.0
             self._last_base = None
             if self._planned:  # the prediction it planned with, against the step's own time

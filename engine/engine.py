@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from stepserve.engine import host_memory
 from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from stepserve.engine.attention import TorchAttention
 from stepserve.engine.attention_flashinfer import FlashInferAttention, flashinfer_unavailable
@@ -317,6 +318,7 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         config = config or EngineConfig(**kwargs)
         self.config = config
+        host_memory.tune()  # freed activations stay mapped for the next step (`host_memory`)
         if config.cpu_threads is not None:
             if config.cpu_threads < 1:
                 raise ValueError(f"cpu_threads must be at least 1, got {config.cpu_threads}")

@@ -228,7 +228,9 @@ def run(args) -> int:
             r.run(prompts, warm_lens)
         except Unsupported:
             pass
-        except Exception as e:  # an optional comparison path must not kill the run
+        except Exception as e:  # an optional comparison path must not kill the run; ours must say why it failed
+            if r is ours:
+                raise SystemExit(f"stepserve bench offline: the engine failed on this workload: {e}") from e
             notes[r.name] = f"failed: {e!r}"
             runners.remove(r)
     workloads = {}

@@ -70,19 +70,22 @@ def test_pure_torch_backend_equals_native_kernel(ckpt_factory):
     assert run(native, prompts, 20) == run(torch_only, prompts, 20) == reference(path, prompts, 20)
 
 
-def test_native_decode_attention_against_float64():
+@pytest.mark.parametrize("hq,hkv,d", [(4, 2, 64), (8, 2, 128), (2, 2, 64), (8, 1, 64), (16, 2, 128),
+                                      (6, 2, 96), (4, 4, 32)])
+def test_native_decode_attention_against_float64(hq, hkv, d):
     """The native paged decode kernel (its softmax on the kernel's own
     vectorized exp) against softmax attention in float64 over the same
     slots: grouped heads, scattered slots, contexts from 1 to 700, scores
     from flat to so peaked that most weights underflow, float32 and
-    bfloat16 storage."""
+    bfloat16 storage. Head shapes of the vector form (head_dim 64 or 128,
+    1-8 query heads per KV head) and of the general one (the rest)."""
     from stepserve.engine.cpu_kernels import paged_decode_module
 
     native = paged_decode_module()
     if native is None:
         pytest.skip("native CPU kernel did not build on this machine")
     g = torch.Generator().manual_seed(3)
-    hq, hkv, d, pool = 4, 2, 64, 4096
+    pool = 4096
     lens = torch.tensor([1, 2, 37, 700, 300, 64], dtype=torch.int64)
     b = len(lens)
     table = torch.stack([torch.randperm(pool, generator=g)[:700] for _ in range(b)])

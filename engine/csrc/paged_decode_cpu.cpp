@@ -56,6 +56,20 @@ static inline float vec_expf(float x) {
   return p * scale;
 }
 
+// scores -> probabilities, in place (one row of n scores)
+inline void softmax_in_place(float* s, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
+  float l = 0.f;
+#pragma omp simd reduction(+ : l)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = vec_expf(s[t] - m);
+    l += s[t];
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
 // T: storage type of q, the pool and out (float or bfloat16); math is float32.
 // Two passes per (row, kv head): all scores first (dot products over head_dim,
 // vectorised), then one max, the exponentials, and the weighted sum of V. No
@@ -92,20 +106,7 @@ void decode_rows(const T* q, const T* kp, const T* vp, const int64_t* table,
           sc[g * n + t] = dot * scale;
         }
       }
-      // softmax per group
-      for (int64_t g = 0; g < G; ++g) {
-        float* s = sc.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, s[t]);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < n; ++t) {
-          s[t] = vec_expf(s[t] - m);
-          l += s[t];
-        }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t t = 0; t < n; ++t) s[t] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_in_place(sc.data() + g * n, n);
       // pass 2: out[g] = sum_t p[g][t] * v[t]
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = 0; t < n; ++t) {
@@ -219,20 +220,7 @@ void decode_rows_vec(const T* q, const T* kp, const T* vp, const int64_t* table,
         }
         for (int g = 0; g < G; ++g) sc[g * n + t] = F::sum(s[g]) * scale;
       }
-      // softmax per group
-      for (int g = 0; g < G; ++g) {
-        float* sg = sc.data() + g * n;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t t = 0; t < n; ++t) m = std::max(m, sg[t]);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < n; ++t) {
-          sg[t] = vec_expf(sg[t] - m);
-          l += sg[t];
-        }
-        const float inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t t = 0; t < n; ++t) sg[t] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_in_place(sc.data() + g * n, n);
       // pass 2: out[g] = sum_t p[g][t] * v[t], the sums in registers
       V o[G][NV];
       for (int g = 0; g < G; ++g)

@@ -175,9 +175,11 @@ class EngineLoop:
             stepped = False
             if not self.paused and not self.stopped and eng.has_unfinished():
                 before = eng.step_id
+                c1 = time.thread_time() if log is not None else 0.0
                 changed = eng.step()
                 stepped = eng.step_id != before  # a step that scheduled nothing leaves no record
                 t2 = clock()
+                cpu = time.thread_time() - c1 if log is not None else 0.0
                 for req in changed:
                     out = req.output(delta=True)
                     if out.outputs or out.finished:
@@ -192,7 +194,7 @@ class EngineLoop:
                     r = eng.records[-1]
                     line.update(rows=r.rows, decode_rows=r.decode_rows, ctx=r.context_tokens, new=r.new_tokens,
                                 pairs=r.prefill_pairs, ext=r.extend_rows, step=round(r.wall_s, 6), fwd=round(r.forward_s, 6),
-                                out=round(t3 - t2, 6))
+                                cpu=round(cpu, 6), out=round(t3 - t2, 6))
                 line.update(emit=round(clock() - t3, 6), outs=len(outputs))
                 log.write(line)
 

@@ -17,6 +17,10 @@ not see:
           that prefill a chunk (`StepFeatures.extend_rows`)
   step    seconds of the step (`StepRecord.wall_s`: schedule, forward, update)
   fwd     of which the forward pass (`StepRecord.forward_s`)
+  cpu     seconds of CPU the loop's thread ran during the step (`time.thread_time`
+          around it): below `step` by the time the thread was off the CPU, which
+          is other processes on a busy machine (the front end, a load generator)
+          where torch runs on that one thread, as a server's engine does on 2 cores
   out     seconds turning the step's tokens into output deltas (detokenizing)
   emit    seconds handing the batch to the transport (pickle and pipe, or queue)
   outs    requests in the batch
@@ -35,8 +39,8 @@ import time
 # log (it flushes before it blocks for the next command).
 SETTLE_S = 0.2
 
-FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "ext", "step", "fwd", "out", "emit",
-          "outs")
+FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "ext", "step", "fwd", "cpu", "out",
+          "emit", "outs")
 
 
 class StepLog:

@@ -39,6 +39,8 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
     assert all(set(ln) <= set(FIELDS) for ln in lines)
     assert all(a["t"] <= b["t"] for a, b in zip(lines, lines[1:]))
     assert all(ln["step"] > 0 and 0 < ln["fwd"] <= ln["step"] and ln["out"] >= 0 and ln["emit"] >= 0 for ln in steps)
+    # the loop thread's CPU time over the step call: positive, and no more than that call's wall time
+    assert all(0 < ln["cpu"] <= ln["step"] + 0.005 for ln in steps)
     # two 5-token requests: every token is one row of one step
     assert sum(ln["rows"] for ln in steps) == 10
     assert steps[0]["pairs"] > 0 and steps[-1]["pairs"] == 0  # a prefill first, a decode last

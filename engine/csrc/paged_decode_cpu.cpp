@@ -127,6 +127,15 @@ void decode_rows(const T* q, const T* kp, const T* vp, const int64_t* table,
   });
 }
 
+#if defined(__AVX512F__)
+// 16 values as float32: bf16 -> f32 is a 16-bit shift (the vector decode's rows, the panels' rows)
+inline __m512 load16z(const at::BFloat16* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
+}
+inline __m512 load16z(const float* p) { return _mm512_loadu_ps(p); }
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__)
 // The same two passes with the head row in vector registers, for the common
 // shapes (head_dim 64 or 128, 1-8 query heads per KV head): each token's K row
@@ -144,11 +153,8 @@ struct VecF {
   static constexpr int W = 16;
   using V = __m512;
   static V zero() { return _mm512_setzero_ps(); }
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const at::BFloat16* p) {
-    __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
+  template <typename T>
+  static V load(const T* p) { return load16z(p); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V set1(float x) { return _mm512_set1_ps(x); }
@@ -376,11 +382,7 @@ inline bool zmm_off() {
 // busy: 4 rows ran at half the speed per row of 6. Every (row, column) sum
 // still runs over k in order with one fused multiply-add per step, so the
 // same bits as the AVX2 and portable forms, whatever the block.
-inline __m512 load16z(const at::BFloat16* p) {  // a row in `kBf16Order`: its lanes in that order
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16));
-}
-inline __m512 load16z(const float* p) { return _mm512_loadu_ps(p); }
+// (`load16z`, above, reads a panel row in `kBf16Order`: its lanes in that order)
 // the lanes back in column order (`kBf16Order` is its own inverse)
 inline __m512 in_order(__m512 v, const at::BFloat16*) {
   return _mm512_permutexvar_ps(_mm512_loadu_si512(kBf16Order), v);

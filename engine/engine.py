@@ -457,7 +457,9 @@ class Engine:
                 log.warning("attention backend: torch (SDPA), because %s; decode is much slower than with "
                             "flashinfer, and runs without CUDA graphs", reason)
         return TorchAttention(pool, mc.num_heads, mc.num_kv_heads, mc.head_dim,
-                              native=None if choice == "auto" else False)
+                              native=None if choice == "auto" else False,
+                              bf16_extend=getattr(model, "bf16_large_steps", False)
+                              and os.environ.get("STEPSERVE_BF16_EXTEND", "1") != "0")
 
     @property
     def step_id(self) -> int:

@@ -105,6 +105,58 @@ def test_native_decode_attention_against_float64(hq, hkv, d):
                 torch.testing.assert_close(out[i].double(), want.to(dtype).double(), rtol=10 * tol, atol=tol)
 
 
+def test_extend_attention_against_float64():
+    """Prompt chunks through the torch backend (`TorchAttention`), after a
+    cached prefix and without one, against softmax attention in float64 over
+    the same scattered slots: float32 as it is, and with `bf16_extend` (a
+    float32 model whose large products run in bf16) a chunk of more than
+    BF16_EXTEND_MIN tokens within bf16 rounding, while a shorter one stays
+    float32."""
+    from stepserve.engine.attention import TorchAttention
+    from stepserve.engine.forward_batch import ForwardBatch
+    from stepserve.kvcache import TokenKVPool
+
+    hq, hkv, d, slots = 4, 2, 64, 2048
+    g = torch.Generator().manual_seed(5)
+    pool = TokenKVPool(slots, 1, hkv, d, torch.float32, "cpu")
+    pool.k_buffers[0].copy_(torch.randn(slots, hkv, d, generator=g))
+    pool.v_buffers[0].copy_(torch.randn(slots, hkv, d, generator=g))
+    rows = [(0, 300), (120, 40), (0, 20), (500, 33)]  # (cached prefix, new tokens)
+    starts, extend, out_slots, start = [], [], [], 0
+    for prefix, n in rows:
+        kv_idx = torch.randperm(slots - 1, generator=g)[: prefix + n] + 1
+        extend.append((start, n, kv_idx))
+        out_slots.append(kv_idx[prefix:])
+        start += n
+    q = torch.randn(start, hq, d, generator=g)
+    k_new = pool.k_buffers[0][torch.cat(out_slots)].clone()  # the chunk's own K/V, written again in place
+    v_new = pool.v_buffers[0][torch.cat(out_slots)].clone()
+    fb = ForwardBatch(input_ids=torch.zeros(start, dtype=torch.int64), positions=torch.zeros(start, dtype=torch.int64),
+                      out_slots=torch.cat(out_slots), num_decode=0, req_to_token=torch.zeros(1, 1, dtype=torch.int64),
+                      decode_rows=None, decode_kv_lens=None, extend_rows=extend,
+                      logits_indices=torch.zeros(1, dtype=torch.int64))
+    want = []
+    for (prefix, n), (s0, _, kv_idx) in zip(rows, extend):
+        kk = pool.k_buffers[0][kv_idx].double().repeat_interleave(hq // hkv, dim=1)  # [L, hq, d]
+        vv = pool.v_buffers[0][kv_idx].double().repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q[s0:s0 + n].double(), kk) * d ** -0.5
+        s = s.masked_fill(torch.arange(prefix + n)[None, :] > torch.arange(n)[:, None] + prefix, float("-inf"))
+        want.append(torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), vv))
+    for bf16 in (False, True):
+        be = TorchAttention(pool, hq, hkv, d, native=False, bf16_extend=bf16)
+        assert be.bf16_extend == bf16
+        be.prepare(fb)
+        out = be.forward(0, q, k_new, v_new, fb)
+        assert out.dtype == torch.float32
+        for (prefix, n), (s0, _, _), w in zip(rows, extend, want):
+            got = out[s0:s0 + n].double()
+            if bf16 and n > TorchAttention.BF16_EXTEND_MIN:
+                torch.testing.assert_close(got, w, rtol=0.05, atol=0.02)
+                assert not torch.allclose(got, w, rtol=1e-4, atol=1e-4)  # it did run in bf16
+            else:
+                torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-5)
+
+
 def test_chunked_prefill_tiny_chunks(ckpt_factory):
     path = ckpt_factory("qwen2")
     prompts = prompts_of([45, 3, 90])

@@ -133,6 +133,40 @@ def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckp
     assert not bf16_large_steps("auto", big, cpu)
 
 
+def test_bf16_mlp_keeps_its_products_output_in_bf16(ckpt_factory, monkeypatch):
+    """A float32 model with bf16 products past SMALL_M rows hands the gate/up
+    product's bf16 output to SiLU-and-mul as it is and its bf16 output to the
+    down product (`MLP`, `silu_and_mul_bf16`): a long prompt's logprobs equal
+    those through float32 and two casts, bit for bit, and its chunks did take
+    the bf16 path."""
+    from stepserve.engine.models.llama import SmallBatchLinear
+
+    path = ckpt_factory("llama", dtype=torch.bfloat16)
+    llm = LLM(path, device="cpu", prefix_caching=False)  # (the second run's prompts prefilled again, not hit)
+    kern = llm.engine.model.kernels
+    if not (llm.engine.bf16_large_steps and getattr(kern, "bf16_silu", False)):
+        pytest.skip("no bf16 products or no native kernels on this CPU")
+    calls = []
+    fwd = SmallBatchLinear.forward_bf16
+
+    def spy(self, x):
+        calls.append(x.shape[0])
+        return fwd(self, x)
+
+    monkeypatch.setattr(SmallBatchLinear, "forward_bf16", spy)
+    prompts = [list(range(3, 123)), list(range(7, 207, 2))]  # 120 and 100 tokens
+    params = SamplingParams(max_tokens=4, logprobs=3, temperature=0.0, ignore_eos=True)
+    fused = llm.generate(prompts, params)
+    assert calls and min(calls) > 32
+    n = len(calls)
+    monkeypatch.setattr(kern, "bf16_silu", False)
+    casts = llm.generate(prompts, params)
+    assert len(calls) == n  # through float32 this time
+    for a, b in zip(fused, casts):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
 def test_bf16_products_of_many_rows_run_on_bucketed_row_counts(ckpt_factory, monkeypatch):
     """oneDNN builds a bf16 product's kernel per row count: a float32 model
     with bf16 products past SMALL_M rows pads those forwards' tokens (and

@@ -447,6 +447,16 @@ def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
     got = fused.silu_and_mul(torch.stack([gate, torch.ones_like(gate)], 1))[:, 0]
     torch.testing.assert_close(got, (gate.double() * torch.sigmoid(gate.double())).float(), rtol=1e-6, atol=1e-30)
     assert torch.isnan(fused.silu_and_mul(torch.tensor([[float("nan"), 1.0]]))).all()
+    # a bf16 product's output in, bf16 out: the float32 path's values rounded once, bit for bit
+    assert fused.bf16_silu and not ref.bf16_silu
+    for t, i in [(1, 5), (37, 48), (300, 384)]:
+        gu = (torch.randn(t, 2 * i, generator=g) * 6).bfloat16()
+        gu[0, :3] = torch.tensor([float("inf"), float("-inf"), 3e38])
+        got = fused.silu_and_mul(gu)
+        assert got.dtype == torch.bfloat16 and got.shape == (t, i)
+        want = fused.silu_and_mul(gu.float()).bfloat16()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.isnan(fused.silu_and_mul(torch.tensor([[float("nan"), 1.0]]).bfloat16())).all()
     with pytest.raises(RuntimeError, match="position out of the table"):
         fused.rope(torch.tensor([64]), torch.randn(1, d), torch.randn(1, d), d)
 

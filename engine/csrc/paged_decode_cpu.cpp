@@ -823,6 +823,46 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// bfloat16 <-> float32 bits, round to nearest even (as c10::BFloat16 and torch's casts do; a NaN stays a NaN)
+static inline float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+static inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((b & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);  // (a select: vectorizes)
+}
+
+// silu_and_mul on a bfloat16 [T, 2I] (a bf16 product's output) into a bfloat16 [T, I] (the next bf16
+// product's input): the same float32 math as `silu_and_mul`, rounded once, so it equals
+// silu_and_mul(x.float()).bfloat16() bit for bit, without the two casts around it.
+torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "silu_and_mul_bf16: a bfloat16 [T, 2I] tensor with unit column stride");
+  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_bf16: an even width");
+  auto out = torch::empty({T, I}, x.options());
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint16_t* g = xp + t * xs;
+      const uint16_t* u = g + I;
+      uint16_t* o = op + t * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float gf = bf16_bits_to_f32(g[i]);
+        o[i] = f32_to_bf16_bits(gf / (1.f + vec_expf(-gf)) * bf16_bits_to_f32(u[i]));
+      }
+    }
+  });
+  return out;
+}
+
 // k_buf[slots[t]] = k[t], v_buf[slots[t]] = v[t]: this step's K/V into the pool
 // ([S, Hkv, D] buffers; k and v [T, Hkv, D] in the buffers' dtype, rows of any
 // stride, each row's heads contiguous), one call instead of two index_copy_.
@@ -1198,6 +1238,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rmsnorm_", &add_rmsnorm_, "residual += x; x = rmsnorm(residual) * w, in place (float32, CPU)");
   m.def("rope_neox_", &rope_neox_, "rotate-half rotary embedding of q and k in place (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:] (float32, CPU)");
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(x[:, :I]) * x[:, I:] in float32, bfloat16 in and out (CPU)");
   m.def("store_kv", &store_kv, "k_buf[slots] = k, v_buf[slots] = v (CPU)");
   m.def("decode_forward", &decode_forward, "a float32 Llama forward over a few decode-shaped tokens (CPU)");
   m.def("first_unmarked", &first_unmarked, "per row, the first position whose slot is not marked in a bool map (CPU)");

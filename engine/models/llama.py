@@ -113,9 +113,18 @@ class SmallBatchLinear(nn.Module):
         if x.dim() == 2 and x.shape[0] <= SMALL_M and x.shape[0] > 0:
             y = self._kernels.small_linear(x.contiguous(), self.panels)
             return y if self.bias is None else y.add_(self.bias)
-        if self._large is not None and x.dim() == 2 and x.shape[0] > 0:
+        if self.large(x):
             return packed_linear(x.bfloat16(), *self._large).float()
         return F.linear(x, self.weight, self.bias)
+
+    def large(self, x: torch.Tensor) -> bool:
+        """Whether `x` [T, in] goes through the bf16 product (more than SMALL_M rows, `bf16_large`)."""
+        return self._large is not None and x.dim() == 2 and x.shape[0] > SMALL_M
+
+    def forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The bf16 product of a `large` x, its output left in bfloat16 (for a
+        next op that takes bf16: `MLP`)."""
+        return packed_linear(x.bfloat16(), *self._large)
 
 
 def bf16_panels(w: torch.Tensor) -> bool:
@@ -270,6 +279,9 @@ class TorchKernels:
         t = q.shape[0]
         return apply_rotary(q.view(t, -1, head_dim), k.view(t, -1, head_dim), *state)
 
+    # silu_and_mul takes a bf16 product's output as it is, and returns bf16 (`MLP`)
+    bf16_silu = False
+
     @staticmethod
     def silu_and_mul(x):
         gate, up = x.chunk(2, dim=-1)
@@ -289,6 +301,7 @@ class CpuKernels(TorchKernels):
     def __init__(self, rotary: RotaryEmbedding, native):
         super().__init__(rotary)
         self.native = native
+        self.bf16_silu = hasattr(native, "silu_and_mul_bf16")
 
     def rmsnorm(self, x, weight, eps):
         if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
@@ -308,6 +321,8 @@ class CpuKernels(TorchKernels):
         return q.view(t, -1, head_dim), k.view(t, -1, head_dim)
 
     def silu_and_mul(self, x):
+        if x.dtype == torch.bfloat16:
+            return self.native.silu_and_mul_bf16(x)
         return self.native.silu_and_mul(x)
 
 
@@ -396,7 +411,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x, kern: TorchKernels):
-        return self.down_proj(kern.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if kern.bf16_silu and isinstance(gate_up, SmallBatchLinear) and gate_up.large(x):
+            # a bf16 product's output straight into silu_and_mul and its bf16 output into down_proj's bf16
+            # product: the same values as through float32 (`silu_and_mul_bf16`), two casts fewer
+            return self.down_proj(kern.silu_and_mul(gate_up.forward_bf16(x)))
+        return self.down_proj(kern.silu_and_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

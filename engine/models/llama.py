@@ -411,12 +411,13 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x, kern: TorchKernels):
-        gate_up = self.gate_up_proj
-        if kern.bf16_silu and isinstance(gate_up, SmallBatchLinear) and gate_up.large(x):
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if (kern.bf16_silu and isinstance(gate_up, SmallBatchLinear) and gate_up.large(x)
+                and isinstance(down, SmallBatchLinear) and down._large is not None):
             # a bf16 product's output straight into silu_and_mul and its bf16 output into down_proj's bf16
             # product: the same values as through float32 (`silu_and_mul_bf16`), two casts fewer
-            return self.down_proj(kern.silu_and_mul(gate_up.forward_bf16(x)))
-        return self.down_proj(kern.silu_and_mul(gate_up(x)))
+            return down(kern.silu_and_mul(gate_up.forward_bf16(x)))
+        return down(kern.silu_and_mul(gate_up(x)))
 
 
 class DecoderLayer(nn.Module):

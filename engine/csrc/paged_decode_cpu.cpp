@@ -803,26 +803,6 @@ void rope_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch
   });
 }
 
-// x [T, 2I] (gate, up) -> silu(gate) * up [T, I]
-torch::Tensor silu_and_mul(torch::Tensor x) {
-  check_rows(x, "silu_and_mul");
-  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: an even width");
-  auto out = torch::empty({T, I}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* g = xp + t * xs;
-      const float* u = g + I;
-      float* o = op + t * I;
-#pragma omp simd
-      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.f + vec_expf(-g[i])) * u[i];
-    }
-  });
-  return out;
-}
-
 // bfloat16 <-> float32 bits, round to nearest even (as c10::BFloat16 and torch's casts do; a NaN stays a NaN)
 static inline float bf16_bits_to_f32(uint16_t h) {
   const uint32_t b = static_cast<uint32_t>(h) << 16;
@@ -836,30 +816,47 @@ static inline uint16_t f32_to_bf16_bits(float f) {
   const uint32_t r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
   return static_cast<uint16_t>((b & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : r);  // (a select: vectorizes)
 }
+static inline float as_f32(float v) { return v; }
+static inline float as_f32(uint16_t h) { return bf16_bits_to_f32(h); }
+static inline void put_f32(float v, float* o) { *o = v; }
+static inline void put_f32(float v, uint16_t* o) { *o = f32_to_bf16_bits(v); }
 
-// silu_and_mul on a bfloat16 [T, 2I] (a bf16 product's output) into a bfloat16 [T, I] (the next bf16
-// product's input): the same float32 math as `silu_and_mul`, rounded once, so it equals
-// silu_and_mul(x.float()).bfloat16() bit for bit, without the two casts around it.
-torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "silu_and_mul_bf16: a bfloat16 [T, 2I] tensor with unit column stride");
-  const int64_t T = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
-  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_bf16: an even width");
-  auto out = torch::empty({T, I}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+// x [T, 2I] (gate, up) -> silu(gate) * up [T, I] in float32 math, each output rounded once to E: float,
+// or uint16_t holding bfloat16 bits
+template <typename E>
+void silu_and_mul_rows(const E* xp, E* op, int64_t T, int64_t I, int64_t xs) {
   at::parallel_for(0, T, row_grain(2 * I), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const uint16_t* g = xp + t * xs;
-      const uint16_t* u = g + I;
-      uint16_t* o = op + t * I;
+      const E* g = xp + t * xs;
+      const E* u = g + I;
+      E* o = op + t * I;
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) {
-        const float gf = bf16_bits_to_f32(g[i]);
-        o[i] = f32_to_bf16_bits(gf / (1.f + vec_expf(-gf)) * bf16_bits_to_f32(u[i]));
+        const float gf = as_f32(g[i]);
+        put_f32(gf / (1.f + vec_expf(-gf)) * as_f32(u[i]), o + i);
       }
     }
   });
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_rows(x, "silu_and_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul: an even width");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_and_mul_rows(x.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1) / 2, x.stride(0));
+  return out;
+}
+
+// silu_and_mul on a bfloat16 [T, 2I] (a bf16 product's output) into a bfloat16 [T, I] (the next bf16
+// product's input): the same float32 math, rounded once, so it equals silu_and_mul(x.float()).bfloat16()
+// bit for bit, without the two casts around it.
+torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "silu_and_mul_bf16: a bfloat16 [T, 2I] tensor with unit column stride");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_bf16: an even width");
+  auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
+  silu_and_mul_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                    reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), x.size(0), x.size(1) / 2, x.stride(0));
   return out;
 }
 

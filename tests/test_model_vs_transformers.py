@@ -122,7 +122,7 @@ def test_extend_attention_against_float64():
     pool.k_buffers[0].copy_(torch.randn(slots, hkv, d, generator=g))
     pool.v_buffers[0].copy_(torch.randn(slots, hkv, d, generator=g))
     rows = [(0, 300), (120, 40), (0, 20), (500, 33)]  # (cached prefix, new tokens)
-    starts, extend, out_slots, start = [], [], [], 0
+    extend, out_slots, start = [], [], 0
     for prefix, n in rows:
         kv_idx = torch.randperm(slots - 1, generator=g)[: prefix + n] + 1
         extend.append((start, n, kv_idx))

@@ -707,9 +707,9 @@ inline float row_rsqrt_mean_sq(const float* x, int64_t H, float eps) {
   return 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
 }
 
-void check_rows(const torch::Tensor& x, const char* what) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.stride(1) == 1, what,
-              ": a float32 [T, H] tensor with unit column stride");
+void check_rows(const torch::Tensor& x, const char* what, at::ScalarType dtype = torch::kFloat32) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == dtype && x.stride(1) == 1, what, ": a ",
+              dtype == torch::kFloat32 ? "float32" : "bfloat16", " [T, H] tensor with unit column stride");
 }
 
 // rows per task: at least ~32K elements of work, so a small batch is not split across threads for nothing
@@ -851,8 +851,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 // product's input): the same float32 math, rounded once, so it equals silu_and_mul(x.float()).bfloat16()
 // bit for bit, without the two casts around it.
 torch::Tensor silu_and_mul_bf16(torch::Tensor x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "silu_and_mul_bf16: a bfloat16 [T, 2I] tensor with unit column stride");
+  check_rows(x, "silu_and_mul_bf16", torch::kBFloat16);
   TORCH_CHECK(x.size(1) % 2 == 0, "silu_and_mul_bf16: an even width");
   auto out = torch::empty({x.size(0), x.size(1) / 2}, x.options());
   silu_and_mul_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),

@@ -412,8 +412,8 @@ class MLP(nn.Module):
 
     def forward(self, x, kern: TorchKernels):
         gate_up, down = self.gate_up_proj, self.down_proj
-        if (kern.bf16_silu and isinstance(gate_up, SmallBatchLinear) and gate_up.large(x)
-                and isinstance(down, SmallBatchLinear) and down._large is not None):
+        if (kern.bf16_silu and isinstance(gate_up, SmallBatchLinear) and isinstance(down, SmallBatchLinear)
+                and gate_up.large(x) and down.large(x)):  # (down's input has x's rows)
             # a bf16 product's output straight into silu_and_mul and its bf16 output into down_proj's bf16
             # product: the same values as through float32 (`silu_and_mul_bf16`), two casts fewer
             return down(kern.silu_and_mul(gate_up.forward_bf16(x)))

@@ -75,7 +75,7 @@ inline void softmax_in_place(float* s, int64_t n) {
 // vectorised), then one max, the exponentials, and the weighted sum of V. No
 // per-token rescaling branch, which is what kept the online-softmax form slow.
 template <typename T, int D>
-void decode_rows(const T* q, const T* kp, const T* vp, const int64_t* table,
+void decode_rows(const T* q, int64_t qs, const T* kp, const T* vp, const int64_t* table,
                  const int64_t* rows, const int64_t* lens, T* out, int64_t B, int64_t Hq,
                  int64_t Hkv, int64_t table_stride, float scale, int64_t dyn_d) {
   const int64_t G = Hq / Hkv;
@@ -87,7 +87,7 @@ void decode_rows(const T* q, const T* kp, const T* vp, const int64_t* table,
     std::vector<float> acc(G * d), qf(G * d), kf(d), vf(d), sc(G * std::max<int64_t>(max_len, 1));
     for (int64_t work = begin; work < end; ++work) {
       const int64_t b = work / Hkv, h = work % Hkv;
-      load_f32(q + (b * Hq + h * G) * d, qf.data(), G * d);
+      load_f32(q + b * qs + h * G * d, qf.data(), G * d);
       const int64_t* slots = table + rows[b] * table_stride;
       const int64_t n = lens[b];
       // pass 1: scores[g][t]
@@ -190,7 +190,7 @@ inline void store_row(at::BFloat16* o, const float* a, int64_t d) {
 }
 
 template <typename T, int D, int G>
-void decode_rows_vec(const T* q, const T* kp, const T* vp, const int64_t* table, const int64_t* rows,
+void decode_rows_vec(const T* q, int64_t qs, const T* kp, const T* vp, const int64_t* table, const int64_t* rows,
                      const int64_t* lens, T* out, int64_t B, int64_t Hkv, int64_t table_stride, float scale) {
   using F = VecF;
   using V = typename F::V;
@@ -208,7 +208,7 @@ void decode_rows_vec(const T* q, const T* kp, const T* vp, const int64_t* table,
       const int64_t n = lens[b];
       V qv[G][NV];
       for (int g = 0; g < G; ++g)
-        for (int j = 0; j < NV; ++j) qv[g][j] = F::load(q + (b * Hq + h * G + g) * D + j * F::W);
+        for (int j = 0; j < NV; ++j) qv[g][j] = F::load(q + b * qs + (h * G + g) * D + j * F::W);
       // pass 1: scores[g][t]
       constexpr int64_t kAhead = 8;
       for (int64_t t = 0; t < n; ++t) {
@@ -248,7 +248,7 @@ void decode_rows_vec(const T* q, const T* kp, const T* vp, const int64_t* table,
 
 // The vector form where it has an instance (STEPSERVE_VEC_DECODE=0: the general one, for A/B runs)
 template <typename T, int D>
-bool decode_rows_fast(const T* q, const T* kp, const T* vp, const int64_t* table, const int64_t* rows,
+bool decode_rows_fast(const T* q, int64_t qs, const T* kp, const T* vp, const int64_t* table, const int64_t* rows,
                       const int64_t* lens, T* out, int64_t B, int64_t Hq, int64_t Hkv, int64_t table_stride,
                       float scale) {
   static const bool off = [] {
@@ -260,21 +260,43 @@ bool decode_rows_fast(const T* q, const T* kp, const T* vp, const int64_t* table
   } else {
     if (off) return false;
     switch (Hq / Hkv) {
-      case 1: decode_rows_vec<T, D, 1>(q, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
-      case 2: decode_rows_vec<T, D, 2>(q, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
-      case 4: decode_rows_vec<T, D, 4>(q, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
-      case 8: decode_rows_vec<T, D, 8>(q, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
+      case 1: decode_rows_vec<T, D, 1>(q, qs, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
+      case 2: decode_rows_vec<T, D, 2>(q, qs, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
+      case 4: decode_rows_vec<T, D, 4>(q, qs, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
+      case 8: decode_rows_vec<T, D, 8>(q, qs, kp, vp, table, rows, lens, out, B, Hkv, table_stride, scale); return true;
       default: return false;
     }
   }
 }
 #else
 template <typename T, int D>
-bool decode_rows_fast(const T*, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, T*, int64_t,
-                      int64_t, int64_t, int64_t, float) {
+bool decode_rows_fast(const T*, int64_t, const T*, const T*, const int64_t*, const int64_t*, const int64_t*, T*,
+                      int64_t, int64_t, int64_t, int64_t, float) {
   return false;
 }
 #endif
+
+// The decode attention over raw rows: q's rows `qs` elements apart (each
+// token's heads contiguous), `out` [B, Hq, D] contiguous; the vector form
+// where it has an instance, else the general one.
+template <typename T>
+void paged_decode_rows(const T* q, int64_t qs, const T* kp, const T* vp, const int64_t* table, int64_t table_stride,
+                       const int64_t* rows, const int64_t* lens, T* out, int64_t B, int64_t Hq, int64_t Hkv,
+                       int64_t D, float scale) {
+  bool done = false;
+  if (D == 64)
+    done = decode_rows_fast<T, 64>(q, qs, kp, vp, table, rows, lens, out, B, Hq, Hkv, table_stride, scale);
+  else if (D == 128)
+    done = decode_rows_fast<T, 128>(q, qs, kp, vp, table, rows, lens, out, B, Hq, Hkv, table_stride, scale);
+  if (!done) {
+    if (D == 64)
+      decode_rows<T, 64>(q, qs, kp, vp, table, rows, lens, out, B, Hq, Hkv, table_stride, scale, D);
+    else if (D == 128)
+      decode_rows<T, 128>(q, qs, kp, vp, table, rows, lens, out, B, Hq, Hkv, table_stride, scale, D);
+    else
+      decode_rows<T, 0>(q, qs, kp, vp, table, rows, lens, out, B, Hq, Hkv, table_stride, scale, D);
+  }
+}
 
 }  // namespace
 
@@ -296,26 +318,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   auto rows_c = rows.contiguous();
   auto lens_c = lens.contiguous();
   const float s = static_cast<float>(scale);
-#define CALL(TT, DD)                                                                                       \
-  do {                                                                                                     \
-    if (!decode_rows_fast<TT, DD>(q.data_ptr<TT>(), k_pool.data_ptr<TT>(), v_pool.data_ptr<TT>(),           \
-                                  table.data_ptr<int64_t>(), rows_c.data_ptr<int64_t>(),                    \
-                                  lens_c.data_ptr<int64_t>(), out.data_ptr<TT>(), B, Hq, Hkv, table.size(1), s)) \
-      decode_rows<TT, DD>(q.data_ptr<TT>(), k_pool.data_ptr<TT>(), v_pool.data_ptr<TT>(),                  \
-                          table.data_ptr<int64_t>(), rows_c.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), \
-                          out.data_ptr<TT>(), B, Hq, Hkv, table.size(1), s, D);                          \
-  } while (0)
-#define DISPATCH_D(TT)        \
-  if (D == 64) CALL(TT, 64);  \
-  else if (D == 128) CALL(TT, 128); \
-  else CALL(TT, 0);
-  if (q.scalar_type() == torch::kFloat32) {
-    DISPATCH_D(float)
-  } else {
-    DISPATCH_D(at::BFloat16)
-  }
-#undef DISPATCH_D
-#undef CALL
+  if (q.scalar_type() == torch::kFloat32)
+    paged_decode_rows(q.data_ptr<float>(), Hq * D, k_pool.data_ptr<float>(), v_pool.data_ptr<float>(),
+                      table.data_ptr<int64_t>(), table.size(1), rows_c.data_ptr<int64_t>(),
+                      lens_c.data_ptr<int64_t>(), out.data_ptr<float>(), B, Hq, Hkv, D, s);
+  else
+    paged_decode_rows(q.data_ptr<at::BFloat16>(), Hq * D, k_pool.data_ptr<at::BFloat16>(),
+                      v_pool.data_ptr<at::BFloat16>(), table.data_ptr<int64_t>(), table.size(1),
+                      rows_c.data_ptr<int64_t>(), lens_c.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, Hq,
+                      Hkv, D, s);
   return out;
 }
 
@@ -662,32 +673,40 @@ void panel_range(const float* xp, const W* wp, float* yp, int64_t M, int64_t N, 
   }
 }
 
+// y [M, NB * 16] = x [M, K] . W^T from W's panels, float32 (wf) or bfloat16 (wb; the other null)
+void panel_product(const float* xp, const float* wf, const at::BFloat16* wb, float* yp, int64_t M, int64_t K,
+                   int64_t NB, bool zmm) {
+  const int64_t N = NB * 16;
+  // about 16K multiply-adds per task at least, so a small product is not split across threads for nothing
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(16 * K * M, 1));
+  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
+    if (wb != nullptr)
+      panel_range(xp, wb, yp, M, N, K, b0, b1, zmm);
+    else
+      panel_range(xp, wf, yp, M, N, K, b0, b1, zmm);
+  });
+}
+
+void check_panels(const torch::Tensor& panels) {
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous() &&
+                  (panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16),
+              "packed float32 or bfloat16 panels [N/16, K, 16]");
+}
+
 }  // namespace
 
 // `zmm`: the AVX-512 form where it is built and chosen (False: the AVX2 form; the same bits either way)
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor panels, bool zmm = true) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
               "a contiguous float32 [M, K] input");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == 16 && panels.is_contiguous() &&
-                  (panels.scalar_type() == torch::kFloat32 || panels.scalar_type() == torch::kBFloat16),
-              "packed float32 or bfloat16 panels [N/16, K, 16]");
-  const int64_t M = x.size(0), K = x.size(1), NB = panels.size(0), N = NB * 16;
+  check_panels(panels);
+  const int64_t M = x.size(0), K = x.size(1), NB = panels.size(0);
   TORCH_CHECK(panels.size(1) == K, "input features do not match the weight's");
   TORCH_CHECK(M >= 1, "at least one row");
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  auto y = torch::empty({M, NB * 16}, x.options());
   const bool bf16 = panels.scalar_type() == torch::kBFloat16;
-  const float* wf = bf16 ? nullptr : panels.data_ptr<float>();
-  const at::BFloat16* wb = bf16 ? panels.data_ptr<at::BFloat16>() : nullptr;
-  // about 16K multiply-adds per task at least, so a small product is not split across threads for nothing
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(16 * K * M, 1));
-  at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    if (bf16)
-      panel_range(xp, wb, yp, M, N, K, b0, b1, zmm);
-    else
-      panel_range(xp, wf, yp, M, N, K, b0, b1, zmm);
-  });
+  panel_product(x.data_ptr<float>(), bf16 ? nullptr : panels.data_ptr<float>(),
+                bf16 ? panels.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<float>(), M, K, NB, zmm);
   return y;
 }
 
@@ -717,24 +736,53 @@ inline int64_t row_grain(int64_t width) { return std::max<int64_t>(1, 32768 / st
 
 }  // namespace
 
-// out = w * x * rsqrt(mean(x^2) + eps), per row
-torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_rows(x, "rmsnorm");
-  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0);
-  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32, "rmsnorm: a float32 [H] weight");
-  auto out = torch::empty({T, H}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+namespace {
+
+// o = w * x * rsqrt(mean(x^2) + eps), per row (rows xs and os elements apart; o may be x)
+void rmsnorm_rows(const float* xp, int64_t xs, const float* wp, float* op, int64_t os, int64_t T, int64_t H,
+                  float eps) {
   at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const float* xr = xp + t * xs;
-      const float r = row_rsqrt_mean_sq(xr, H, static_cast<float>(eps));
-      float* o = op + t * H;
+      const float r = row_rsqrt_mean_sq(xr, H, eps);
+      float* o = op + t * os;
 #pragma omp simd
       for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * (xr[i] * r);
     }
   });
+}
+
+// residual += x; x = rmsnorm(residual) * w, per row, in place
+void add_rmsnorm_rows(float* xp, int64_t xs, float* rp, int64_t rs, const float* wp, int64_t T, int64_t H,
+                      float eps) {
+  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* xr = xp + t * xs;
+      float* rr = rp + t * rs;
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
+      const float r = row_rsqrt_mean_sq(rr, H, eps);
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i) xr[i] = wp[i] * (rr[i] * r);
+    }
+  });
+}
+
+void check_norm_weight(const torch::Tensor& w, int64_t H, const char* what) {
+  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32, what,
+              ": a float32 [H] weight");
+}
+
+}  // namespace
+
+// out = w * x * rsqrt(mean(x^2) + eps), per row
+torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_rows(x, "rmsnorm");
+  const int64_t T = x.size(0), H = x.size(1);
+  check_norm_weight(w, H, "rmsnorm");
+  auto out = torch::empty({T, H}, x.options());
+  rmsnorm_rows(x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), out.data_ptr<float>(), H, T, H,
+               static_cast<float>(eps));
   return out;
 }
 
@@ -742,48 +790,20 @@ torch::Tensor rmsnorm(torch::Tensor x, torch::Tensor w, double eps) {
 void add_rmsnorm_(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
   check_rows(x, "add_rmsnorm_");
   check_rows(residual, "add_rmsnorm_");
-  const int64_t T = x.size(0), H = x.size(1), xs = x.stride(0), rs = residual.stride(0);
+  const int64_t T = x.size(0), H = x.size(1);
   TORCH_CHECK(residual.size(0) == T && residual.size(1) == H, "add_rmsnorm_: x and residual differ in shape");
-  TORCH_CHECK(w.numel() == H && w.is_contiguous() && w.scalar_type() == torch::kFloat32,
-              "add_rmsnorm_: a float32 [H] weight");
-  float* xp = x.data_ptr<float>();
-  float* rp = residual.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, T, row_grain(H), [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      float* xr = xp + t * xs;
-      float* rr = rp + t * rs;
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) rr[i] += xr[i];
-      const float r = row_rsqrt_mean_sq(rr, H, static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t i = 0; i < H; ++i) xr[i] = wp[i] * (rr[i] * r);
-    }
-  });
+  check_norm_weight(w, H, "add_rmsnorm_");
+  add_rmsnorm_rows(x.data_ptr<float>(), x.stride(0), residual.data_ptr<float>(), residual.stride(0),
+                   w.data_ptr<float>(), T, H, static_cast<float>(eps));
 }
 
-// Neox-style (rotate-half) rotary embedding of q [T, Hq * D] and k [T, Hkv * D]
-// in place, from float32 cos/sin tables [P, D] at `positions` [T].
-void rope_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                int64_t head_dim) {
-  check_rows(q, "rope_neox_ q");
-  check_rows(k, "rope_neox_ k");
-  const int64_t T = q.size(0), D = head_dim, half = D / 2;
-  TORCH_CHECK(D % 2 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0 && k.size(0) == T,
-              "rope_neox_: q and k rows must hold whole heads");
-  TORCH_CHECK(positions.numel() == T && positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
-              "rope_neox_: int64 positions [T]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-                  sin.sizes() == cos.sizes(),
-              "rope_neox_: float32 cos/sin tables [P, D]");
-  const int64_t Hq = q.size(1) / D, Hk = k.size(1) / D, P = cos.size(0);
-  const int64_t qs = q.stride(0), ks = k.stride(0);
-  float* qp = q.data_ptr<float>();
-  float* kp = k.data_ptr<float>();
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+namespace {
+
+// Rotate-half rotary embedding in place of Hq heads at q and Hk at k per token (rows qs and ks elements
+// apart, each head D contiguous values), from float32 cos/sin tables [P, D] at `pos` [T].
+void rope_rows(float* qp, int64_t qs, int64_t Hq, float* kp, int64_t ks, int64_t Hk, const int64_t* pos,
+               const float* cp, const float* sp, int64_t P, int64_t T, int64_t D) {
+  const int64_t half = D / 2;
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < P, "rope_neox_: position out of the table");
   auto rotate = [&](float* x, const float* c, const float* s) {
 #pragma omp simd
@@ -801,6 +821,37 @@ void rope_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch
       for (int64_t h = 0; h < Hk; ++h) rotate(kp + t * ks + h * D, c, s);
     }
   });
+}
+
+// k_buf[slots[t]] = the row at k + t * ks, v_buf likewise (rows of `bytes` bytes; strides in bytes)
+void store_kv_rows(char* kb, char* vb, int64_t S, int64_t bytes, const int64_t* sl, const char* kp, int64_t ks,
+                   const char* vp, int64_t vs, int64_t T) {
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv: slot out of the pool");
+  for (int64_t t = 0; t < T; ++t) {
+    std::memcpy(kb + sl[t] * bytes, kp + t * ks, bytes);
+    std::memcpy(vb + sl[t] * bytes, vp + t * vs, bytes);
+  }
+}
+
+}  // namespace
+
+// Neox-style (rotate-half) rotary embedding of q [T, Hq * D] and k [T, Hkv * D]
+// in place, from float32 cos/sin tables [P, D] at `positions` [T].
+void rope_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                int64_t head_dim) {
+  check_rows(q, "rope_neox_ q");
+  check_rows(k, "rope_neox_ k");
+  const int64_t T = q.size(0), D = head_dim;
+  TORCH_CHECK(D % 2 == 0 && q.size(1) % D == 0 && k.size(1) % D == 0 && k.size(0) == T,
+              "rope_neox_: q and k rows must hold whole heads");
+  TORCH_CHECK(positions.numel() == T && positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
+              "rope_neox_: int64 positions [T]");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  sin.sizes() == cos.sizes(),
+              "rope_neox_: float32 cos/sin tables [P, D]");
+  rope_rows(q.data_ptr<float>(), q.stride(0), q.size(1) / D, k.data_ptr<float>(), k.stride(0), k.size(1) / D,
+            positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0), T, D);
 }
 
 // bfloat16 <-> float32 bits, round to nearest even (as c10::BFloat16 and torch's casts do; a NaN stays a NaN)
@@ -874,18 +925,10 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots, tor
               "store_kv: k and v [T, Hkv, D] with contiguous heads");
   TORCH_CHECK(slots.numel() == T && slots.scalar_type() == torch::kInt64 && slots.is_contiguous(),
               "store_kv: int64 slots [T]");
-  const int64_t* sl = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < S, "store_kv: slot out of the pool");
-  const int64_t bytes = row * k_buf.element_size();
-  char* kb = static_cast<char*>(k_buf.data_ptr());
-  char* vb = static_cast<char*>(v_buf.data_ptr());
-  const char* kp = static_cast<const char*>(k.data_ptr());
-  const char* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t ks = k.stride(0) * k.element_size(), vs = v.stride(0) * v.element_size();
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kb + sl[t] * bytes, kp + t * ks, bytes);
-    std::memcpy(vb + sl[t] * bytes, vp + t * vs, bytes);
-  }
+  store_kv_rows(static_cast<char*>(k_buf.data_ptr()), static_cast<char*>(v_buf.data_ptr()), S,
+                row * k_buf.element_size(), slots.data_ptr<int64_t>(), static_cast<const char*>(k.data_ptr()),
+                k.stride(0) * k.element_size(), static_cast<const char*>(v.data_ptr()),
+                v.stride(0) * v.element_size(), T);
 }
 
 // ---------------------------------------------------------------------------
@@ -894,7 +937,10 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots, tor
 // draft model's steps) in one call: the ops above in the order of
 // `LlamaForCausalLM.forward_planned` with `CpuKernels`, so the result is the
 // same bit for bit, without the Python and dispatch between them, which at
-// these sizes cost more than the arithmetic.
+// these sizes cost more than the arithmetic. The ops run on raw rows in one
+// scratch buffer kept by the thread (no tensor made or op dispatched between
+// them: on the 2-core Xeon, ATen's dispatch and the allocator took ~40% of a
+// draft model's step at one token, 2 layers of 128 wide).
 //
 // layers: per layer, 12 tensors in this order (an empty tensor for an absent
 // one): input norm, qkv panels, qkv bias, q norm, k norm, o panels, o bias,
@@ -902,10 +948,224 @@ void store_kv(torch::Tensor k_buf, torch::Tensor v_buf, torch::Tensor slots, tor
 
 namespace {
 
-torch::Tensor linear_panels(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias) {
-  auto y = small_linear(x, panels);
-  if (bias.numel()) y.add_(bias);
-  return y;
+// A product's weight: its panels (float32 or bfloat16) and bias (null: none)
+struct PanelWeight {
+  const float* wf = nullptr;
+  const at::BFloat16* wb = nullptr;
+  const float* bias = nullptr;
+  int64_t K = 0, N = 0;
+};
+
+PanelWeight panel_weight(const torch::Tensor& panels, const torch::Tensor& bias, int64_t K, const char* what) {
+  check_panels(panels);
+  TORCH_CHECK(panels.size(1) == K, what, ": input features do not match the weight's");
+  PanelWeight w;
+  w.K = K;
+  w.N = panels.size(0) * 16;
+  if (panels.scalar_type() == torch::kBFloat16)
+    w.wb = panels.data_ptr<at::BFloat16>();
+  else
+    w.wf = panels.data_ptr<float>();
+  if (bias.numel()) {
+    TORCH_CHECK(bias.numel() == w.N && bias.is_contiguous() && bias.scalar_type() == torch::kFloat32, what,
+                ": a float32 bias [N]");
+    w.bias = bias.data_ptr<float>();
+  }
+  return w;
+}
+
+// y [M, N] = x [M, K] . W^T (+ bias), as `small_linear` then `add_`: the same bits
+void apply(const PanelWeight& w, const float* x, float* y, int64_t M) {
+  panel_product(x, w.wf, w.wb, y, M, w.K, w.N / 16, true);
+  if (w.bias != nullptr)
+    for (int64_t t = 0; t < M; ++t) {
+      float* yr = y + t * w.N;
+#pragma omp simd
+      for (int64_t i = 0; i < w.N; ++i) yr[i] += w.bias[i];
+    }
+}
+
+struct LayerWeights {
+  const float* in_norm;
+  PanelWeight qkv, o, gate_up, down;
+  const float* q_norm;  // null: no q/k norm
+  const float* k_norm;
+  const float* post_norm;
+  float* k_pool;
+  float* v_pool;
+};
+
+// The arguments of `decode_forward` after the batch's, checked and as raw pointers
+struct ModelWeights {
+  int64_t H, vocab, Hq, Hkv, D, I, slots, positions;
+  const float* embed;
+  std::vector<LayerWeights> layers;
+  const float* cos;
+  const float* sin;
+  const float* final_norm;
+  PanelWeight head;
+  float eps, scale;
+};
+
+ModelWeights model_weights(const torch::Tensor& embed, const std::vector<torch::Tensor>& layers,
+                           const std::vector<torch::Tensor>& k_bufs, const std::vector<torch::Tensor>& v_bufs,
+                           const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& final_norm,
+                           const torch::Tensor& head_panels, const torch::Tensor& head_bias, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  constexpr size_t kPer = 12;
+  const size_t L = k_bufs.size();
+  TORCH_CHECK(layers.size() == kPer * L && v_bufs.size() == L, "decode_forward: 12 tensors and a K/V pair per layer");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.scalar_type() == torch::kFloat32,
+              "decode_forward: a float32 [V, H] embedding");
+  TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0 && head_dim >= 2 &&
+                  head_dim % 2 == 0,
+              "decode_forward: query heads a multiple of KV heads, an even head_dim");
+  ModelWeights m;
+  m.H = embed.size(1);
+  m.vocab = embed.size(0);
+  m.Hq = num_heads;
+  m.Hkv = num_kv_heads;
+  m.D = head_dim;
+  m.embed = embed.data_ptr<float>();
+  m.eps = static_cast<float>(eps);
+  m.scale = static_cast<float>(scale);
+  const int64_t H = m.H, Q = m.Hq * m.D, KV = m.Hkv * m.D;
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == m.D && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  sin.sizes() == cos.sizes(),
+              "rope_neox_: float32 cos/sin tables [P, D]");
+  m.cos = cos.data_ptr<float>();
+  m.sin = sin.data_ptr<float>();
+  m.positions = cos.size(0);
+  check_norm_weight(final_norm, H, "decode_forward final norm");
+  m.final_norm = final_norm.data_ptr<float>();
+  m.head = panel_weight(head_panels, head_bias, H, "decode_forward head");
+  m.I = 0;
+  m.slots = L ? k_bufs[0].size(0) : 0;
+  m.layers.reserve(L);
+  for (size_t l = 0; l < L; ++l) {
+    const torch::Tensor* w = layers.data() + kPer * l;
+    LayerWeights lw;
+    check_norm_weight(w[0], H, "decode_forward input norm");
+    check_norm_weight(w[7], H, "decode_forward post-attention norm");
+    lw.in_norm = w[0].data_ptr<float>();
+    lw.post_norm = w[7].data_ptr<float>();
+    lw.qkv = panel_weight(w[1], w[2], H, "decode_forward qkv");
+    TORCH_CHECK(lw.qkv.N == Q + 2 * KV, "decode_forward: qkv's width is not q + k + v");
+    lw.q_norm = lw.k_norm = nullptr;
+    if (w[3].numel()) {
+      check_norm_weight(w[3], m.D, "decode_forward q norm");
+      check_norm_weight(w[4], m.D, "decode_forward k norm");
+      lw.q_norm = w[3].data_ptr<float>();
+      lw.k_norm = w[4].data_ptr<float>();
+    }
+    lw.o = panel_weight(w[5], w[6], Q, "decode_forward o");
+    TORCH_CHECK(lw.o.N == H, "decode_forward: o's width is not the hidden size");
+    lw.gate_up = panel_weight(w[8], w[9], H, "decode_forward gate_up");
+    TORCH_CHECK(lw.gate_up.N % 2 == 0 && (l == 0 || lw.gate_up.N / 2 == m.I),
+                "decode_forward: an even gate_up width, the same in every layer");
+    m.I = lw.gate_up.N / 2;
+    lw.down = panel_weight(w[10], w[11], m.I, "decode_forward down");
+    TORCH_CHECK(lw.down.N == H, "decode_forward: down's width is not the hidden size");
+    const torch::Tensor& kb = k_bufs[l];
+    const torch::Tensor& vb = v_bufs[l];
+    TORCH_CHECK(kb.dim() == 3 && kb.is_contiguous() && vb.is_contiguous() && kb.sizes() == vb.sizes() &&
+                    kb.scalar_type() == torch::kFloat32 && vb.scalar_type() == torch::kFloat32 &&
+                    kb.size(0) == m.slots && kb.size(1) == m.Hkv && kb.size(2) == m.D,
+                "decode_forward: float32 [S, Hkv, D] K/V pools, alike in every layer");
+    lw.k_pool = kb.data_ptr<float>();
+    lw.v_pool = vb.data_ptr<float>();
+    m.layers.push_back(lw);
+  }
+  return m;
+}
+
+// A req->token table, as raw rows
+struct TokenTable {
+  const int64_t* data;
+  int64_t rows, cols, stride;
+};
+
+TokenTable token_table(const torch::Tensor& table) {
+  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.is_contiguous(),
+              "a contiguous int64 req->token table");
+  return {table.data_ptr<int64_t>(), table.size(0), table.size(1), table.stride(0)};
+}
+
+inline float* take(float*& p, int64_t n) {
+  float* r = p;
+  p += (n + 15) / 16 * 16;  // each buffer 64-byte aligned after the first
+  return r;
+}
+
+// The forward over T decode-shaped tokens (ids, positions, the slots their K/V go to, their table rows and
+// context lengths) into logits [NL, V] at the tokens `li`.
+void forward_rows(const ModelWeights& m, const TokenTable& tab, const int64_t* ids, const int64_t* pos,
+                  const int64_t* out_slots, const int64_t* rows, const int64_t* lens, int64_t T, const int64_t* li,
+                  int64_t NL, float* logits) {
+  TORCH_CHECK(T >= 1, "decode_forward: at least one token");
+  const int64_t H = m.H, Q = m.Hq * m.D, KV = m.Hkv * m.D, QKV = Q + 2 * KV, I = m.I, D = m.D;
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < m.vocab, "decode_forward: token id out of the embedding");
+    TORCH_CHECK(rows[t] >= 0 && rows[t] < tab.rows && lens[t] >= 1 && lens[t] <= tab.cols,
+                "decode_forward: a token's table row or context length out of the table");
+  }
+  for (int64_t j = 0; j < NL; ++j) TORCH_CHECK(li[j] >= 0 && li[j] < T, "decode_forward: logits index out of range");
+  const int64_t need = 16 * 9 + 3 * T * H + T * QKV + T * Q + 3 * T * I + 2 * NL * H;
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(need);
+  float* p = scratch.data();
+  float* res = take(p, T * H);
+  float* hb = take(p, T * H);
+  float* xb = take(p, T * H);
+  float* qkv = take(p, T * QKV);
+  float* ob = take(p, T * Q);
+  float* gu = take(p, 2 * T * I);
+  float* act = take(p, T * I);
+  float* xl = take(p, NL * H);
+  float* rl = take(p, NL * H);
+  for (int64_t t = 0; t < T; ++t) std::memcpy(res + t * H, m.embed + ids[t] * H, H * sizeof(float));
+  const float eps = m.eps;
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const LayerWeights& w = m.layers[l];
+    const float* h;
+    if (l == 0) {
+      rmsnorm_rows(res, H, w.in_norm, hb, H, T, H, eps);
+      h = hb;
+    } else {
+      add_rmsnorm_rows(xb, H, res, H, w.in_norm, T, H, eps);
+      h = xb;
+    }
+    apply(w.qkv, h, qkv, T);
+    float* q = qkv;
+    float* k = qkv + Q;
+    float* v = qkv + Q + KV;
+    if (w.q_norm != nullptr)  // q/k norm per head, before rotary
+      for (int64_t t = 0; t < T; ++t) {
+        rmsnorm_rows(q + t * QKV, D, w.q_norm, q + t * QKV, D, m.Hq, D, eps);
+        rmsnorm_rows(k + t * QKV, D, w.k_norm, k + t * QKV, D, m.Hkv, D, eps);
+      }
+    rope_rows(q, QKV, m.Hq, k, QKV, m.Hkv, pos, m.cos, m.sin, m.positions, T, D);
+    store_kv_rows(reinterpret_cast<char*>(w.k_pool), reinterpret_cast<char*>(w.v_pool), m.slots,
+                  KV * sizeof(float), out_slots, reinterpret_cast<const char*>(k), QKV * sizeof(float),
+                  reinterpret_cast<const char*>(v), QKV * sizeof(float), T);
+    paged_decode_rows(q, QKV, w.k_pool, w.v_pool, tab.data, tab.stride, rows, lens, ob, T, m.Hq, m.Hkv, D, m.scale);
+    apply(w.o, ob, xb, T);
+    add_rmsnorm_rows(xb, H, res, H, w.post_norm, T, H, eps);
+    apply(w.gate_up, xb, gu, T);
+    silu_and_mul_rows(gu, act, T, I, 2 * I);
+    apply(w.down, act, xb, T);
+  }
+  for (int64_t j = 0; j < NL; ++j) {
+    std::memcpy(xl + j * H, xb + li[j] * H, H * sizeof(float));
+    std::memcpy(rl + j * H, res + li[j] * H, H * sizeof(float));
+  }
+  add_rmsnorm_rows(xl, H, rl, H, m.final_norm, NL, H, eps);
+  apply(m.head, xl, logits, NL);
+}
+
+void check_indices(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.numel() == n, what);
 }
 
 }  // namespace
@@ -917,42 +1177,17 @@ torch::Tensor decode_forward(torch::Tensor input_ids, torch::Tensor positions, t
                              torch::Tensor sin, torch::Tensor final_norm, torch::Tensor head_panels,
                              torch::Tensor head_bias, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                              double eps, double scale) {
-  constexpr size_t kPer = 12;
-  const size_t L = k_bufs.size();
-  TORCH_CHECK(layers.size() == kPer * L && v_bufs.size() == L, "decode_forward: 12 tensors and a K/V pair per layer");
-  const int64_t T = input_ids.numel(), D = head_dim, q_size = num_heads * D, kv_size = num_kv_heads * D;
-  TORCH_CHECK(T >= 1, "decode_forward: at least one token");
-  auto x = embed.index_select(0, input_ids);
-  torch::Tensor residual;
-  for (size_t l = 0; l < L; ++l) {
-    const torch::Tensor* w = layers.data() + kPer * l;
-    torch::Tensor h;
-    if (l == 0) {
-      residual = x;
-      h = rmsnorm(x, w[0], eps);
-    } else {
-      add_rmsnorm_(x, residual, w[0], eps);
-      h = x;
-    }
-    auto qkv = linear_panels(h, w[1], w[2]);
-    auto q = qkv.narrow(1, 0, q_size);
-    auto k = qkv.narrow(1, q_size, kv_size);
-    auto v = qkv.narrow(1, q_size + kv_size, kv_size);
-    if (w[3].numel()) {  // q/k norm per head, before rotary
-      q = rmsnorm(q.reshape({-1, D}), w[3], eps).view({T, q_size});
-      k = rmsnorm(k.reshape({-1, D}), w[4], eps).view({T, kv_size});
-    }
-    rope_neox_(q, k, positions, cos, sin, D);
-    store_kv(k_bufs[l], v_bufs[l], out_slots, k.view({T, num_kv_heads, D}), v.view({T, num_kv_heads, D}));
-    auto o = paged_decode(q.contiguous().view({T, num_heads, D}), k_bufs[l], v_bufs[l], table, rows, lens, scale);
-    x = linear_panels(o.view({T, q_size}), w[5], w[6]);
-    add_rmsnorm_(x, residual, w[7], eps);
-    x = linear_panels(silu_and_mul(linear_panels(x, w[8], w[9])), w[10], w[11]);
-  }
-  auto xs = x.index_select(0, logits_indices);
-  auto rs = residual.index_select(0, logits_indices);
-  add_rmsnorm_(xs, rs, final_norm, eps);
-  return linear_panels(xs, head_panels, head_bias);
+  const ModelWeights m = model_weights(embed, layers, k_bufs, v_bufs, cos, sin, final_norm, head_panels, head_bias,
+                                       num_heads, num_kv_heads, head_dim, eps, scale);
+  const int64_t T = input_ids.numel(), NL = logits_indices.numel();
+  for (auto* t : {&input_ids, &positions, &out_slots, &rows, &lens})
+    check_indices(*t, T, "decode_forward: contiguous int64 ids, positions, slots, rows and lengths, one per token");
+  check_indices(logits_indices, NL, "decode_forward: contiguous int64 logits indices");
+  auto logits = torch::empty({NL, m.head.N}, embed.options());
+  forward_rows(m, token_table(table), input_ids.data_ptr<int64_t>(), positions.data_ptr<int64_t>(),
+               out_slots.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), T,
+               logits_indices.data_ptr<int64_t>(), NL, logits.data_ptr<float>());
+  return logits;
 }
 
 // ---------------------------------------------------------------------------
@@ -1030,15 +1265,15 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
               "greedy_draft_steps: tokens, their positions and rows; one last index and step count per row");
   for (auto* t : {&input_ids, &positions, &tok_rows, &last, &steps})
     TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "greedy_draft_steps: contiguous int64 indices");
-  TORCH_CHECK(table.scalar_type() == torch::kInt64 && table.dim() == 2 && table.stride(1) == 1,
-              "greedy_draft_steps: an int64 req->token table");
   TORCH_CHECK(valid.scalar_type() == torch::kBool && valid.is_contiguous(), "greedy_draft_steps: a bool valid map");
+  const ModelWeights m = model_weights(embed, layers, k_bufs, v_bufs, cos, sin, final_norm, head_panels, head_bias,
+                                       num_heads, num_kv_heads, head_dim, eps, scale);
+  const TokenTable tab = token_table(table);
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* trow = tok_rows.data_ptr<int64_t>();
   const int64_t* lst = last.data_ptr<int64_t>();
   const int64_t* st = steps.data_ptr<int64_t>();
-  const int64_t* tab = table.data_ptr<int64_t>();
-  const int64_t ts = table.stride(0), tcols = table.size(1), trows = table.size(0), S = valid.numel();
+  const int64_t S = valid.numel();
   bool* vmap = valid.data_ptr<bool>();
   int64_t max_steps = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -1046,20 +1281,20 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
     max_steps = std::max(max_steps, st[r]);
   }
   auto slot_of = [&](int64_t row, int64_t p) {
-    TORCH_CHECK(row >= 0 && row < trows && p >= 0 && p < tcols, "greedy_draft_steps: position out of the table");
-    const int64_t s = tab[row * ts + p];
+    TORCH_CHECK(row >= 0 && row < tab.rows && p >= 0 && p < tab.cols, "greedy_draft_steps: position out of the table");
+    const int64_t s = tab.data[row * tab.stride + p];
     TORCH_CHECK(s >= 0 && s < S, "greedy_draft_steps: slot out of the pool");
     return s;
   };
   auto out = torch::full({R, max_steps}, -1, torch::kInt64);
   int64_t* o = out.data_ptr<int64_t>();
   // first forward: the entries as given
-  auto opts = torch::TensorOptions().dtype(torch::kInt64);
-  auto slots = torch::empty({T}, opts);
-  auto lens = torch::empty({T}, opts);
+  const int64_t* in_ids = input_ids.data_ptr<int64_t>();
+  std::vector<int64_t> ids(in_ids, in_ids + T), p_t(pos, pos + T), rows_t(trow, trow + T), li(lst, lst + R);
+  std::vector<int64_t> slots(T), lens(T);
   for (int64_t t = 0; t < T; ++t) {
-    slots.data_ptr<int64_t>()[t] = slot_of(trow[t], pos[t]);
-    lens.data_ptr<int64_t>()[t] = pos[t] + 1;
+    slots[t] = slot_of(trow[t], pos[t]);
+    lens[t] = pos[t] + 1;
   }
   std::vector<int64_t> row_of(R), next_pos(R), active(R);
   for (int64_t r = 0; r < R; ++r) {
@@ -1067,42 +1302,38 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
     next_pos[r] = pos[lst[r]] + 1;
     active[r] = r;
   }
-  torch::Tensor ids = input_ids, p_t = positions, rows_t = tok_rows, li = last;
+  const int64_t V = m.head.N;
+  std::vector<float> logits(R * V);
+  std::vector<int64_t> tok(R), still;
   for (int64_t step = 0; step < max_steps; ++step) {
-    const int64_t n = ids.numel();
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    for (int64_t t = 0; t < n; ++t) vmap[sl[t]] = true;
-    auto logits = decode_forward(ids, p_t, slots, table, rows_t, lens, li, embed, layers, k_bufs, v_bufs, cos, sin,
-                                 final_norm, head_panels, head_bias, num_heads, num_kv_heads, head_dim, eps, scale);
-    TORCH_CHECK(logits.is_contiguous() && logits.scalar_type() == torch::kFloat32, "greedy_draft_steps: logits");
-    const int64_t V = logits.size(1);
-    const float* lg = logits.data_ptr<float>();
-    std::vector<int64_t> still;
-    std::vector<int64_t> tok(active.size());
-    for (size_t j = 0; j < active.size(); ++j) {
-      const int64_t r = active[j];
-      tok[j] = first_argmax(lg + j * V, V);
-      o[r * max_steps + step] = tok[j];
-    }
-    for (size_t j = 0; j < active.size(); ++j)
+    const int64_t n = static_cast<int64_t>(ids.size()), A = static_cast<int64_t>(active.size());
+    for (int64_t t = 0; t < n; ++t) vmap[slots[t]] = true;
+    forward_rows(m, tab, ids.data(), p_t.data(), slots.data(), rows_t.data(), lens.data(), n, li.data(), A,
+                 logits.data());
+    still.clear();
+    for (int64_t j = 0; j < A; ++j) {
+      tok[j] = first_argmax(logits.data() + j * V, V);
+      o[active[j] * max_steps + step] = tok[j];
       if (st[active[j]] > step + 1) still.push_back(j);
+    }
     if (still.empty()) break;
-    const int64_t m = static_cast<int64_t>(still.size());
-    ids = torch::empty({m}, opts);
-    p_t = torch::empty({m}, opts);
-    rows_t = torch::empty({m}, opts);
-    slots = torch::empty({m}, opts);
-    lens = torch::empty({m}, opts);
-    li = torch::arange(m, opts);
-    std::vector<int64_t> next_active(m);
-    for (int64_t i = 0; i < m; ++i) {
+    const int64_t mm = static_cast<int64_t>(still.size());
+    ids.resize(mm);
+    p_t.resize(mm);
+    rows_t.resize(mm);
+    slots.resize(mm);
+    lens.resize(mm);
+    li.resize(mm);
+    std::vector<int64_t> next_active(mm);
+    for (int64_t i = 0; i < mm; ++i) {
       const int64_t j = still[i], r = active[j];
       const int64_t p = next_pos[r] + step;
-      ids.data_ptr<int64_t>()[i] = tok[j];
-      p_t.data_ptr<int64_t>()[i] = p;
-      rows_t.data_ptr<int64_t>()[i] = row_of[r];
-      slots.data_ptr<int64_t>()[i] = slot_of(row_of[r], p);
-      lens.data_ptr<int64_t>()[i] = p + 1;
+      ids[i] = tok[j];
+      p_t[i] = p;
+      rows_t[i] = row_of[r];
+      slots[i] = slot_of(row_of[r], p);
+      lens[i] = p + 1;
+      li[i] = i;
       next_active[i] = r;
     }
     active.swap(next_active);

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from stepserve.engine.attention import AttentionBackend
@@ -139,9 +138,10 @@ class ModelRunner:
         last_index: list[int] = list(range(nd))
         dec_rows = [r.seq.row for r in dec]
         verify_idx: list[int] = []
-        out_slots = plan.slots
+        # the step's slots as ints (`Scheduler._commit`: in row order, each row's `num_new`)
+        out_slots: list[int] = plan.slots.tolist() if plan.slots is not None else []
         if nv:
-            pieces = [plan.slots[:nd]]
+            slots, out_slots, off = out_slots, out_slots[:nd], nd
             for r in rows[nd : nd + nv]:
                 n = 1 + len(r.draft)
                 first = len(ids)
@@ -151,9 +151,9 @@ class ModelRunner:
                 dec_rows.extend([r.seq.row] * n)
                 last_index.append(first + n - 1)
                 verify_idx.extend(range(first, first + n))
-                pieces.append(r.slots[:n])
-            pieces.extend(r.slots for r in rows[nd + nv :])
-            out_slots = torch.cat(pieces)
+                out_slots.extend(slots[off : off + n])  # (the slots of drafts not made are left out)
+                off += r.num_new
+            out_slots.extend(slots[off:])
         ext = rows[nd + nv :]
         fold = self.fold_tokens
         if (ext and fold and plan.samples and len(ids) + sum(r.num_new for r in ext) <= fold
@@ -186,19 +186,19 @@ class ModelRunner:
         if pad:
             ids.extend([0] * pad)
             pos.extend([0] * pad)
-            out_slots = torch.cat([out_slots, out_slots.new_zeros(pad)])
-        decode_rows = decode_lens = None
-        if num_dq:
-            decode_lens = torch.from_numpy(np.array(pos[:num_dq], dtype=np.int64) + 1)
-            decode_rows = torch.from_numpy(np.array(dec_rows, dtype=np.int64))
+            out_slots.extend([0] * pad)
         if nv:
             a, b = plan.verify_samples()
             sampled = [last_index[i] for i, _ in plan.samples[:a] + plan.samples[b:]] + verify_idx
         else:
             sampled = [last_index[i] for i, _ in plan.samples]
-        hidden = np.concatenate([np.arange(f, f + k) for _, _, k, f in prompt_rows]) if prompt_rows else []
-        input_ids, positions, slots, logits_indices, hidden_indices = to_device(
-            [ids, pos, out_slots, sampled, hidden], dev)
+        hidden = [i for _, _, k, f in prompt_rows for i in range(f, f + k)]
+        # the decode-shaped queries' table rows and context lengths stay on the host (the CPU kernels and a
+        # GPU backend's plan read them there)
+        input_ids, positions, slots, logits_indices, hidden_indices, decode_rows, decode_lens = to_device(
+            [ids, pos, out_slots, sampled, hidden], dev, [dec_rows, [p + 1 for p in pos[:num_dq]]])
+        if not num_dq:
+            decode_rows = decode_lens = None
         return ForwardBatch(
             input_ids=input_ids,
             positions=positions,

@@ -27,7 +27,8 @@ from stepserve.engine.model_runner import ModelRunner
 from stepserve.engine.request import Branch, Request, TokenLogprob
 from stepserve.engine.sampler import derive_seed
 from stepserve.engine.sampling_params import SamplingParams
-from stepserve.engine.speculative import PROPOSERS, DraftModelProposer, NgramProposer
+from stepserve.engine.speculative import (PROPOSERS, TOKEN_MAP_FILE, DraftModelProposer, NgramProposer,
+                                          load_token_map)
 from stepserve.kvcache import ReqToTokenPool, SlotAllocator, TokenKVPool
 from stepserve.scheduler.branch_admission import BranchAdmissionSpec
 from stepserve.scheduler.core import EngineCore, Stage
@@ -85,6 +86,10 @@ class EngineConfig:
     speculative: str = "none"
     draft_model: str | None = None
     spec_length: str | None = None  # default: adaptive when speculative is on
+    # the tokens the draft model may propose (`speculative.load_token_map`): a JSON list or .pt file of token
+    # ids; None: the draft directory's `speculative_token_map.json` where it has one, else every token;
+    # "none": every token
+    speculative_token_map: str | None = None
 
     def __post_init__(self):
         BranchAdmissionSpec.parse(self.branch_policy)
@@ -92,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, not {self.speculative!r}")
         if self.draft_model is not None and self.speculative != "draft":
             raise ValueError("draft_model is given but speculative is not 'draft'")
+        if self.speculative_token_map is not None and self.speculative != "draft":
+            raise ValueError("speculative_token_map is given but speculative is not 'draft'")
         if self.spec_length is not None:
             SpecLengthSpec.parse(self.spec_length)
             if self.speculative == "none":
@@ -354,7 +361,14 @@ class Engine:
             if dcfg.vocab_size != mc.vocab_size:
                 raise ValueError(f"the draft model's vocabulary ({dcfg.vocab_size}) differs from the target's "
                                  f"({mc.vocab_size}): it must share the target's tokenizer")
-            draft = (dcfg, dmodel)
+            token_map = config.speculative_token_map
+            if token_map is not None and token_map != "none":
+                token_map = load_token_map(token_map, mc.vocab_size)
+            elif token_map is None and os.path.exists(os.path.join(draft_dir, TOKEN_MAP_FILE)):
+                token_map = "auto"  # the directory's, where the draft's greedy steps run natively (below)
+            else:
+                token_map = None
+            draft = (dcfg, dmodel, token_map)
         per_tok = mc.kv_bytes_per_token(self.dtype)
         if draft is not None:  # the draft's KV shares the slots: one token costs both
             per_tok += draft[0].kv_bytes_per_token(self.dtype)
@@ -395,10 +409,17 @@ class Engine:
         backend = self._attention(self.kv_pool, mc, self.model)
         self.attention_backend = type(backend).__name__
         if draft is not None:
-            dcfg, dmodel = draft
+            dcfg, dmodel, token_map = draft
             dpool = TokenKVPool(kv_slots + 1, dcfg.num_layers, dcfg.num_kv_heads, dcfg.head_dim, self.dtype,
                                 self.device)
-            proposer = DraftModelProposer(dmodel, self._attention(dpool, dcfg, dmodel), dpool, self.req_pool, self.device)
+            dbackend = self._attention(dpool, dcfg, dmodel)
+            if isinstance(token_map, str):
+                # the directory's map by default only where it makes the draft faster: the CPU's one-call greedy
+                # steps, whose output head then reads the map's rows alone (elsewhere the draft's logits are
+                # masked to it, which saves nothing)
+                token_map = (load_token_map(os.path.join(config.draft_model or DEFAULT_DRAFT_MODEL, TOKEN_MAP_FILE),
+                                            mc.vocab_size) if dmodel.native_step_tokens(dbackend) else None)
+            proposer = DraftModelProposer(dmodel, dbackend, dpool, self.req_pool, self.device, token_map)
         graphs = mixed = None
         if isinstance(backend, FlashInferAttention) and not config.enforce_eager:
             graphs = DecodeGraphs(self.model, backend, self.req_pool.table, config.max_running)

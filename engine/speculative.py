@@ -53,6 +53,8 @@ its processor advances with each token it sees.
 from __future__ import annotations
 
 import bisect
+import json
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -311,13 +313,24 @@ class DraftModelProposer:
 
     name = "draft"
 
-    def __init__(self, model, backend, pool, req_pool, device: torch.device):
+    def __init__(self, model, backend, pool, req_pool, device: torch.device, token_map: torch.Tensor | None = None):
         self.model = model
         self.backend = backend
         self.pool = pool
         self.req_pool = req_pool
         self.device = device
         self.vocab_size = model.config.vocab_size
+        # the speculative token map (`load_token_map`): the tokens the draft may propose, or None (all). Its
+        # one-call greedy steps score only those (an output head of their rows: `head_rows`); elsewhere the
+        # draft's other logits are masked, so that both propose the same tokens
+        self.token_map = token_map
+        self._head = self._outside = None
+        if token_map is not None:
+            self._outside = torch.ones(self.vocab_size, dtype=torch.bool, device=device)
+            self._outside[token_map.to(device)] = False
+            if model.native_step_tokens(backend):
+                pad = -len(token_map) % 16  # (panels of 16 columns: the last id again, never the first maximum)
+                self._head = model.head_rows(torch.cat([token_map, token_map[-1:].expand(pad)]))
         # on the host, with the slots and the req->token table it is read through (`kvcache/pool.py`)
         self._valid = torch.zeros(pool.num_slots, dtype=torch.bool)
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
@@ -370,6 +383,8 @@ class DraftModelProposer:
         step = 0
         while active:
             logits = self._forward(entries)
+            if self._outside is not None:
+                logits = logits.masked_fill(self._outside, -math.inf)
             step += 1
             drafted, q = self._sample([rows[i] for i in active], logits)
             still = []
@@ -415,7 +430,7 @@ class DraftModelProposer:
         R = len(rows)
         parts = torch.from_numpy(np.array(ids + pos + tok_rows + last + steps, dtype=np.int64)).split_with_sizes(
             [n, n, n, R, R])
-        out = self.model.greedy_draft_steps(*parts, self.req_pool.table, self._valid, self.backend)
+        out = self.model.greedy_draft_steps(*parts, self.req_pool.table, self._valid, self.backend, head=self._head)
         for r, toks in zip(rows, out.tolist()):
             r.draft = toks[: r.draft_len]
         self.forwards += max(steps)
@@ -500,6 +515,36 @@ class DraftModelProposer:
             for j, i in enumerate(std):
                 q[i] = p[j]
         return tokens.tolist(), q
+
+
+TOKEN_MAP_FILE = "speculative_token_map.json"  # in a draft model's directory: its token map, used by default
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    """The speculative token map at `path`: the token ids a draft model may
+    propose (as SGLang's `--speculative-token-map`: a draft over the
+    vocabulary's frequent tokens, FR-Spec), a JSON list of ints or a `.pt`
+    1-D integer tensor. Returned sorted and without repeats (int64). A
+    draft's output head costs in proportion to its tokens: on the embedded
+    draft, a head of 1,024 of the 4,096 is a quarter of the bytes each draft
+    step reads. Output stays exact whatever the map: it only decides what
+    can be drafted."""
+    if path.endswith(".pt"):
+        ids = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+            raise ValueError(f"speculative token map {path}: a 1-D integer tensor expected")
+        ids = ids.tolist()
+    else:
+        with open(path) as f:
+            ids = json.load(f)
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"speculative token map {path}: a JSON list of token ids expected")
+    if not ids:
+        raise ValueError(f"speculative token map {path} is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"speculative token map {path}: token ids {bad[:5]} are outside the vocabulary of {vocab_size}")
+    return torch.tensor(sorted(set(ids)), dtype=torch.long)
 
 
 def _flatten(entries: list[tuple[int, int, list[int]]], order) -> tuple[list[int], list[int], list[int], list[int]]:

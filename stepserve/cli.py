@@ -72,6 +72,11 @@ def add_speculative_args(g) -> None:
     g.add_argument("--draft-model", default=None, metavar="DIR",
                    help="the draft model for --speculative draft: a Hugging Face directory sharing the target's "
                         "tokenizer (default: the embedded draft, kjv-llama-draft)")
+    g.add_argument("--speculative-token-map", default=None, metavar="PATH",
+                   help="the tokens the draft model may propose: a JSON list or .pt tensor of token ids (a draft "
+                        "over the frequent tokens reads less of its output head each step; output stays exact); "
+                        "'none' for every token (default: the draft directory's speculative_token_map.json where "
+                        "it has one, as the embedded draft does)")
     g.add_argument("--spec-length", type=_checked(SpecLengthSpec.parse), default=None, metavar="SPEC",
                    help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K,per_row=0|1,settle=N] (the default: the k, "
                         "0 included, that maximises the step's expected tokens per second)")
@@ -120,6 +125,7 @@ def _engine_config(EngineConfig, args):
         speculative=args.speculative,
         draft_model=args.draft_model,
         spec_length=args.spec_length,
+        speculative_token_map=args.speculative_token_map,
     )
 
 

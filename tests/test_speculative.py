@@ -134,13 +134,29 @@ def test_draft_entries_as_decode_queries_or_extend_rows(plain, monkeypatch, shap
         assert llm.engine.stats().policy["spec_accepted_tokens"] > 0
 
 
-def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch):
+@pytest.mark.parametrize("token_map", ["default", "none", "small"])
+def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch, tmp_path, plain, token_map):
     """Greedy rows draft all their steps in one native call where the one-call
     decode path runs (float32 on CPU), after a native scan for each row's
     first position without draft KV: every step's drafts, and the draft's
     KV-written map, are those of the step-by-step loop after the torch scan, with per-row lengths
     (rows near their max_tokens draft fewer) and catch-up entries of several
-    tokens."""
+    tokens. So under a speculative token map (the embedded draft's own, or
+    200 of its tokens: an output head of 208 rows, the last id repeated), whose
+    native steps score only the map's rows and whose loop masks the other
+    logits: every draft is one of the map's tokens, and the output is plain
+    greedy decoding's."""
+    kw = {}
+    if token_map == "none":
+        kw["speculative_token_map"] = "none"
+    elif token_map == "small":
+        import json
+        from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL
+        with open(f"{DEFAULT_DRAFT_MODEL}/{speculative.TOKEN_MAP_FILE}") as f:
+            ids = json.load(f)[:200]
+        path = tmp_path / "map.json"
+        path.write_text(json.dumps(ids))
+        kw["speculative_token_map"] = str(path)
     calls = {"native": 0}
     real_native = speculative.DraftModelProposer._native_greedy
     real_propose = speculative.DraftModelProposer.propose
@@ -163,19 +179,53 @@ def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch):
         # the catch-up scan too: native, or the torch ops
         monkeypatch.setattr(speculative, "paged_decode_module", real_module if native else (lambda: None))
         monkeypatch.setattr(speculative.DraftModelProposer, "propose", propose)
-        llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:5")
+        llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:5", **kw)
         out = _tokens(llm.generate(PROMPTS, _mixed_params()))
         return out, drafts, llm.engine.runner.proposer.valid.clone(), llm
 
     out_loop, drafts_loop, valid_loop, _ = run(False)
     out_nat, drafts_nat, valid_nat, llm = run(True)
-    if llm.engine.runner.proposer.model._native_decode is None:
+    proposer = llm.engine.runner.proposer
+    if proposer.model._native_decode is None:
         pytest.skip("no one-call native decode path on this machine")
     assert calls["native"] > 0
-    assert out_nat == out_loop
+    assert out_nat == out_loop == _tokens(plain.generate(PROMPTS, _mixed_params()))
     assert drafts_nat == drafts_loop
+    if token_map == "none":
+        assert proposer.token_map is None
+    else:
+        keep = set(proposer.token_map.tolist())
+        assert len(keep) == (200 if token_map == "small" else 1024)
+        assert proposer._head[0].shape[0] * 16 == (208 if token_map == "small" else 1024)  # (panels of 16 rows)
+        assert {t for step in drafts_nat for _, _, d in step for t in d} <= keep
     assert any(len({len(d) for _, _, d in step}) > 1 for step in drafts_nat)  # per-row lengths were exercised
     assert torch.equal(valid_nat, valid_loop)
+
+
+def test_speculative_token_map_file(tmp_path):
+    """A token map is a JSON list or a .pt integer tensor of token ids in the
+    vocabulary, read sorted and without repeats; anything else is a clear
+    error, and so is a map without a draft model."""
+    import json
+
+    from stepserve.engine.engine import EngineConfig
+
+    p = tmp_path / "map.json"
+    p.write_text(json.dumps([9, 3, 9, 100]))
+    assert speculative.load_token_map(str(p), 4096).tolist() == [3, 9, 100]
+    pt = tmp_path / "map.pt"
+    torch.save(torch.tensor([7, 5]), pt)
+    assert speculative.load_token_map(str(pt), 4096).tolist() == [5, 7]
+    for bad, match in [([], "empty"), ([1, 4096], "outside the vocabulary"), ([1, -2], "outside the vocabulary"),
+                       ([1.5], "list of token ids"), ([True], "list of token ids"), ({"a": 1}, "list of token ids")]:
+        p.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            speculative.load_token_map(str(p), 4096)
+    torch.save(torch.tensor([1.0, 2.0]), pt)
+    with pytest.raises(ValueError, match="integer tensor"):
+        speculative.load_token_map(str(pt), 4096)
+    with pytest.raises(ValueError, match="speculative_token_map is given"):
+        EngineConfig(speculative="ngram", speculative_token_map=str(p))
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])

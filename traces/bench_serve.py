@@ -148,6 +148,7 @@ def _engine_argv(args) -> list[str]:
                       ("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot),
                       ("--latency-profile", args.latency_profile), ("--speculative", args.speculative),
                       ("--draft-model", args.draft_model), ("--spec-length", args.spec_length),
+                      ("--speculative-token-map", args.speculative_token_map),
                       ("--gpu-memory-utilization", args.gpu_memory_utilization),
                       ("--attention-backend", args.attention_backend), ("--device", args.device)]:
         if val is not None:

@@ -1201,7 +1201,10 @@ torch::Tensor decode_forward(torch::Tensor input_ids, torch::Tensor positions, t
 // row has drafted `steps[r]` tokens. Every slot written is marked in `valid`
 // (the draft's KV-written bitmap). Returns the drafted tokens [R, max(steps)]
 // (-1 past a row's steps). Same forwards and argmax as the Python loop, so the
-// same tokens, without the Python between the steps.
+// same tokens, without the Python between the steps. With a head over part of
+// the vocabulary (the speculative token map), `vocab_map` gives each of its
+// columns' token ids, in ascending order, so the first maximum is the one the
+// Python loop's masked argmax takes.
 
 namespace {
 
@@ -1259,7 +1262,8 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
                                  std::vector<torch::Tensor> k_bufs, std::vector<torch::Tensor> v_bufs,
                                  torch::Tensor cos, torch::Tensor sin, torch::Tensor final_norm,
                                  torch::Tensor head_panels, torch::Tensor head_bias, int64_t num_heads,
-                                 int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                                 int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                                 torch::Tensor vocab_map) {
   const int64_t T = input_ids.numel(), R = last.numel();
   TORCH_CHECK(T >= 1 && R >= 1 && positions.numel() == T && tok_rows.numel() == T && steps.numel() == R,
               "greedy_draft_steps: tokens, their positions and rows; one last index and step count per row");
@@ -1303,6 +1307,13 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
     active[r] = r;
   }
   const int64_t V = m.head.N;
+  // a head over some of the vocabulary (`vocab_map`: the token id of each of its columns; empty: all of it)
+  const int64_t* vmap_ids = nullptr;
+  if (vocab_map.numel()) {
+    TORCH_CHECK(vocab_map.scalar_type() == torch::kInt64 && vocab_map.is_contiguous() && vocab_map.numel() == V,
+                "greedy_draft_steps: an int64 vocab map, a token id per column of the head");
+    vmap_ids = vocab_map.data_ptr<int64_t>();
+  }
   std::vector<float> logits(R * V);
   std::vector<int64_t> tok(R), still;
   for (int64_t step = 0; step < max_steps; ++step) {
@@ -1313,6 +1324,7 @@ torch::Tensor greedy_draft_steps(torch::Tensor input_ids, torch::Tensor position
     still.clear();
     for (int64_t j = 0; j < A; ++j) {
       tok[j] = first_argmax(logits.data() + j * V, V);
+      if (vmap_ids != nullptr) tok[j] = vmap_ids[tok[j]];
       o[active[j] * max_steps + step] = tok[j];
       if (st[active[j]] > step + 1) still.push_back(j);
     }

@@ -77,6 +77,7 @@ def pack_linears(model: nn.Module) -> int:
 # embedded model decodes batches of 24 and 32 1.45-1.6x faster with 32 here than with 16, and 64 was not
 # consistently better than 32
 SMALL_M = 32
+_NONE = torch.empty(0)  # an absent tensor argument of the native calls
 SMALL_M_BUDGET_BYTES = 1 << 30  # panel copies made at most (the weights are kept too)
 
 
@@ -553,15 +554,34 @@ class LlamaForCausalLM(nn.Module):
         return (self._native_decode is not None and num_tokens <= self.native_step_tokens(backend)
                 and hasattr(self._native_decode[0], "greedy_draft_steps"))
 
-    def greedy_draft_steps(self, input_ids, positions, tok_rows, last, steps, table, valid, backend) -> torch.Tensor:
+    def greedy_draft_steps(self, input_ids, positions, tok_rows, last, steps, table, valid, backend,
+                           head: tuple | None = None) -> torch.Tensor:
         """A draft model's greedy steps as one native call: a forward over the
         decode-shaped tokens (ids, positions, req->token rows), then each row's
         argmax at its `last` token fed back one token at a time until it has
         `steps[r]` tokens; the slots written are marked in `valid`. Returns the
         tokens [R, max(steps)] (-1 past a row's steps): the same forwards
-        (`_forward_native`) and argmax (`argmax_rows`) as step by step."""
+        (`_forward_native`) and argmax (`argmax_rows`) as step by step.
+        `head`: (panels, bias, token ids) of an output head over part of the
+        vocabulary (`head_rows`), whose argmax is taken among those tokens."""
+        args = self._native_model_args(backend)
+        vocab_map = _NONE
+        if head is not None:
+            panels, bias, vocab_map = head
+            args = args[:7] + (panels, bias) + args[9:]
         return self._native_decode[0].greedy_draft_steps(input_ids, positions, tok_rows, last, steps, table, valid,
-                                                         *self._native_model_args(backend))
+                                                         *args, vocab_map)
+
+    def head_rows(self, token_ids: torch.Tensor) -> tuple:
+        """An output head over the tokens `token_ids` (int64, ascending; a
+        multiple of 16 of them) for `greedy_draft_steps`: (panels, bias, ids),
+        the panels packed as the whole head's are."""
+        head = self._head()
+        w = (self.model.embed_tokens.weight if self.config.tie_word_embeddings else head.weight).detach()
+        rows = w.index_select(0, token_ids.to(w.device)).float()
+        bias = getattr(head, "bias", None)
+        bias = _NONE if bias is None else bias.detach().index_select(0, token_ids.to(bias.device))
+        return self._native_decode[0].pack_panels(rows, bf16_panels(rows)), bias, token_ids
 
     def _head(self):
         return self.tied_head if self.config.tie_word_embeddings else self.lm_head

@@ -1014,7 +1014,8 @@ ModelWeights model_weights(const torch::Tensor& embed, const std::vector<torch::
                            int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   constexpr size_t kPer = 12;
   const size_t L = k_bufs.size();
-  TORCH_CHECK(layers.size() == kPer * L && v_bufs.size() == L, "decode_forward: 12 tensors and a K/V pair per layer");
+  TORCH_CHECK(L >= 1 && layers.size() == kPer * L && v_bufs.size() == L,
+              "decode_forward: at least one layer, 12 tensors and a K/V pair per layer");
   TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.scalar_type() == torch::kFloat32,
               "decode_forward: a float32 [V, H] embedding");
   TORCH_CHECK(num_heads >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0 && head_dim >= 2 &&
@@ -1041,7 +1042,7 @@ ModelWeights model_weights(const torch::Tensor& embed, const std::vector<torch::
   m.final_norm = final_norm.data_ptr<float>();
   m.head = panel_weight(head_panels, head_bias, H, "decode_forward head");
   m.I = 0;
-  m.slots = L ? k_bufs[0].size(0) : 0;
+  m.slots = k_bufs[0].size(0);
   m.layers.reserve(L);
   for (size_t l = 0; l < L; ++l) {
     const torch::Tensor* w = layers.data() + kPer * l;

@@ -383,8 +383,6 @@ class DraftModelProposer:
         step = 0
         while active:
             logits = self._forward(entries)
-            if self._outside is not None:
-                logits = logits.masked_fill(self._outside, -math.inf)
             step += 1
             drafted, q = self._sample([rows[i] for i in active], logits)
             still = []
@@ -496,10 +494,11 @@ class DraftModelProposer:
         with the noise of the target's draw at that position (the coupling:
         `verify_rows`); one without, with noise of its own (STREAM_DRAFT)."""
         if all(r.seq.plain_greedy for r in rows):
-            return argmax_rows(logits).tolist(), None
+            return argmax_rows(self._in_map(logits)).tolist(), None
         inputs = [row_input(r.seq, r.draft) for r in rows]
         batch = SamplingBatch.build(inputs, self.vocab_size, self.device)
         x = apply_logit_processors(logits, batch) if batch.needs_processing else logits.float()
+        x = self._in_map(x)
         std = [j for j, r in enumerate(rows) if _rejection_rule(r.seq)]
         # the target's draw for the coupled rows (seeded, sampled); the rejection rule's rows draw again below
         coupled = sum(not r.seq.sampling.greedy for r in rows) > len(std)
@@ -516,6 +515,17 @@ class DraftModelProposer:
                 q[i] = p[j]
         return tokens.tolist(), q
 
+    def _in_map(self, x: torch.Tensor) -> torch.Tensor:
+        """The draft's logits with the tokens outside its token map masked
+        (as they are as is without a map), except in a row where that leaves
+        nothing (a request's processors masked every token of the map, as
+        min_tokens does its stop tokens): that row keeps every token, so a
+        draft distribution is never empty."""
+        if self._outside is None:
+            return x
+        xm = x.masked_fill(self._outside, -math.inf)
+        return torch.where(torch.isfinite(xm).any(dim=1, keepdim=True), xm, x)
+
 
 TOKEN_MAP_FILE = "speculative_token_map.json"  # in a draft model's directory: its token map, used by default
 
@@ -531,7 +541,7 @@ def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
     can be drafted."""
     if path.endswith(".pt"):
         ids = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point():
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.is_floating_point() or ids.dtype == torch.bool:
             raise ValueError(f"speculative token map {path}: a 1-D integer tensor expected")
         ids = ids.tolist()
     else:

@@ -222,11 +222,38 @@ def test_speculative_token_map_file(tmp_path):
         p.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=match):
             speculative.load_token_map(str(p), 4096)
-    torch.save(torch.tensor([1.0, 2.0]), pt)
-    with pytest.raises(ValueError, match="integer tensor"):
-        speculative.load_token_map(str(pt), 4096)
+    for bad in (torch.tensor([1.0, 2.0]), torch.tensor([True]), torch.tensor([[1, 2]])):
+        torch.save(bad, pt)
+        with pytest.raises(ValueError, match="integer tensor"):
+            speculative.load_token_map(str(pt), 4096)
     with pytest.raises(ValueError, match="speculative_token_map is given"):
         EngineConfig(speculative="ngram", speculative_token_map=str(p))
+
+
+def test_a_token_map_its_requests_mask_whole_still_drafts_a_distribution(tmp_path, monkeypatch):
+    """A sampled request whose processors mask every token of the draft's
+    token map (a map of the stop tokens alone, under min_tokens) drafts from
+    the draft's whole distribution there, not from an empty one: every
+    draft distribution the rejection rule reads is finite, and the output
+    keeps min_tokens (no stop token)."""
+    eos = sorted(LLM(speculative="draft", spec_length="fixed:2", speculative_token_map="none").engine.eos_token_ids)
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps(eos))
+    seen = []
+    real = speculative.DraftModelProposer.propose
+
+    def propose(self, plan):
+        real(self, plan)
+        seen.extend(r.draft_probs for r in plan.verify_rows if r.draft_probs is not None)
+
+    monkeypatch.setattr(speculative.DraftModelProposer, "propose", propose)
+    llm = LLM(check_invariants=True, speculative="draft", spec_length="fixed:2", speculative_token_map=str(path))
+    sp = SamplingParams(temperature=1.0, max_tokens=12, min_tokens=12)  # no seed: the rejection rule
+    out = llm.generate(PROMPTS[:3], sp)
+    assert seen and all(torch.isfinite(q).all() and torch.allclose(q.sum(-1), torch.ones(len(q))) for q in seen)
+    for o in out:
+        toks = o.outputs[0].token_ids
+        assert len(toks) == 12 and not set(toks) & set(eos)
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])

@@ -827,7 +827,7 @@ class SpecLengthPolicy:
                 return pair.next_k, None
             self._drop_pair()  # the batch changed under it
         source = self._source()
-        expected = source.expected(kmax, priced=False)
+        expected = None  # E[k] at the mean rates, worked out where read (a per-row choice reads the rows' own)
         # tokens without drafts (`plan.samples` is frozen at commit, after the policies); in a pure
         # step every row samples one
         base = n if pure else len(plan.sampling())
@@ -858,6 +858,8 @@ class SpecLengthPolicy:
                 # a length priced well below the choice is measured 8x less often: its pairs cost
                 # most there, and only a large change in the machine or the acceptance would flip it;
                 # not before its cell has TRUSTED pairs, so that one slow pair cannot shelve a length
+                if expected is None:
+                    expected = source.expected(kmax, priced=False)
                 if (self.costs.count(bucket, k) >= TRUSTED
                         and self._rate(base, n, expected, bucket, k)
                         < FAR * self._rate(base, n, expected, bucket, best)
@@ -924,7 +926,7 @@ class SpecLengthPolicy:
         return costs + ("per row", tuple([r.seq for r in rows]), self._records)
 
     def _decision(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None, source,
-                  expected: list[float]) -> tuple:
+                  expected: list[float] | None) -> tuple:
         """(k, caps, per_row, optimistic, expected): the step's k and caps
         from the prices as they stand, before any price of starting to draft:
         at the mean acceptance, then, where plain decoding wins there on a
@@ -933,6 +935,8 @@ class SpecLengthPolicy:
         pure = len(rows) == len(plan.rows)
         kmax = self.spec.kmax
         per_row = self.spec.per_row and source is self.acceptance and (pure or busy is not None)
+        if expected is None and not per_row:
+            expected = source.expected(kmax, priced=False)
         k, caps = self._decide(plan, rows, base, bucket, busy, expected, per_row, (0.0, 1), False)
         optimistic = False
         if not k and source is self.acceptance and self.acceptance.unsure():
@@ -1145,11 +1149,11 @@ class SpecLengthPolicy:
             for q in seqs:
                 a, t = q.spec_accepted, q.spec_tried
                 c = spread + t
-                own = min((a + prior) / c, 1.0 - 1e-9)
+                oc = min((a + prior) / c, 1.0 - 1e-9) * c  # (its own rate, times its weight)
                 p = 1.0
                 row = []
                 for j in range(kmax):
-                    p *= (own * c + j) / (c + j)
+                    p *= (oc + j) / (c + j)
                     row.append(p)
                     sums[j] += p
                 worth.append(row)

@@ -19,6 +19,14 @@
 
 namespace {
 
+// bfloat16 bits -> float32: a 16-bit shift
+inline float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
 // bf16 -> f32 is a 16-bit shift; written on raw bits so the loops vectorise.
 inline void load_f32(const float* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; ++i) dst[i] = src[i];
@@ -365,12 +373,7 @@ torch::Tensor pack_panels(torch::Tensor w, bool bf16) {
 namespace {
 
 inline float widen(float v) { return v; }
-inline float widen(at::BFloat16 v) {
-  uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t&>(v)) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float widen(at::BFloat16 v) { return bf16_bits_to_f32(reinterpret_cast<const uint16_t&>(v)); }
 // column j of a panel row
 inline float column(const float* row, int j) { return row[j]; }
 inline float column(const at::BFloat16* row, int j) { return widen(row[kBf16Order[j]]); }
@@ -823,6 +826,13 @@ void rope_rows(float* qp, int64_t qs, int64_t Hq, float* kp, int64_t ks, int64_t
   });
 }
 
+void check_rope_tables(const torch::Tensor& cos, const torch::Tensor& sin, int64_t D) {
+  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+                  sin.sizes() == cos.sizes(),
+              "rope_neox_: float32 cos/sin tables [P, D]");
+}
+
 // k_buf[slots[t]] = the row at k + t * ks, v_buf likewise (rows of `bytes` bytes; strides in bytes)
 void store_kv_rows(char* kb, char* vb, int64_t S, int64_t bytes, const int64_t* sl, const char* kp, int64_t ks,
                    const char* vp, int64_t vs, int64_t T) {
@@ -846,21 +856,12 @@ void rope_neox_(torch::Tensor q, torch::Tensor k, torch::Tensor positions, torch
               "rope_neox_: q and k rows must hold whole heads");
   TORCH_CHECK(positions.numel() == T && positions.scalar_type() == torch::kInt64 && positions.is_contiguous(),
               "rope_neox_: int64 positions [T]");
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == D && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-                  sin.sizes() == cos.sizes(),
-              "rope_neox_: float32 cos/sin tables [P, D]");
+  check_rope_tables(cos, sin, D);
   rope_rows(q.data_ptr<float>(), q.stride(0), q.size(1) / D, k.data_ptr<float>(), k.stride(0), k.size(1) / D,
             positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), cos.size(0), T, D);
 }
 
-// bfloat16 <-> float32 bits, round to nearest even (as c10::BFloat16 and torch's casts do; a NaN stays a NaN)
-static inline float bf16_bits_to_f32(uint16_t h) {
-  const uint32_t b = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
+// float32 -> bfloat16 bits, round to nearest even (as c10::BFloat16 and torch's casts do; a NaN stays a NaN)
 static inline uint16_t f32_to_bf16_bits(float f) {
   uint32_t b;
   std::memcpy(&b, &f, 4);
@@ -1031,10 +1032,7 @@ ModelWeights model_weights(const torch::Tensor& embed, const std::vector<torch::
   m.eps = static_cast<float>(eps);
   m.scale = static_cast<float>(scale);
   const int64_t H = m.H, Q = m.Hq * m.D, KV = m.Hkv * m.D;
-  TORCH_CHECK(cos.dim() == 2 && cos.size(1) == m.D && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
-                  sin.sizes() == cos.sizes(),
-              "rope_neox_: float32 cos/sin tables [P, D]");
+  check_rope_tables(cos, sin, m.D);
   m.cos = cos.data_ptr<float>();
   m.sin = sin.data_ptr<float>();
   m.positions = cos.size(0);

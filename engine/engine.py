@@ -365,7 +365,7 @@ class Engine:
             if token_map is not None and token_map != "none":
                 token_map = load_token_map(token_map, mc.vocab_size)
             elif token_map is None and os.path.exists(os.path.join(draft_dir, TOKEN_MAP_FILE)):
-                token_map = "auto"  # the directory's, where the draft's greedy steps run natively (below)
+                token_map = os.path.join(draft_dir, TOKEN_MAP_FILE)  # (a path: loaded below where it helps)
             else:
                 token_map = None
             draft = (dcfg, dmodel, token_map)
@@ -417,8 +417,7 @@ class Engine:
                 # the directory's map by default only where it makes the draft faster: the CPU's one-call greedy
                 # steps, whose output head then reads the map's rows alone (elsewhere the draft's logits are
                 # masked to it, which saves nothing)
-                token_map = (load_token_map(os.path.join(config.draft_model or DEFAULT_DRAFT_MODEL, TOKEN_MAP_FILE),
-                                            mc.vocab_size) if dmodel.native_step_tokens(dbackend) else None)
+                token_map = load_token_map(token_map, mc.vocab_size) if dmodel.native_step_tokens(dbackend) else None
             proposer = DraftModelProposer(dmodel, dbackend, dpool, self.req_pool, self.device, token_map)
         graphs = mixed = None
         if isinstance(backend, FlashInferAttention) and not config.enforce_eager:

@@ -151,7 +151,6 @@ def test_native_greedy_draft_steps_draft_as_the_step_loop(monkeypatch, tmp_path,
     if token_map == "none":
         kw["speculative_token_map"] = "none"
     elif token_map == "small":
-        import json
         from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL
         with open(f"{DEFAULT_DRAFT_MODEL}/{speculative.TOKEN_MAP_FILE}") as f:
             ids = json.load(f)[:200]
@@ -207,8 +206,6 @@ def test_speculative_token_map_file(tmp_path):
     """A token map is a JSON list or a .pt integer tensor of token ids in the
     vocabulary, read sorted and without repeats; anything else is a clear
     error, and so is a map without a draft model."""
-    import json
-
     from stepserve.engine.engine import EngineConfig
 
     p = tmp_path / "map.json"
@@ -230,13 +227,13 @@ def test_speculative_token_map_file(tmp_path):
         EngineConfig(speculative="ngram", speculative_token_map=str(p))
 
 
-def test_a_token_map_its_requests_mask_whole_still_drafts_a_distribution(tmp_path, monkeypatch):
+def test_a_token_map_its_requests_mask_whole_still_drafts_a_distribution(tmp_path, monkeypatch, plain):
     """A sampled request whose processors mask every token of the draft's
     token map (a map of the stop tokens alone, under min_tokens) drafts from
     the draft's whole distribution there, not from an empty one: every
     draft distribution the rejection rule reads is finite, and the output
     keeps min_tokens (no stop token)."""
-    eos = sorted(LLM(speculative="draft", spec_length="fixed:2", speculative_token_map="none").engine.eos_token_ids)
+    eos = sorted(plain.engine.eos_token_ids)
     path = tmp_path / "map.json"
     path.write_text(json.dumps(eos))
     seen = []

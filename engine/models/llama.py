@@ -653,7 +653,6 @@ class LlamaForCausalLM(nn.Module):
         self.kernels = CpuKernels(self.rotary, native)
         self._native_decode = None
         self._native_args = None
-        none = torch.empty(0)
         linears = [m for layer in self.model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         head = self._head()
@@ -662,13 +661,13 @@ class LlamaForCausalLM(nn.Module):
             return
 
         def b(lin):
-            return lin.bias if lin.bias is not None else none
+            return lin.bias if lin.bias is not None else _NONE
 
         layers = []
         for layer in self.model.layers:
             at, mlp = layer.self_attn, layer.mlp
-            qn = at.q_norm.weight if at.qk_norm else none
-            kn = at.k_norm.weight if at.qk_norm else none
+            qn = at.q_norm.weight if at.qk_norm else _NONE
+            kn = at.k_norm.weight if at.qk_norm else _NONE
             layers += [layer.input_layernorm.weight, at.qkv_proj.panels, b(at.qkv_proj), qn, kn, at.o_proj.panels,
                        b(at.o_proj), layer.post_attention_layernorm.weight, mlp.gate_up_proj.panels, b(mlp.gate_up_proj),
                        mlp.down_proj.panels, b(mlp.down_proj)]

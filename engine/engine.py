@@ -39,7 +39,7 @@ from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.policies import branch_admission_policy, policy_stats, speculation_policy
 from stepserve.scheduler.policy import StepPolicy
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from stepserve.scheduler.speculation import CPU_SETTLE, SETTLE, SpecLengthSpec
+from stepserve.scheduler.speculation import CPU_QUIET, CPU_SETTLE, SETTLE, SpecLengthSpec
 
 log = logging.getLogger("stepserve.engine")
 
@@ -248,7 +248,9 @@ def builtin_policies(config: EngineConfig, proposer=None, device_type: str = "cp
     the speculation length replays on the history, and asks for before the
     step's slots are reserved, when it is deterministic (the n-gram lookup).
     `device_type`: where the model runs; on a CPU the adaptive length times
-    a plain step further from drafting (`CPU_SETTLE`)."""
+    a plain step further from drafting (`CPU_SETTLE`), and a pair from plain
+    decoding waits for plain steps on caches drafting or a prefill left
+    alone (`CPU_QUIET`)."""
     model = None
     if config.latency_profile:
         from stepserve.scheduler.latency_model import load_profile
@@ -263,7 +265,8 @@ def builtin_policies(config: EngineConfig, proposer=None, device_type: str = "cp
         ngram = isinstance(proposer, NgramProposer)
         spec = speculation_policy(config.spec_length or "adaptive", latency_model=model,
                                   replay=proposer.matches_for if ngram else None, propose=proposer.propose_for if ngram else None,
-                                  settle=CPU_SETTLE if device_type == "cpu" else SETTLE)
+                                  settle=CPU_SETTLE if device_type == "cpu" else SETTLE,
+                                  quiet=CPU_QUIET if device_type == "cpu" else 0)
         if spec is not None:
             out.append(spec)
     return out

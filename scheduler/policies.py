@@ -25,16 +25,18 @@ def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=No
 
 
 def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay=None,
-                       propose=None, settle: int = SETTLE) -> SpecLengthPolicy | None:
+                       propose=None, settle: int = SETTLE, quiet: int = 0) -> SpecLengthPolicy | None:
     """The speculation-length policy of `spec`, or None for `none`. `replay`:
     a deterministic proposer's `matches_for` (`NgramProposer.matches_for`), which
     the adaptive length replays on the sequences' history; `propose`: its
     `propose_for`, which drafts in the policy, before the step's slots are
-    reserved; `settle`: the adaptive length's default `settle`."""
+    reserved; `settle`: the adaptive length's default `settle`; `quiet`: its
+    unsteady plain steps (`SpecLengthPolicy`)."""
     spec = SpecLengthSpec.parse(spec) if isinstance(spec, str) else spec
     if spec.mode == "none":
         return None
-    return SpecLengthPolicy(spec, latency_model=latency_model, replay=replay, propose=propose, settle=settle)
+    return SpecLengthPolicy(spec, latency_model=latency_model, replay=replay, propose=propose, settle=settle,
+                            quiet=quiet)
 
 
 def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):

@@ -73,7 +73,16 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              and the step's k is how far the draft model runs, each row
              drafting as far as its drafts are worth their verify tokens
              (`_per_row`).
-             Options: `adaptive:kmax=8,per_row=1`.
+             With a draft model, the lengths next to a drafting choice k
+             are priced by probes (`_Probe`): in a run of steps whose rows
+             all drafted k, one step in `probe` (16) runs k + 1 or k - 1 on
+             every row between two steps at k, and its time over theirs is
+             the ratio of the two costs; the table fits its prices to pairs
+             and probes together (`DraftCostTable._fit`), and the pairs are
+             taken at k alone.
+
+             Options: `adaptive:kmax=8,per_row=1,settle=N,probe=16` (probe=0:
+             none).
 
              A proposer whose proposal is a function of the tokens alone (the
              n-gram lookup) gets E[k] from the sequences' history instead
@@ -137,9 +146,14 @@ TRUSTED = 3  # ... once its cost cell holds this many pairs
 EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range's step time to the choice
 EXPLORE_TURNS = 32  # ... and come at least once in this many exploration turns (`explore_every` steps each)
 LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
+DECIDE_EVERY = 4  # a decode step's choice is made afresh once in this many verification steps (`_decision_key`)
+PROBE_EVERY = 16  # in a drafting run of a draft model, one step in this many starts a probe (`_Probe`)
 MIN_FILL = 0.5  # a pair whose verify step got fewer of the drafts asked for is not kept
 SETTLE = 2  # a pair from drafting runs this many steps at 0 and times the last (`_Pair`; `adaptive:settle=N`)
 CPU_SETTLE = 6  # ... the engine's default on a CPU, whose caches the draft model's work disturbs
+CPU_QUIET = 3  # on a CPU, the plain decode steps after drafting or a prefill that are not timed as steady
+# (`SpecLengthPolicy.quiet`); elsewhere 0
+RUN = 3  # a pair's step is timed as the median of the last this many steady steps like it (`_run_wall`)
 MIN_SPREAD = 2.0  # the least weight `RowSpread` gives the rows' spread
 SMALL_BATCH = 16  # up to this many rows, the per-row choice is worked out in plain floats
 PAIR_SLACK = 16  # a pair's steps may differ in rows by 1/PAIR_SLACK of its own (and its step at k may have as
@@ -154,6 +168,8 @@ class SpecLengthSpec:
     kmax: int = 8  # adaptive: the longest draft considered
     per_row: bool = True  # adaptive: each row's drafts follow its own acceptance (`SpecLengthPolicy._per_row`)
     settle: int | None = None  # adaptive: steps at 0 of a pair from drafting (`_Pair`; None: the policy's default)
+    probe: int | None = None  # adaptive: one drafting step in this many starts a probe (`_Probe`; 0: none; None:
+    # the policy's default)
 
     @classmethod
     def parse(cls, text: str) -> "SpecLengthSpec":
@@ -164,7 +180,7 @@ class SpecLengthSpec:
         if head == "fixed":
             return cls("fixed", k=_draft_length(rest, "fixed:K"))
         if head == "adaptive":
-            kmax, per_row, settle = 8, True, None
+            kmax, per_row, settle, probe = 8, True, None, None
             for opt in filter(None, rest.split(",")):
                 key, _, val = opt.partition("=")
                 if key == "kmax":
@@ -177,11 +193,15 @@ class SpecLengthSpec:
                     if not val.isdigit() or not 1 <= int(val) <= 16:
                         raise ValueError(f"adaptive settle takes a step count in [1, 16], got {val!r}")
                     settle = int(val)
+                elif key == "probe":
+                    if not val.isdigit() or int(val) > 1024:
+                        raise ValueError(f"adaptive probe takes a step count in [0, 1024] (0: none), got {val!r}")
+                    probe = int(val)
                 else:
-                    raise ValueError(f"unknown adaptive option {key!r} (kmax, per_row, settle)")
-            return cls("adaptive", kmax=kmax, per_row=per_row, settle=settle)
+                    raise ValueError(f"unknown adaptive option {key!r} (kmax, per_row, settle, probe)")
+            return cls("adaptive", kmax=kmax, per_row=per_row, settle=settle, probe=probe)
         raise ValueError(f"unknown speculation length {text!r} "
-                         "(none, fixed:K, adaptive[:kmax=K,per_row=0|1,settle=N])")
+                         "(none, fixed:K, adaptive[:kmax=K,per_row=0|1,settle=N,probe=N])")
 
 
 def _draft_length(text: str, what: str) -> int:
@@ -216,8 +236,11 @@ class AcceptanceEstimate:
     def __init__(self, kmax: int, prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.995,
                  tolerance: float = 0.005, optimism: float = 1.0):
         self.kmax = kmax
-        self.tried = [0.0] * kmax
-        self.accepted = [0.0] * kmax
+        # the decayed counts are kept as raw sums in which the newest verification weighs `_g` (1 / decay
+        # more each update) and read divided by it: an update touches only the positions it tried
+        self._tried = [0.0] * kmax
+        self._accepted = [0.0] * kmax
+        self._g = 1.0
         self.prior = prior
         self.prior_weight = prior_weight
         self.decay = decay
@@ -231,19 +254,37 @@ class AcceptanceEstimate:
     def update(self, drafted: list[int], accepted: list[int]) -> None:
         """One verification step: per verify row, the draft length asked for
         and how many drafts were accepted."""
-        kmax, dec = self.kmax, self.decay
-        tried = [x * dec for x in self.tried]
-        acc = [x * dec for x in self.accepted]
+        kmax = self.kmax
+        g = self._g = self._g / self.decay
+        tried, acc = self._tried, self._accepted
         for d, a in zip(drafted, accepted):
             d = min(d, kmax)
             a = min(a, d)
             # positions tried: each accepted one, and the first rejected; accepted: the accepted ones
             for j in range(min(a + 1, d)):
-                tried[j] += 1.0
+                tried[j] += g
             for j in range(a):
-                acc[j] += 1.0
-        self.tried, self.accepted = tried, acc
+                acc[j] += g
+        if g > 1e100:  # rescaled long before a float could overflow
+            self._tried = [x / g for x in tried]
+            self._accepted = [x / g for x in acc]
+            self._g = 1.0
         self._expected = self._expected_mean = self._rates = self._priced = None
+
+    @property
+    def tried(self) -> list[float]:
+        """Per position, the decayed count of drafts tried there."""
+        g = self._g
+        return [x / g for x in self._tried]
+
+    def tried_first(self) -> float:
+        return self._tried[0] / self._g
+
+    @property
+    def accepted(self) -> list[float]:
+        """Per position, the decayed count of drafts accepted there."""
+        g = self._g
+        return [x / g for x in self._accepted]
 
     @property
     def alpha(self) -> np.ndarray:
@@ -253,12 +294,19 @@ class AcceptanceEstimate:
         """The rates per position (kept until the next update)."""
         if self._rates is None:
             out = []
-            prev, w = self.prior, self.prior_weight
-            for acc, tried in zip(self.accepted, self.tried):
+            prev, w = self.prior, self.prior_weight * self._g  # (the raw sums over `_g`: the prior's weight times it)
+            for acc, tried in zip(self._accepted, self._tried):
                 prev = (acc + w * prev) / (tried + w)
                 out.append(prev)
             self._rates = out
         return self._rates
+
+    def first(self) -> float:
+        """The first position's rate (`_alpha()[0]`, without the others)."""
+        if self._rates is not None:
+            return self._rates[0]
+        w = self.prior_weight * self._g
+        return (self._accepted[0] + w * self.prior) / (self._tried[0] + w)
 
     def priced(self) -> list[float]:
         """The rates lengths are priced at: the first position's mean rate
@@ -269,7 +317,8 @@ class AcceptanceEstimate:
             rates = list(self._alpha())
             if rates:
                 a = rates[0]
-                rates[0] = min(a + self.optimism * math.sqrt(a * (1.0 - a) / (self.tried[0] + self.prior_weight)), 1.0)
+                n = self._tried[0] / self._g + self.prior_weight
+                rates[0] = min(a + self.optimism * math.sqrt(a * (1.0 - a) / n), 1.0)
             self._priced = rates
         return self._priced
 
@@ -415,13 +464,35 @@ class DraftCostTable:
     grown in proportion to k: an extrapolation that errs dear, so a longer
     length is chosen only once exploration next to the choice has measured
     it. A range with nothing measured borrows the nearest measured range's
-    line."""
+    line.
 
-    def __init__(self, kmax: int, window: int = 8, line_weight: float = 3.0):
+    Probes refine it: `add_probe` takes one step at a
+    length next to the one a drafting run holds, timed against that run's
+    steps before and after it (`_Probe`), as the log of the ratio of two
+    neighbouring lengths' costs. Once a range has any, its prices are the
+    least-squares fit of the log costs to the cells' medians (each with its
+    pair count as weight), the neighbour ratios' medians (each with its
+    count) and the line (weight `prior_weight`), so a cost that is not a
+    line in k is priced as measured where the runs go: on the 2-core Xeon at
+    batch 1 a step at k = 5 cost 1.11x one at 4 and one at 4 1.08x one at 3
+    (the native kernels' row panels), where the line through pairs at 1 and
+    4 priced 5 at 1.03x 4, and the adaptive length drafted 5 on most steps
+    (fixed:5 ran 6% slower than fixed:4)."""
+
+    def __init__(self, kmax: int, window: int = 8, line_weight: float = 3.0, probe_window: int = 16,
+                 prior_weight: float = 1.0, smooth_weight: float = 4.0):
         self.kmax = kmax
         self.window = window
         self.line_weight = line_weight
+        self.probe_window = probe_window
+        self.prior_weight = prior_weight
+        self.smooth_weight = smooth_weight
         self.cells: dict[int, list[list[float]]] = {}  # bucket -> per k, its last pairs' ratios
+        self.probes: dict[int, list[list[float]]] = {}  # bucket -> per k < kmax, log(C[k + 1] / C[k]) of its
+        # last probes (`add_probe`)
+        self._solved: dict[int, list[float]] = {}  # bucket -> C[1..kmax] fitted (ranges with probes)
+        self._trusted: dict[tuple[int, int], set[int]] = {}  # (bucket, least) -> `trusted`, until the next move
+        self._probe_medians: dict[int, list[float]] = {}  # bucket -> per k < kmax, the median of its probes
         self._medians: dict[int, list[float]] = {}  # bucket -> per k, the median of its cell (read every step)
         self._lines: dict[int, tuple[float, float]] = {}
         self._ratios: dict[tuple[int, int], float | None] = {}  # (bucket, k) -> ratio, until the next pair
@@ -436,8 +507,48 @@ class DraftCostTable:
         del cell[: -self.window]
         self._medians.setdefault(bucket, [0.0] * (self.kmax + 1))[k] = float(np.median(cell))
         self._lines.pop(bucket, None)
+        self._moved()
+
+    def _moved(self) -> None:
         self._ratios.clear()  # a range without pairs borrows another's line: every cached price may move
+        self._solved.clear()
+        self._trusted.clear()
         self.version += 1
+
+    def add_probe(self, bucket: int, k: int, to: int, ratio: float) -> None:
+        """A step at `to` drafts per row (a neighbour of k) took `ratio` of
+        the steps at k around it (`_Probe`)."""
+        if abs(to - k) != 1 or not 1 <= min(k, to) < self.kmax or ratio <= 0.0:
+            raise ValueError(f"a neighbouring step is one length from its run's, within [1, kmax]: {k} -> {to}")
+        cells = self.probes.setdefault(bucket, [[] for _ in range(self.kmax)])
+        lo = min(k, to)
+        cell = cells[lo]
+        cell.append(math.log(ratio) if to > k else -math.log(ratio))
+        del cell[: -self.probe_window]
+        self._probe_medians.setdefault(bucket, [0.0] * self.kmax)[lo] = _median(cell)
+        self._moved()
+
+    def probe_count(self, bucket: int, k: int) -> int:
+        """The neighbouring steps kept between k and k + 1."""
+        cells = self.probes.get(bucket)
+        return 0 if cells is None or not 1 <= k < self.kmax else len(cells[k])
+
+    def trusted(self, bucket: int, least: int) -> set[int]:
+        """The lengths priced on at least `least` measurements: their own
+        pairs, or probes against a length that is (kept until the next
+        measurement)."""
+        out = self._trusted.get((bucket, least))
+        if out is not None:
+            return out
+        out = self._trusted[(bucket, least)] = {k for k in range(1, self.kmax + 1) if self.count(bucket, k) >= least}
+        grew = bool(out) and bucket in self.probes
+        while grew:
+            grew = False
+            for k in range(1, self.kmax):
+                if self.probe_count(bucket, k) >= least and (k in out) != (k + 1 in out):
+                    out |= {k, k + 1}
+                    grew = True
+        return out
 
     def add_switch(self, bucket: int, extra: float) -> None:
         """What starting to draft costs in this range, once, in steps at k = 0:
@@ -490,6 +601,9 @@ class DraftCostTable:
         key = (bucket, k)
         if key in self._ratios:
             return self._ratios[key]
+        if bucket in self.probes and bucket in self.cells:
+            got = self._ratios[key] = self._fit(bucket)[k - 1]
+            return got
         ln = self.line(bucket)
         if ln is None:
             got = None
@@ -505,9 +619,85 @@ class DraftCostTable:
         self._ratios[key] = got
         return got
 
+    def _line_price(self, bucket: int, k: int) -> float:
+        """The line's price of k (its extrapolation rule past the longest
+        length measured kept), without the cell's own pairs."""
+        a, b, top = self.line(bucket)
+        est = 1.0 + a + b * k
+        return max(est, 1.0 + (a + b * top) * k / top) if k > top else est
+
+    def _fit(self, bucket: int) -> list[float]:
+        """C[1..kmax] of a range with probes: the weighted least-squares fit
+        of the log costs (see the class docstring). Its normal equations are
+        banded (a probe links neighbouring lengths, a second difference three
+        in a row): solved within the band, in plain floats (numpy's solver
+        and medians took 60 us, at every probe and pair)."""
+        got = self._solved.get(bucket)
+        if got is None:
+            kmax, pw, sw = self.kmax, self.prior_weight, self.smooth_weight
+            a = [[0.0] * kmax for _ in range(kmax)]
+            y = [0.0] * kmax
+            for k in range(1, kmax + 1):
+                i = k - 1
+                a[i][i] += pw
+                y[i] += pw * math.log(max(self._line_price(bucket, k), 1e-9))
+                n = self.count(bucket, k)
+                if n:
+                    a[i][i] += n
+                    y[i] += n * math.log(max(self._median(bucket, k), 1e-9))
+            cells, medians = self.probes[bucket], self._probe_medians[bucket]
+            for k in range(1, kmax):  # log C[k + 1] - log C[k] = the probes' median, with their count as weight
+                c = float(len(cells[k]))
+                if c:
+                    _add_term(a, y, ((k - 1, -1.0), (k, 1.0)), medians[k], c)
+            for k in range(2, kmax):  # second differences near 0: neighbouring probes share their noise
+                _add_term(a, y, ((k - 2, 1.0), (k - 1, -2.0), (k, 1.0)), 0.0, sw)
+            got = self._solved[bucket] = [math.exp(v) for v in _solve_banded(a, y, 2)]
+        return got
+
     def to_dict(self) -> dict:
         return {f"rows {1 << b}-{(2 << b) - 1}": [round(self.ratio(b, k), 4) for k in range(self.kmax + 1)]
                 for b in sorted(self.cells)}
+
+
+def _add_term(a: list[list[float]], y: list[float], coef, target: float, weight: float) -> None:
+    """Add weight * (sum c x_i - target)^2 to normal equations a x = y."""
+    for i, ci in coef:
+        y[i] += weight * ci * target
+        row = a[i]
+        for j, cj in coef:
+            row[j] += weight * ci * cj
+
+
+def _solve_banded(a: list[list[float]], y: list[float], bw: int) -> list[float]:
+    """x with a x = y for a small symmetric positive definite a whose
+    entries more than `bw` off the diagonal are 0 (Gaussian elimination
+    within the band, no pivoting needed), in plain floats."""
+    n = len(y)
+    a = [row[:] for row in a]
+    y = y[:]
+    for p in range(n):
+        rp, d = a[p], a[p][p]
+        end = min(n, p + bw + 1)
+        for i in range(p + 1, end):
+            m = a[i][p] / d
+            if m:
+                ri = a[i]
+                for j in range(p, end):
+                    ri[j] -= m * rp[j]
+                y[i] -= m * y[p]
+    x = [0.0] * n
+    for i in range(n - 1, -1, -1):
+        ri = a[i]
+        x[i] = (y[i] - sum(ri[j] * x[j] for j in range(i + 1, min(n, i + bw + 1)))) / ri[i]
+    return x
+
+
+def _median(xs: list[float]) -> float:
+    """The median of a short list, in plain floats."""
+    v = sorted(xs)
+    h = len(v) // 2
+    return v[h] if len(v) % 2 else 0.5 * (v[h - 1] + v[h])
 
 
 def _line_nonneg(x: list[int], y: list[float], w: list[int]) -> tuple[float, float]:
@@ -587,10 +777,38 @@ class _Pair:
         return i == 0 or i == self.last
 
 
+@dataclass
+class _Probe:
+    """A probe in flight: in a run of decode steps drafting k per row, one
+    step at a neighbouring length `to`, between two steps at k (the run's
+    steps before and after it, each forced to k on every row). Its time
+    over the mean of theirs is the ratio of the two lengths' costs
+    (`DraftCostTable.add_probe`): every step of it drafts, so none waits for
+    the caches to settle, as a pair's step at 0 after drafting must, and it
+    costs only what `to` loses to k in one step. Kept only when all three
+    steps ran the same rows at their lengths."""
+
+    bucket: int
+    rows: int
+    k: int  # the run's length
+    to: int  # the length probed
+    done: int = 0  # steps observed
+    walls: tuple[float, ...] = ()
+
+    @property
+    def next_k(self) -> int:
+        return self.to if self.done == 1 else self.k
+
+
 def pair_steps(k: int, primed: bool, settle: int = SETTLE) -> tuple[int, ...]:
     """An exploration pair's lengths (`_Pair`): from drafting (`primed`: the
     rows drafted last step), k then `settle` steps at 0; else (0, k, k)."""
     return (k,) + (0,) * settle if primed else (0, k, k)
+
+
+def _least_left(rows) -> int:
+    """The fewest tokens a row of these has left to generate."""
+    return min(r.seq.remaining_tokens for r in rows)
 
 
 def _remember(memo: list[tuple], key: tuple, out) -> list[tuple]:
@@ -683,7 +901,8 @@ class SpecLengthPolicy:
 
     def __init__(self, spec: str | SpecLengthSpec, latency_model=None,
                  min_samples: int = 32, explore_every: int = 32, replay=None, replay_every: int = 16,
-                 propose=None, settle: int = SETTLE):
+                 propose=None, settle: int = SETTLE, probe_every: int = PROBE_EVERY, quiet: int = 0,
+                 decide_every: int = DECIDE_EVERY):
         """`replay(seq, start, stop, k)`: for each position p in
         [start, stop), how many of the k tokens a deterministic proposer
         proposes after seq.token_ids[:p] agree with seq.token_ids[p:]
@@ -694,7 +913,17 @@ class SpecLengthPolicy:
         row it proposes nothing for stays a plain decode row (a verify row
         with nothing to verify costs more than a decode row: measured +19%
         on a batch-1 step). `settle`: the steps at 0 of a pair from drafting
-        (`_Pair`), where the spec does not name them."""
+        (`_Pair`), where the spec does not name them. `probe_every`: one
+        step in this many of a draft model's drafting run starts a probe of
+        a neighbouring length (`_Probe`; 0: none). `quiet`: the plain steps
+        after drafting or a prefill that are not steady (`CPU_QUIET` on a
+        CPU): a pair from plain decoding waits for them, and a pair's
+        reference is the median of its steady plain steps (`_run_wall`).
+        `decide_every`: a pure decode step's choice is remembered for this
+        many verification steps while nothing else it depends on moves
+        (`_decision_key`)."""
+        self.quiet = quiet
+        self.decide_every = max(int(decide_every), 1)
         self.propose = propose
         self._asked: tuple[int, list[int], int | None] = (0, [], None)  # this step: drafts asked for, the
         # asks that got no proposal, and the k every eligible row was asked for (None: not all alike)
@@ -729,6 +958,10 @@ class SpecLengthPolicy:
         self.last_k = 0
         self.pairs = 0  # exploration pairs measured
         self._pair: _Pair | None = None
+        self.probe_every = probe_every if self.spec.probe is None else self.spec.probe
+        self.probes = 0  # probes measured
+        self._probe: _Probe | None = None
+        self._probe_turn: dict[int, int] = {}  # per bucket: probes up, then down, in turn
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
         self._started: set[int] = set()  # the buckets whose first pairs are measured
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
@@ -736,10 +969,17 @@ class SpecLengthPolicy:
         self._held: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_start_pair`), after
         # one dropped
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
+        # the run of steps like the last (`_track_run`): its kind (k drafts on every row, 0: plain decoding,
+        # None: neither), rows, length, and the wall times of its last RUN steady steps
+        self._run_kind: int | None = None
+        self._run_rows = 0
+        self._run_steps = 0
+        self._run: list[float] = []
+        self._last_alike: int | None = None  # the k every row of the last step was asked for (None: not alike)
         self._memo: list[tuple] = []  # the last few (what a pure decode step's choice depends on, the choice)
         self._records = 0  # counts the steps that moved the acceptance estimate and some row's own record
         self._warm: int | None = None  # the range whose prices a pair has just moved
-        self._cost_rows: dict[int, tuple] = {}  # bucket -> (versions, `_cost` of k = 1..kmax)
+        self._cost_rows: dict[int, tuple] = {}  # bucket -> (the versions of the costs and the fill, `_cost` of k = 1..kmax)
 
     # -- planning ---------------------------------------------------------------
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
@@ -754,9 +994,11 @@ class SpecLengthPolicy:
                 if out > 0 and seq.max_tokens - out >= 2:
                     rows.append(r)
         self.steps += 1
+        self._last_alike = self._asked[2]
         self._asked = (0, [], None)
         if not rows:
             self._drop_pair()
+            self._probe = None
             return plan
         caps = None  # per row, the most it drafts (None: k for every row)
         if self.spec.mode == "fixed":
@@ -826,6 +1068,11 @@ class SpecLengthPolicy:
                     pair.paid = True
                 return pair.next_k, None
             self._drop_pair()  # the batch changed under it
+        probe = self._probe
+        if probe is not None:
+            if pure and n == probe.rows:
+                return probe.next_k, None
+            self._probe = None
         source = self._source()
         expected = None  # E[k] at the mean rates, worked out where read (a per-row choice reads the rows' own)
         # tokens without drafts (`plan.samples` is frozen at commit, after the policies); in a pure
@@ -849,8 +1096,13 @@ class SpecLengthPolicy:
                 # and the longest length measured while it has fewer than TRUSTED pairs: the line through it
                 # prices every length past the others, and its first pair may have been taken cold
                 measured = self.costs.measured(bucket)
-                if measured and self.costs.count(bucket, measured[-1]) < TRUSTED:
+                trusted = self.costs.trusted(bucket, TRUSTED)
+                if measured and measured[-1] not in trusted:
                     near.add(measured[-1])
+                if best and self._probing():
+                    # the lengths next to a drafting choice are priced by probes against it, a step each:
+                    # its pairs (a step at 0 after `settle` more) are only what holds the range to plain decoding
+                    near -= {best - 1, best + 1}
                 near = sorted(near)
                 turn = self._explore_k.get(bucket, -1) + 1
                 self._explore_k[bucket] = turn
@@ -860,13 +1112,17 @@ class SpecLengthPolicy:
                 # not before its cell has TRUSTED pairs, so that one slow pair cannot shelve a length
                 if expected is None:
                     expected = source.expected(kmax, priced=False)
-                if (self.costs.count(bucket, k) >= TRUSTED
+                if (k in trusted
                         and self._rate(base, n, expected, bucket, k)
                         < FAR * self._rate(base, n, expected, bucket, best)
                         and self.steps % (8 * self.explore_every)):
                     k = None
             if k is not None:
                 started = self._start_pair(plan, bucket, n, k, base)
+                if started is not None:
+                    return started
+            elif self._probing() and self.steps % self.probe_every == 0 and bucket in self._started:
+                started = self._start_probe(bucket, n)
                 if started is not None:
                     return started
         if not (pure and bucket in self._started) and self.costs.ratio(bucket, 1) is None:
@@ -917,13 +1173,22 @@ class SpecLengthPolicy:
         batch 1 the whole choice had cost 9 us a step, 3% of a plain step,
         on the 2-core EPYC; keyed on the rows' records while E[k] came from
         the replay, the n-gram proposer's choice was made afresh on 97% of
-        its steps (31-43 us a step against 12-13 for a fixed length)."""
+        its steps (31-43 us a step against 12-13 for a fixed length).
+
+        After a step that drafted, the records are counted in epochs of
+        `decide_every` verification steps: one more verification moves a
+        row's rate by a try in its record and the pooled rates by less, and a
+        choice made afresh after each (a draft model at batch 1, where every
+        step verifies) cost 20 us of a 0.7 ms step on the 2-core Xeon. After a
+        plain step each counts: there the verifications are the exploration
+        pairs', the only news of the acceptance."""
         costs = (bucket, self.costs.version, self.fill.version)
         if source is self.replayed:
             return costs + ("replayed", len(rows), source.version)
+        epoch = self._records // self.decide_every if self.last_k else self._records
         if not self.spec.per_row:
-            return costs + ("pooled", len(rows), self._records)
-        return costs + ("per row", tuple([r.seq for r in rows]), self._records)
+            return costs + ("pooled", len(rows), epoch)
+        return costs + ("per row", tuple([r.seq for r in rows]), epoch)
 
     def _decision(self, plan: StepPlan, rows, base: int, bucket: int, busy: bool | None, source,
                   expected: list[float] | None) -> tuple:
@@ -961,7 +1226,7 @@ class SpecLengthPolicy:
         is paired at once (`_start_pair`)."""
         if n == len(plan.rows):
             self._best[bucket] = k
-            if 0 < k and self.costs.count(bucket, k) < TRUSTED:
+            if 0 < k and k not in self.costs.trusted(bucket, TRUSTED):
                 started = self._start_pair(plan, bucket, n, k, base)
                 if started is not None:
                     return started
@@ -1013,17 +1278,67 @@ class SpecLengthPolicy:
         # where these rows all drafted last step the proposer is current: the pair starts at k; rows may only
         # have left since (any that joined came through a prefill chunk, in a step where they did not draft)
         last_drafting, last_rows = self._last_rows
-        primed = (self.last_k > 0 and last_drafting == last_rows and len(plan.rows) == n
-                  and n <= last_rows and self._near_rows(n, last_rows))
+        primed = self.last_k > 0 and last_drafting == last_rows and len(plan.rows) == n and n <= last_rows
         if self.steps < self._held.get(bucket, 0):
+            return None
+        if not primed and self.quiet and not (self._run_kind == 0 and self._run_rows == n
+                                              and self._run_steps >= self.quiet):
+            # from plain decoding, the pair's first step is its step at 0, measured at once: it must follow
+            # `quiet` plain steps of these rows, or it runs on caches that drafting or a prefill disturbed (on
+            # the 2-core Xeon such steps took up to 2x a settled one at batch 1, and pairs started on a
+            # request's first decode steps priced k = 4 at 1.0-1.2 plain steps against 2.0)
             return None
         # what the choice would emit in the pair's steps, at the mean acceptance (not the optimistic price):
         # the pair's loss against it spaces the range's next pair (`_pair_step`)
+        steps = pair_steps(k, primed, self.settle)
+        if n < PAIR_SLACK and _least_left(plan.rows) <= sum(steps) + len(steps):
+            # a row would finish inside it (a pair of fewer rows is dropped as one leaves): in the last steps of
+            # a batch of 2, pairs started on the one row left ran their steps at 0 and were dropped as it ended
+            return None
         expected = self._source().expected(self.spec.kmax, priced=False)
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
-        self._pair = pair = _Pair(bucket, n, k, steps=pair_steps(k, primed, self.settle), rate=rate)
+        self._pair = pair = _Pair(bucket, n, k, steps=steps, rate=rate)
         pair.paid = not pair.next_k
         return pair.next_k, None
+
+    def _probing(self) -> bool:
+        """Whether probes run: a draft model's (a lookup's proposals come
+        short of the length asked, by how much varies step to step), with a
+        neighbour to probe."""
+        return self.probe_every > 0 and self.propose is None and self.spec.kmax > 1
+
+    def _start_probe(self, bucket: int, n: int) -> tuple[int, None] | None:
+        """Start a probe (`_Probe`) next to the range's choice, in a run of
+        steps whose rows all drafted it (the same rows as the last step, none
+        capped shorter: where rows draft lengths of their own, three steps
+        with every row at one length would price another step than the
+        run's), and return this step's length: the choice, on every row."""
+        best = self._best.get(bucket, 0)
+        last_drafting, last_rows = self._last_rows
+        if not best or self._last_alike != best or not last_drafting == last_rows == n:
+            return None
+        turn = self._probe_turn.get(bucket, 0)
+        self._probe_turn[bucket] = turn + 1
+        to = best + 1 if turn % 2 == 0 else best - 1
+        if not 1 <= to <= self.spec.kmax:
+            to = 2 * best - to
+        self._probe = _Probe(bucket, n, best, to)
+        return best, None
+
+    def _probe_step(self, probe: _Probe, plan: StepPlan, record: StepRecord) -> None:
+        """One step of the probe in flight: kept when its rows are the
+        probe's, each asked for the step's length, in a shape run before."""
+        if record.cold or len(plan.rows) != probe.rows or self._asked[2] != probe.next_k:
+            self._probe = None
+            return
+        probe.walls += (record.wall_s,)
+        probe.done += 1
+        if probe.done == 3:
+            before, at, after = probe.walls
+            self.costs.add_probe(probe.bucket, probe.k, probe.to, 2.0 * at / max(before + after, 1e-12))
+            self._warm = probe.bucket
+            self.probes += 1
+            self._probe = None
 
     def _drop_pair(self) -> None:
         """The pair in flight, if any, is dropped: if it has run a step at 0,
@@ -1131,7 +1446,7 @@ class SpecLengthPolicy:
         n = len(rows)
         est = self.acceptance
         seqs = [r.seq for r in rows]
-        first = est.priced()[0] if optimistic else est._alpha()[0]
+        first = est.priced()[0] if optimistic else est.first()
         spread = self.spread.weight()
         # each row's worth of its j-th draft, E[a^j] for its own rate a ~ Beta: the rows' spread (`RowSpread`)
         # around the pooled first-position rate, narrowed by the row's record (mean (accepted + prior) /
@@ -1168,11 +1483,10 @@ class SpecLengthPolicy:
         cost = self._costs_of(bucket)
         t_tok = self._token_cost(rows)
         if busy is None:
-            tokens = [base + x for x in w]
             if switch[0]:
-                v = [t / (c + self._switch_added(switch, n, t)) for t, c in zip(tokens, cost)]
+                v = [t / (c + self._switch_added(switch, n, t)) for t, c in zip([base + x for x in w], cost)]
             else:
-                v = [t / c for t, c in zip(tokens, cost)]
+                v = [(base + x) / c for x, c in zip(w, cost)]
             baseline = float(base)  # k = 0: base tokens at cost 1
         else:
             m0, t_spec, on_top = self._mixed_terms(plan, rows)
@@ -1214,11 +1528,11 @@ class SpecLengthPolicy:
 
     def _costs_of(self, bucket: int) -> list[float]:
         """`_cost(bucket, k)` for k = 1..kmax, kept until a pair or the fill moves them."""
-        versions = (self.costs.version, self.fill.version)
         got = self._cost_rows.get(bucket)
-        if got is None or got[0] != versions:
-            got = self._cost_rows[bucket] = (versions, [self._cost(bucket, k) for k in range(1, self.spec.kmax + 1)])
-        return got[1]
+        if got is None or got[0] != self.costs.version or got[1] != self.fill.version:
+            got = self._cost_rows[bucket] = (self.costs.version, self.fill.version,
+                                             [self._cost(bucket, k) for k in range(1, self.spec.kmax + 1)])
+        return got[2]
 
     def _token_cost(self, rows) -> float:
         """One more query token in a decode step of these rows, relative to
@@ -1296,8 +1610,10 @@ class SpecLengthPolicy:
         the steps, at the range's fewest rows); the rest in proportion to
         the share."""
         c = self.costs.ratio(bucket, k)
-        j = self._jump(bucket, c)
         f = self.fill.value
+        if f == 1.0:  # (a draft model: every draft asked for delivered)
+            return c
+        j = self._jump(bucket, c)
         return 1.0 + j * (1.0 - (1.0 - f) ** (1 << bucket)) + f * (c - 1.0 - j)
 
     def _jump(self, bucket: int, full: float) -> float:
@@ -1364,6 +1680,9 @@ class SpecLengthPolicy:
         if self._replay_rows is not None:
             self._replay(self._replay_rows)
             self._replay_rows = None
+        self._track_run(plan, record)
+        if self._probe is not None:
+            self._probe_step(self._probe, plan, record)
         if self.replay is not None:
             for r in plan.rows:  # a finished row's positions not replayed yet (`_replay_seq`)
                 seq = r.seq
@@ -1409,6 +1728,40 @@ class SpecLengthPolicy:
         self.accepted += sum(accepted)
         self.emitted += sum(accepted) + len(vr) + len(empty)  # (a row whose ask found nothing decoded one)
 
+    def _track_run(self, plan: StepPlan, record: StepRecord) -> None:
+        """The run of steps like this one: the same rows, each decoding
+        plainly or each drafting the same length (a cold step ends it). Its
+        steady steps are kept: a plain run's after its first `quiet`, unless
+        it follows a plain step (a pair's or a step with rows joining ends a
+        run of plain steps without disturbing the caches)."""
+        n = len(plan.rows)
+        kind = None
+        if not record.cold:
+            if plan.num_decode == n:
+                kind = 0
+            elif plan.num_verify == n and self._asked[2]:
+                kind = self._asked[2]
+        if kind is not None and kind == self._run_kind and n == self._run_rows:
+            self._run_steps += 1
+        else:
+            self._run_kind, self._run_rows, self._run_steps = kind, n, 1
+            self._run = []
+        if kind is not None and (kind or self._run_steps > self.quiet):
+            self._run = self._run[1 - RUN:] + [record.wall_s]
+
+    def _run_wall(self, record: StepRecord, kind: int, rows: int) -> float:
+        """What a step of `kind` just measured for a pair takes: the median
+        of the run's last steady steps where this one ends a steady run of
+        that kind and rows (on the 2-core Xeon single decode steps vary by
+        10-20%, with one in 5-10 up to 2x slow: pairs of single steps read
+        k = 4 at 0.85-3.6 plain steps), else its own time. A plain step
+        where nothing is quiet (`quiet` 0: a GPU, the simulator) is its own
+        time, as a pair from drafting times only its last."""
+        if (self._run_kind == kind and self._run_rows == rows and self._run and self._run[-1] == record.wall_s
+                and (kind or self.quiet)):
+            return _median(self._run)
+        return record.wall_s
+
     def _pair_step(self, pair: _Pair, plan: StepPlan, record: StepRecord, delivered: int, emitted: int) -> None:
         """One step of the exploration pair: kept when every row ran at the
         pair's k for this step (no row capped, none left out), else the pair
@@ -1448,9 +1801,13 @@ class SpecLengthPolicy:
         if not ok:
             self._drop_pair()
             return
-        wall = record.wall_s * self._to_pair_rows(plan, pair.rows)
+        scale = self._to_pair_rows(plan, pair.rows)
+        wall = record.wall_s * scale
         pair.spent += wall
         pair.tokens += emitted
+        if pair.measured(pair.done) and not (k and pair.done):  # a pair's step at k after its priming step
+            # is the first primed one: the run before it is not like it
+            wall = self._run_wall(record, k, n) * scale
         if not pair.measured(pair.done):  # priming the proposer, or settling back to plain decoding
             if k and not record.cold:  # (a cold one prices no switch: the draft model's catch-up on a whole
                 # prompt runs shapes of its own, and at batch 2 such steps had priced starting to draft at 1.5
@@ -1481,7 +1838,7 @@ class SpecLengthPolicy:
             if pair.prime > 0.0:  # the priming step over the same step primed: what starting to draft costs
                 self.costs.add_switch(pair.bucket, max(pair.prime - at_k, 0.0) / unit)
             self.pairs += 1
-            if pair.rate > 0.0 and self.acceptance.tried[0] >= LEARNED:
+            if pair.rate > 0.0 and self.acceptance.tried_first() >= LEARNED:
                 loss = pair.spent / unit - pair.tokens / pair.rate
                 wait = min(max(loss, 0.0) / EXPLORE_SHARE, (EXPLORE_TURNS - 1) * self.explore_every)
                 self._explore_at[pair.bucket] = self.steps + int(wait)
@@ -1533,6 +1890,7 @@ class SpecLengthPolicy:
             "spec_row_k": dict(sorted(self.row_k_hist.items())),
             "spec_acceptance": [round(float(a), 4) for a in alpha],
             "spec_cost_pairs": self.pairs,
+            "spec_cost_probes": self.probes,
             "spec_replayed_positions": self.replayed.total,
             "spec_cost_ratio": self.costs.to_dict(),
             "spec_draft_fill": round(self.fill.value, 4),

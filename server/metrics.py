@@ -53,6 +53,8 @@ _POLICY_METRICS = {
     "spec_last_k": ("gauge", "The draft length the speculation-length policy chose last"),
     "spec_k_steps": ("counter", "Steps by the draft length chosen (label k; 0: plain decoding)"),
     "spec_cost_pairs": ("counter", "Pairs of steps (one at k drafts, one at none) the adaptive length measured"),
+    "spec_cost_probes": ("counter", "Probes the adaptive length measured (a step at a draft length next to its "
+                                    "choice, timed against the steps at the choice around it)"),
     "spec_row_spread": ("gauge", "How much requests differ in draft acceptance: the weight, in tries, of the "
                                  "spread of their own rates (smaller: they differ more; absent: they look alike)"),
 }

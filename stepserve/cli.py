@@ -78,7 +78,7 @@ def add_speculative_args(g) -> None:
                         "'none' for every token (default: the draft directory's speculative_token_map.json where "
                         "it has one, as the embedded draft does)")
     g.add_argument("--spec-length", type=_checked(SpecLengthSpec.parse), default=None, metavar="SPEC",
-                   help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K,per_row=0|1,settle=N] (the default: the k, "
+                   help="tokens drafted per row each step: none, fixed:K, or adaptive[:kmax=K,per_row=0|1,settle=N,probe=N] (the default: the k, "
                         "0 included, that maximises the step's expected tokens per second)")
 
 

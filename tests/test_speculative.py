@@ -21,7 +21,7 @@ from stepserve.scheduler.latency_model import LinearLatencyModel
 from stepserve.scheduler.plan import ScheduledRow, StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
 from stepserve.scheduler.sequence import Seq
-from stepserve.scheduler.speculation import (CPU_SETTLE, SETTLE, AcceptanceEstimate, DraftCostTable, ReplayedLength, SpecLengthPolicy,
+from stepserve.scheduler.speculation import (CPU_QUIET, CPU_SETTLE, SETTLE, AcceptanceEstimate, DraftCostTable, ReplayedLength, SpecLengthPolicy,
                                              RowSpread, SpecLengthSpec, TRUSTED, row_bucket)
 
 PROMPTS = [
@@ -612,7 +612,7 @@ def test_a_low_first_read_of_acceptance_does_not_stop_drafting_for_good(optimism
             pol.observe(plan, StepRecord(i, 1, plan.num_decode, 100 + i, plan.num_new_tokens, wall, wall, 0.0))
         least = min(least, drafting)
     if optimism:
-        assert least > 0.9 * 400, least
+        assert least > 0.85 * 400, least
     else:
         assert least < 0.5 * 400, least
 
@@ -852,6 +852,11 @@ def test_spec_length_parses_per_row():
     assert SpecLengthSpec.parse("adaptive:per_row=1,kmax=4") == SpecLengthSpec("adaptive", kmax=4, per_row=True)
     with pytest.raises(ValueError, match="per_row"):
         SpecLengthSpec.parse("adaptive:per_row=yes")
+    assert SpecLengthSpec.parse("adaptive:probe=0").probe == 0
+    assert SpecLengthSpec.parse("adaptive").probe is None
+    assert SpecLengthPolicy("adaptive:probe=32").probe_every == 32
+    with pytest.raises(ValueError, match="probe"):
+        SpecLengthSpec.parse("adaptive:probe=-1")
 
 
 def test_adaptive_length_learns_each_batch_range_apart():
@@ -1653,14 +1658,15 @@ def test_a_row_whose_first_tries_went_badly_still_drafts_where_rows_are_alike():
     rate). Their rows alike, 200 steps of one row drafting at 0.75, where
     drafting pays: a new row that then loses its first 5 drafts of 7 keeps
     drafting. Where rows differ (a spread of weight 3), the same record
-    stops it."""
+    stops it. (The world's seed 1: under seed 0 the first 42 drafts were
+    accepted at 0.55, and plain decoding was rightly chosen.)"""
     def cost(rows, k, ctx):
         return 1e-3 * (1.0 + (0.25 + 0.35 * k if k else 0.0))
 
     model = LinearLatencyModel("linear", [1e-3, 0.0, 0.0, 0.0])
     for rates, drafts in (([0.75] * 800, True), (np.random.default_rng(2).beta(2.25, 0.75, 800), False)):
         pol = SpecLengthPolicy("adaptive:kmax=4", latency_model=model)
-        _drive(pol, cost, alpha=0.75, steps=200, rows=1)
+        _drive(pol, cost, alpha=0.75, steps=200, rows=1, seed=1)
         pol.spread = _spread_of(rates, steps=24)
         plan = _decode_plan(1, start=400)
         seq = plan.rows[0].seq
@@ -1715,7 +1721,8 @@ def test_lengths_next_to_plain_decoding_and_a_cold_first_pair_are_measured():
     holds TRUSTED pairs, so their prices come to what they cost warm, and
     the row drafts the length that wins from there on; paired only at 1,
     k = 2 and 4 kept the price of the line through the cold pair (k = 2 at
-    3.1 steps against 2.2)."""
+    3.1 steps against 2.2). (A probe runs one step in 16 at a length next
+    to the choice, half of them at 3.)"""
     def cost(rows, k, ctx):
         cold = 2.0 if ctx - 100 < 12 else 1.0  # the first steps (`_drive`'s context grows by one a step)
         return 1e-3 * (1.0 + (cold * (0.8 + 0.2 * k) if k else 0.0))
@@ -1725,8 +1732,9 @@ def test_lengths_next_to_plain_decoding_and_a_cold_first_pair_are_measured():
     assert pol.costs.count(0, 2) >= 2 and pol.costs.count(0, 4) >= 3
     for k in (2, 4):
         assert pol._cost(0, k) == pytest.approx(1.8 + 0.2 * k, rel=0.1), (k, pol._cost(0, k))
-    # k = 4 to 6 are 1.29-1.32x plain decoding, k = 1 0.9x
-    assert sum(k >= 4 for k in ks[200:]) >= 0.9 * 200, {k: ks[200:].count(k) for k in set(ks[200:])}
+    # k = 4 to 6 are 1.29-1.32x plain decoding, k = 3 1.23x, k = 1 0.9x
+    assert sum(k >= 4 for k in ks[200:]) >= 0.85 * 200, {k: ks[200:].count(k) for k in set(ks[200:])}
+    assert sum(k >= 3 for k in ks[200:]) >= 0.9 * 200, {k: ks[200:].count(k) for k in set(ks[200:])}
 
 
 def _drive_under_load(pol, cost, alpha: float, steps: int, rows: int = 160, run: int = 3, seed: int = 0):
@@ -1827,16 +1835,17 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
     of starting to draft), the choice made is the one a copy of the policy
     with nothing remembered makes: priced per row, pooled, and with E[k]
     from a replayed history (random agreeing prefixes here, replayed every
-    step)."""
+    step). Each verification counts here (`decide_every=1`; by default a
+    drafting batch's records count in epochs of 4, tested below)."""
     import copy
 
     rng = np.random.default_rng(7 if per_row == "replayed" else per_row)
     if per_row == "replayed":
         history = np.random.default_rng(8)
-        pol = SpecLengthPolicy("adaptive:kmax=4", explore_every=8, replay_every=1,
+        pol = SpecLengthPolicy("adaptive:kmax=4", explore_every=8, replay_every=1, decide_every=1,
                                replay=lambda seq, start, stop, k: history.integers(0, k + 1, stop - start).tolist())
     else:
-        pol = SpecLengthPolicy(f"adaptive:kmax=4,per_row={per_row}", explore_every=8)
+        pol = SpecLengthPolicy(f"adaptive:kmax=4,per_row={per_row}", explore_every=8, decide_every=1)
     view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
     seqs, rates = [], []
     compared = drafted = 0
@@ -1879,3 +1888,199 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
     assert pol.costs.switch  # a price of starting to draft was measured, and priced in
     if per_row == "replayed":
         assert pol.replayed.ready and pol.replayed.version > 10
+
+
+def _drive_requests(pol, cost, alpha: float, steps: int, seed: int = 0, left: int = 64, spikes: float = 0.2,
+                    slow_plain=None):
+    """One row at a time, requests of `left` tokens one after another (no
+    prefill steps): a step at k costs cost(k) with 5% noise, and one step in
+    1/spikes up to 1.4x more (a VM's hiccups; seen on the 2-core Xeon: one
+    decode step in 5-10 up to 2x). `slow_plain(i)`: a plain step's extra
+    factor, given the steps since the last that drafted (None: none). The
+    k per step, and the seqs."""
+    rng = np.random.default_rng(seed)
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    seq, ks, since = None, [], 1 << 20
+    for i in range(steps):
+        if seq is None or seq.remaining_tokens < 2:
+            seq = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0,
+                            spec_last=-1, num_output=1, fork_children=[], remaining_tokens=left, num_tokens=101)
+        plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
+        k = _verify(plan, rng, alpha)
+        ks.append(k)
+        since = 0 if k else since + 1
+        noise = 0.4 * abs(rng.standard_normal()) if rng.random() < spikes else 0.05 * rng.standard_normal()
+        wall = cost(k) * (1 + noise) * (slow_plain(since) if slow_plain is not None and not k else 1.0)
+        pol.observe(plan, StepRecord(i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, wall, wall, 0.0))
+        seq.token_ids.extend([0] * (1 + plan.rows[0].num_accepted))
+    return ks
+
+
+def test_probes_price_the_lengths_next_to_a_drafting_choice():
+    """A step's cost need not be a line in k: on the 2-core Xeon at batch 1
+    a step at 5 cost 1.11x one at 4 where 4 cost 1.08x one at 3 (the native
+    kernels' row panels). Here a step at k costs 1.5 + 0.1 k plain steps up
+    to 4 and 0.3 more per draft after, drafts accepted at 0.8: k = 4 is best,
+    5 is 9% slower, 3 7%. In a drafting run one step in 16 is a probe: the
+    choice, a neighbouring length, the choice (every row at its length),
+    and the neighbour is priced against the steps around it; the priced
+    neighbour ratios come within 4% of the truth, the choice holds at 4, and
+    every other length is a lone step between steps at 4 (a probe) or a
+    pair's."""
+    def cost(k):
+        return 1e-3 * ((1.5 + 0.1 * k + 0.3 * max(k - 4, 0)) if k else 1.0)
+
+    pol = SpecLengthPolicy("adaptive:kmax=8")
+    ks = _drive_requests(pol, cost, 0.8, steps=1500)
+    assert pol.probes >= 40
+    c = [pol.costs.ratio(0, k) for k in range(9)]
+    assert c[5] / c[4] == pytest.approx(cost(5) / cost(4), rel=0.04), c
+    assert c[4] / c[3] == pytest.approx(cost(4) / cost(3), rel=0.04), c
+    late = ks[500:]
+    assert late.count(4) >= 0.88 * len(late), {k: late.count(k) for k in set(late)}
+    lone = [i for i in range(1, len(late) - 1) if late[i] in (3, 5)]
+    assert sum(late[i - 1] == late[i + 1] == 4 for i in lone) >= 0.9 * len(lone)
+    assert pol.stats()["spec_cost_probes"] == pol.probes
+
+
+def test_no_probes_where_rows_draft_lengths_of_their_own():
+    """A probe times three steps with every row at one length: where rows
+    are capped at lengths of their own (`_per_row`), such steps are not the
+    run's, and no probe starts; with `probe=0` none ever does."""
+    alphas = [0.9, 0.2] * 4
+    model = LinearLatencyModel("linear", [2e-3, 0.0, 0.0, 1e-4])
+    pol = SpecLengthPolicy("adaptive:kmax=8", latency_model=model)
+    _, _, asked = _drive_rows(pol, alphas, steps=400)
+    assert sum(asked[1::2]) * 5 < sum(asked[0::2])  # the rows drafted lengths of their own
+    assert pol.probes <= 2  # (the odd step where every row's cap was the step's length)
+    pol = SpecLengthPolicy("adaptive:kmax=8,probe=0")
+    _drive_requests(pol, lambda k: 1e-3 * ((1.5 + 0.1 * k) if k else 1.0), 0.8, steps=300)
+    assert pol.probe_every == 0 and pol.probes == 0 and pol.pairs > 0
+
+
+def test_draft_cost_table_fits_probes_between_its_pairs():
+    """With probes in a range, its prices are the least-squares fit of the
+    log costs to the pairs' medians, the probes' ratios and the line: where
+    probes and pairs agree on a cost the line misses (a step from 4 to 5
+    dearer than the others), the fit follows them, within the pull of the
+    line and of smoothness (5% here); the fit is the dense weighted least squares
+    solved by numpy. A range without probes prices on its line as before.
+    `trusted` grows from lengths with pairs along the probes."""
+    true = [1.0, 1.5, 1.6, 1.7, 1.8, 2.1, 2.2, 2.3, 2.4]
+    t = DraftCostTable(kmax=8)
+    for k in (1, 4):
+        for _ in range(4):
+            t.add(0, k, true[k])
+    line = [t.ratio(0, k) for k in range(9)]
+    assert t.trusted(0, 3) == {1, 4}
+    for k in range(1, 8):
+        for _ in range(12):
+            t.add_probe(0, k, k + 1, true[k + 1] / true[k])
+            t.add_probe(0, k + 1, k, true[k] / true[k + 1])
+    fit = [t.ratio(0, k) for k in range(9)]
+    assert fit[5] / fit[4] > 1.13 and line[5] / line[4] < 1.12, (line, fit)
+    assert fit == pytest.approx(true, rel=0.05), fit
+    assert t.trusted(0, 3) == set(range(1, 9))
+    # the same fit, dense
+    import stepserve.scheduler.speculation as S
+    a, y = np.zeros((8, 8)), np.zeros(8)
+    for k in range(1, 9):
+        w, target = t.prior_weight, math.log(t._line_price(0, k))
+        a[k - 1, k - 1] += w
+        y[k - 1] += w * target
+        if t.count(0, k):
+            a[k - 1, k - 1] += t.count(0, k)
+            y[k - 1] += t.count(0, k) * math.log(t._median(0, k))
+    rows = [((k - 1, -1.0), (k, 1.0), t.probe_count(0, k), t._probe_medians[0][k]) for k in range(1, 8)]
+    for i, j, c, d in rows:
+        for (p, cp) in (i, j):
+            y[p] += c * cp * d
+            for (q, cq) in (i, j):
+                a[p, q] += c * cp * cq
+    for k in range(2, 8):
+        coef = ((k - 2, 1.0), (k - 1, -2.0), (k, 1.0))
+        for p, cp in coef:
+            for q, cq in coef:
+                a[p, q] += t.smooth_weight * cp * cq
+    assert fit[1:] == pytest.approx(np.exp(np.linalg.solve(a, y)).tolist(), rel=1e-9)
+    assert S._median([3.0, 1.0, 2.0, 10.0]) == 2.5
+    with pytest.raises(ValueError, match="neighbouring"):
+        t.add_probe(0, 2, 4, 1.1)
+
+
+def test_a_cpu_pair_times_steady_steps():
+    """On a CPU a plain step soon after drafting or a prefill runs slow
+    (caches evicted), and single steps vary (on the 2-core Xeon one decode
+    step in 5-10 took up to 2x). With `quiet` 3, a pair from plain decoding
+    starts only after 3 plain steps of its rows, and a pair's measured step
+    is the median of the last 3 steady steps like it: the plain run's after
+    its first 3, a drafting run's all. With `quiet` 0 (a GPU, the
+    simulator) a pair starts at once and a plain step is its own time."""
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    walls = [1.5, 1.5, 1.5, 1.0, 1.02, 2.0]  # after a prefill: 3 slow steps, then one spiked
+    for quiet in (CPU_QUIET, 0):
+        pol = SpecLengthPolicy("adaptive:kmax=6", settle=CPU_SETTLE, quiet=quiet)
+        plan = _decode_plan(1)
+        startable = []
+        for i, wall in enumerate(walls):
+            plan = _decode_plan(1)
+            pol.plan(plan, view)  # nothing measured: plain decoding, no pair (the range has none yet)
+            plan.sort_decode_first()
+            pol.observe(plan, StepRecord(i, 1, plan.num_decode, 100, 1, wall * 1e-3, wall * 1e-3, 0.0))
+            startable.append(pol._start_pair(plan, 0, 1, 4, 1) is not None)
+            pol._pair = None
+        record = StepRecord(9, 1, 1, 100, 1, 2e-3, 2e-3, 0.0)
+        if quiet:
+            assert startable == [False, False, True, True, True, True]
+            assert pol._run_wall(record, 0, 1) == pytest.approx(1.02e-3)  # not the spike
+        else:
+            assert all(startable) and pol._run_wall(record, 0, 1) == 2e-3
+    # a drafting run: the median of its last 3 steps, on any device
+    pol = SpecLengthPolicy("adaptive:kmax=6")
+    for i, wall in enumerate((3.0, 1.9, 2.0, 2.1, 4.0)):
+        plan = _decode_plan(1)
+        plan.rows[0].draft_len = plan.rows[0].draft_asked = 4
+        plan.rows[0].num_new = 5
+        plan.sort_decode_first()
+        pol._asked = (4, [], 4)
+        plan.rows[0].draft = [0] * 4
+        pol.observe(plan, StepRecord(i, 1, 0, 100, 5, wall * 1e-3, wall * 1e-3, 0.0))
+    assert pol._run_wall(StepRecord(5, 1, 0, 100, 5, 4e-3, 4e-3, 0.0), 4, 1) == pytest.approx(2.1e-3)
+
+
+def test_no_pair_starts_where_a_row_would_finish_inside_it():
+    """A pair of a few rows is dropped when one of them finishes: it does
+    not start where a row has fewer tokens left than the pair's steps could
+    emit (in the last steps of a batch of 2, pairs started on the row left
+    ran their steps at 0 and were dropped as it ended)."""
+    pol = SpecLengthPolicy("adaptive:kmax=6")
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    for left, started in ((6, False), (64, True)):
+        plan = _decode_plan(1)
+        plan.rows[0].seq.max_tokens = plan.rows[0].seq.num_output + left
+        assert (pol._start_pair(plan, 0, 1, 4, 1) is not None) == started
+        pol._pair = None
+
+
+def test_a_drafting_batchs_choice_is_made_afresh_once_in_an_epoch(monkeypatch):
+    """After a step that drafted, a pure decode step's choice is remembered
+    for `decide_every` verifications of the same rows (a verification moves
+    a row's rate by one try; afresh each step the choice cost 20 us of a 0.7
+    ms step at batch 1 on the 2-core Xeon); after a plain step every
+    verification counts (there they are the pairs', the only news)."""
+    calls = []
+    real = SpecLengthPolicy._decision
+
+    def counted(self, *args):
+        calls.append(self.steps)
+        return real(self, *args)
+
+    monkeypatch.setattr(SpecLengthPolicy, "_decision", counted)
+    for every in (1, 4):
+        calls.clear()
+        pol = SpecLengthPolicy("adaptive:kmax=6", decide_every=every, probe_every=0, explore_every=1 << 20)
+        ks = _drive_requests(pol, lambda k: 1e-3 * ((1.5 + 0.1 * k) if k else 1.0), 0.8, steps=600, left=1 << 20,
+                             spikes=0.0)
+        steady = [s for s in calls if s > 100]
+        assert sum(k > 0 for k in ks[100:]) >= 0.95 * 500, ks[100:]  # drafting (but for a pair's steps)
+        assert len(steady) == pytest.approx(500 / every, rel=0.1), (every, len(steady))

@@ -285,7 +285,7 @@ def simulated_sweep(args, sizes, configs) -> list[dict]:
 def adaptive_state(stats: dict) -> dict:
     """What the adaptive length priced with at the end of a batch size."""
     return {key: stats[key] for key in ("spec_cost_ratio", "spec_acceptance", "spec_draft_fill", "spec_cost_pairs",
-                                        "spec_row_spread")}
+                                        "spec_cost_probes", "spec_row_spread")}
 
 
 def report(args, rows, configs) -> int:

@@ -54,7 +54,7 @@ def add_sim_speculative_args(g) -> None:
                    help="simulate speculative decoding: draft (a draft model whose steps --draft-profile prices) or "
                         "ngram (a proposer that costs nothing); drafts are accepted as --acceptance says")
     g.add_argument("--spec-length", type=_checked(SpecLengthSpec.parse), default=None, metavar="SPEC",
-                   help="none, fixed:K or adaptive[:kmax=K,per_row=0|1,settle=N] (the default with --speculative)")
+                   help="none, fixed:K or adaptive[:kmax=K,per_row=0|1,settle=N,probe=N] (the default with --speculative)")
     g.add_argument("--draft-profile", default=None, metavar="PROFILE",
                    help="the draft model's step latency: a built-in roofline name (e.g. h100:llama3.2-1b) or a "
                         "`stepserve profile` JSON")

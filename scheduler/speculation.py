@@ -59,8 +59,10 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              one in 256 for a length priced under
              0.9x the choice's rate once it has 3 pairs; later, while the pairs
              lose more than 1% of the time to the choice), so the costs keep
-             following the machine even where k = 0 wins, and a length chosen
-             on fewer than 3 pairs is paired at once; starting to draft cold
+             following the machine even where k = 0 wins, a length chosen
+             on fewer than 3 pairs is paired at once, and every length
+             measured on fewer than 3 (nor tied to one by probes) is paired
+             in its turn; starting to draft cold
              is priced (the draft model's catch-up, from the pairs' priming
              steps); past the longest length measured the line
              is not trusted to stay flat (it never prices below the extra time
@@ -1093,12 +1095,13 @@ class SpecLengthPolicy:
                 # EPYC: fixed:1 0.96-1.07x plain decoding, fixed:2 1.05-1.14x), and its price must not
                 # rest on the line through k = 1 and one early pair at k = 4
                 near = {min(max(best + d, 1), kmax) for d in ((1, 2) if best == 0 else (-1, 0, 1))}
-                # and the longest length measured while it has fewer than TRUSTED pairs: the line through it
-                # prices every length past the others, and its first pair may have been taken cold
+                # and every length measured on fewer than TRUSTED pairs (or probes against a trusted one): the
+                # line through the longest prices every length past the others, and a range's first pairs may
+                # have been taken cold (at batch 2 on the 2-core Xeon one first pair at k = 1 read 2.2 plain
+                # steps against 1.6 measured by fixed:1, and, left alone, priced the short lengths out)
                 measured = self.costs.measured(bucket)
                 trusted = self.costs.trusted(bucket, TRUSTED)
-                if measured and measured[-1] not in trusted:
-                    near.add(measured[-1])
+                near.update(k for k in measured if k not in trusted)
                 if best and self._probing():
                     # the lengths next to a drafting choice are priced by probes against it, a step each:
                     # its pairs (a step at 0 after `settle` more) are only what holds the range to plain decoding

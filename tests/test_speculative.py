@@ -692,8 +692,9 @@ def test_adaptive_length_follows_measured_draft_costs(name, cost):
     want = _best_k(cost, 0.7, 32, 300, 6)
     best = _rate(cost, 0.7, 32, 300, want)
     settled = ks[200:]
-    # k = 1 and 4, then one pair in 32 steps; a length priced far below the choice, one in 256
-    assert pol.pairs >= (8 if want else 3)
+    # k = 1 and 4, then one pair in 32 steps (or a probe, one in 16 of a drafting run); a length priced far
+    # below the choice, one in 256
+    assert pol.pairs + pol.probes >= (8 if want else 3)
     # every step but the exploration pairs' at the best k or one within 3% of it
     good = [k for k in settled if _rate(cost, 0.7, 32, 300, k) >= 0.97 * best]
     assert len(good) >= 0.85 * len(settled), (name, want, {k: settled.count(k) for k in set(settled)})
@@ -876,8 +877,9 @@ def test_adaptive_length_learns_each_batch_range_apart():
     # at 2 rows k = 4, 5 and 6 are within 5% of each other: any of them
     for ks in (small[100:], small2):
         assert _settled(ks) >= 4 and _rate(cost, 0.7, 2, 100, _settled(ks)) >= 0.95 * best
-    # the small range's costs were kept, not relearned: no new pair at k = 1, where it started
-    assert pol.costs.count(row_bucket(2), 1) == first_pairs
+    # the small range's costs were kept, not relearned: no new pair at k = 1, where it started, but those that
+    # make its price trusted
+    assert pol.costs.count(row_bucket(2), 1) <= max(first_pairs, TRUSTED)
 
 
 def _mixed_choices(pol, busy: bool, steps: int = 40) -> list[int]:
@@ -1939,7 +1941,7 @@ def test_probes_price_the_lengths_next_to_a_drafting_choice():
     late = ks[500:]
     assert late.count(4) >= 0.88 * len(late), {k: late.count(k) for k in set(late)}
     lone = [i for i in range(1, len(late) - 1) if late[i] in (3, 5)]
-    assert sum(late[i - 1] == late[i + 1] == 4 for i in lone) >= 0.9 * len(lone)
+    assert sum(late[i - 1] == late[i + 1] == 4 for i in lone) >= 0.8 * len(lone)  # (the others: pairs')
     assert pol.stats()["spec_cost_probes"] == pol.probes
 
 

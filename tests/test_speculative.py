@@ -2086,3 +2086,19 @@ def test_a_drafting_batchs_choice_is_made_afresh_once_in_an_epoch(monkeypatch):
         steady = [s for s in calls if s > 100]
         assert sum(k > 0 for k in ks[100:]) >= 0.95 * 500, ks[100:]  # drafting (but for a pair's steps)
         assert len(steady) == pytest.approx(500 / every, rel=0.1), (every, len(steady))
+
+
+def test_probes_move_the_prices_in_batches_once_a_ratio_has_a_few():
+    """Each move of the table makes the fit and the next choice be worked
+    out afresh: the first 3 probes of two neighbouring lengths move the
+    prices at once, later ones with every 4th probe of the range."""
+    t = DraftCostTable(kmax=8)
+    for k in (1, 4):
+        t.add(0, k, 1.5 + 0.1 * k)
+    moved = [t.add_probe(0, 4, 5, 1.1) for _ in range(11)]
+    assert moved == [True, True, True, False, False, False, True, False, False, False, True]
+    before = t.ratio(0, 5)
+    assert not t.add_probe(0, 4, 5, 2.0) and not t.add_probe(0, 4, 5, 2.0)
+    assert t.ratio(0, 5) == before  # (the two held back)
+    assert t.add_probe(0, 4, 3, 0.9)  # a new pair of lengths: at once
+    assert t.ratio(0, 5) != before

@@ -972,6 +972,7 @@ class _History:
     ngram_index = None
 
     def __init__(self, prompt: list[int]):
+        self.seq_id = next(_SEQ_IDS)
         self.token_ids = list(prompt)
         self.prompt_len = len(prompt)
         self.spec_tried = self.spec_accepted = 0
@@ -1100,6 +1101,45 @@ def test_every_position_of_a_request_is_replayed_once():
         pol.observe(plan, StepRecord(i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, 1e-3, 1e-3, 0.0))
     assert sorted(seen) == list(range(11, 50))  # the output's positions but its first, each once
     assert pol.replayed.total == 39
+
+
+def test_past_a_full_history_one_request_in_two_is_replayed_whole():
+    """Once the replayed history holds REPLAY_FULL positions, only requests
+    whose id is a multiple of REPLAY_SHARE are replayed, each whole (its
+    running replay and its tail), and a request begun before is replayed to
+    its end: the lookups cost ~10 us a position in the engine's loop."""
+    from stepserve.scheduler.speculation import REPLAY_FULL, REPLAY_SHARE
+
+    seen: dict[int, list[int]] = {}
+
+    def replay(seq, start, stop, k):
+        seen.setdefault(seq.seq_id, []).extend(range(start, stop))
+        return _counting_matches(seq, start, stop, k)
+
+    pol = SpecLengthPolicy("adaptive:kmax=4", replay=replay, replay_every=3)
+    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
+    seqs = []
+    step = 0
+    for _ in range(40):  # 40 requests of 40 tokens, one after another
+        seq = _History(list(range(10)))
+        seqs.append(seq)
+        for i in range(40):
+            plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
+            plan.sort_decode_first()
+            for r in plan.verify_rows:
+                r.draft, r.num_accepted = [0] * r.draft_len, 0
+            seq.token_ids.append(100 + i)
+            seq.finished = i == 39
+            pol.observe(plan, StepRecord(step, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, 1e-3, 1e-3,
+                                         0.0))
+            step += 1
+    assert pol.replayed.positions >= REPLAY_FULL
+    for seq in seqs:  # each replayed request whole, each position once
+        got = seen.get(seq.seq_id)
+        assert got is None or sorted(got) == list(range(11, 50)), seq.seq_id
+    late = [q.seq_id for q in seqs[-10:]]
+    assert {i for i in late if i in seen} == {i for i in late if i % REPLAY_SHARE == 0}
+    assert all(q.seq_id in seen for q in seqs[:5])  # before the history filled, every one
 
 
 def _regime_stream(rng, length: int, runs: tuple[int, int]) -> list[int]:

@@ -1088,19 +1088,24 @@ def test_every_position_of_a_request_is_replayed_once():
         return _counting_matches(seq, start, stop, k)
 
     pol = SpecLengthPolicy("adaptive:kmax=4", replay=replay, replay_every=3)
-    seq = _History(list(range(10)))
+    _decode_history(pol, _History(list(range(10))), 40)
+    assert sorted(seen) == list(range(11, 50))  # the output's positions but its first, each once
+    assert pol.replayed.total == 39
+
+
+def _decode_history(pol, seq, steps: int, first: int = 0) -> None:
+    """`steps` decode steps of one sequence through the policy (every draft
+    rejected, the tokens 100, 101, ...), the last finishing it."""
     view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
-    for i in range(40):
+    for i in range(steps):
         plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
         plan.sort_decode_first()
         for r in plan.verify_rows:
             r.draft, r.num_accepted = [0] * r.draft_len, 0
         seq.token_ids.append(100 + i)
-        if i == 39:
-            seq.finished = True
-        pol.observe(plan, StepRecord(i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, 1e-3, 1e-3, 0.0))
-    assert sorted(seen) == list(range(11, 50))  # the output's positions but its first, each once
-    assert pol.replayed.total == 39
+        seq.finished = i == steps - 1
+        pol.observe(plan, StepRecord(first + i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, 1e-3,
+                                     1e-3, 0.0))
 
 
 def test_past_a_full_history_one_request_in_two_is_replayed_whole():
@@ -1117,22 +1122,9 @@ def test_past_a_full_history_one_request_in_two_is_replayed_whole():
         return _counting_matches(seq, start, stop, k)
 
     pol = SpecLengthPolicy("adaptive:kmax=4", replay=replay, replay_every=3)
-    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
-    seqs = []
-    step = 0
-    for _ in range(40):  # 40 requests of 40 tokens, one after another
-        seq = _History(list(range(10)))
-        seqs.append(seq)
-        for i in range(40):
-            plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
-            plan.sort_decode_first()
-            for r in plan.verify_rows:
-                r.draft, r.num_accepted = [0] * r.draft_len, 0
-            seq.token_ids.append(100 + i)
-            seq.finished = i == 39
-            pol.observe(plan, StepRecord(step, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, 1e-3, 1e-3,
-                                         0.0))
-            step += 1
+    seqs = [_History(list(range(10))) for _ in range(40)]
+    for j, seq in enumerate(seqs):  # 40 requests of 40 tokens, one after another
+        _decode_history(pol, seq, 40, first=40 * j)
     assert pol.replayed.positions >= REPLAY_FULL
     for seq in seqs:  # each replayed request whole, each position once
         got = seen.get(seq.seq_id)

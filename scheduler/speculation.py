@@ -992,6 +992,7 @@ class SpecLengthPolicy:
         self._run_rows = 0
         self._run_steps = 0
         self._run: list[float] = []
+        self._calm = 0  # plain decode steps in a row, whatever their rows (`_track_run`)
         self._last_alike: int | None = None  # the k every row of the last step was asked for (None: not alike)
         self._memo: list[tuple] = []  # the last few (what a pure decode step's choice depends on, the choice)
         self._records = 0  # counts the steps that moved the acceptance estimate and some row's own record
@@ -1299,10 +1300,9 @@ class SpecLengthPolicy:
         primed = self.last_k > 0 and last_drafting == last_rows and len(plan.rows) == n and n <= last_rows
         if self.steps < self._held.get(bucket, 0):
             return None
-        if not primed and self.quiet and not (self._run_kind == 0 and self._run_rows == n
-                                              and self._run_steps >= self.quiet):
+        if not primed and self.quiet and self._calm < self.quiet:
             # from plain decoding, the pair's first step is its step at 0, measured at once: it must follow
-            # `quiet` plain steps of these rows, or it runs on caches that drafting or a prefill disturbed (on
+            # `quiet` plain decode steps, or it runs on caches that drafting or a prefill disturbed (on
             # the 2-core Xeon such steps took up to 2x a settled one at batch 1, and pairs started on a
             # request's first decode steps priced k = 4 at 1.0-1.2 plain steps against 2.0)
             return None
@@ -1757,9 +1757,10 @@ class SpecLengthPolicy:
     def _track_run(self, plan: StepPlan, record: StepRecord) -> None:
         """The run of steps like this one: the same rows, each decoding
         plainly or each drafting the same length (a cold step ends it). Its
-        steady steps are kept: a plain run's after its first `quiet`, unless
-        it follows a plain step (a pair's or a step with rows joining ends a
-        run of plain steps without disturbing the caches)."""
+        steady steps are kept: a drafting run's all, a plain run's once more
+        than `quiet` plain decode steps in a row have run (`_calm`: a row
+        that finishes or joins between them leaves the caches alone, a
+        drafting step or a prefill chunk does not)."""
         n = len(plan.rows)
         kind = None
         if not record.cold:
@@ -1767,12 +1768,13 @@ class SpecLengthPolicy:
                 kind = 0
             elif plan.num_verify == n and self._asked[2]:
                 kind = self._asked[2]
+        self._calm = self._calm + 1 if kind == 0 else 0
         if kind is not None and kind == self._run_kind and n == self._run_rows:
             self._run_steps += 1
         else:
             self._run_kind, self._run_rows, self._run_steps = kind, n, 1
             self._run = []
-        if kind is not None and (kind or self._run_steps > self.quiet):
+        if kind is not None and (kind or self._calm > self.quiet):
             self._run = self._run[1 - RUN:] + [record.wall_s]
 
     def _run_wall(self, record: StepRecord, kind: int, rows: int) -> float:

@@ -2046,7 +2046,8 @@ def test_a_cpu_pair_times_steady_steps():
     """On a CPU a plain step soon after drafting or a prefill runs slow
     (caches evicted), and single steps vary (on the 2-core Xeon one decode
     step in 5-10 took up to 2x). With `quiet` 3, a pair from plain decoding
-    starts only after 3 plain steps of its rows, and a pair's measured step
+    starts only after 3 plain decode steps in a row (rows may finish or join
+    between them), and a pair's measured step
     is the median of the last 3 steady steps like it: the plain run's after
     its first 3, a drafting run's all. With `quiet` 0 (a GPU, the
     simulator) a pair starts at once and a plain step is its own time."""
@@ -2069,6 +2070,18 @@ def test_a_cpu_pair_times_steady_steps():
             assert pol._run_wall(record, 0, 1) == pytest.approx(1.02e-3)  # not the spike
         else:
             assert all(startable) and pol._run_wall(record, 0, 1) == 2e-3
+    # a row finishing between plain steps leaves the caches alone: 3 plain steps of 40, 39 and 38 rows are quiet
+    # enough for a pair from plain decoding at 38 (a prefill chunk between them would not be)
+    pol = SpecLengthPolicy("adaptive:kmax=6", settle=CPU_SETTLE, quiet=CPU_QUIET)
+    view = EngineView(0.0, 40, 0, 10_000, 10_000, 4096, 2048)
+    for i, n in enumerate((40, 39, 38)):
+        plan = _decode_plan(n)
+        assert pol._start_pair(plan, row_bucket(n), n, 4, n) is None
+        pol._pair = None
+        pol.plan(plan, view)
+        plan.sort_decode_first()
+        pol.observe(plan, StepRecord(i, n, plan.num_decode, 100 * n, n, 1e-3, 1e-3, 0.0))
+    assert pol._start_pair(_decode_plan(38), row_bucket(38), 38, 4, 38) is not None
     # a drafting run: the median of its last 3 steps, on any device
     pol = SpecLengthPolicy("adaptive:kmax=6")
     for i, wall in enumerate((3.0, 1.9, 2.0, 2.1, 4.0)):

@@ -817,10 +817,12 @@ class _Probe:
         return self.to if self.done == 1 else self.k
 
 
-def pair_steps(k: int, primed: bool, settle: int = SETTLE) -> tuple[int, ...]:
+def pair_steps(k: int, primed: bool, settle: int = SETTLE, lead: int = 1) -> tuple[int, ...]:
     """An exploration pair's lengths (`_Pair`): from drafting (`primed`: the
-    rows drafted last step), k then `settle` steps at 0; else (0, k, k)."""
-    return (k,) + (0,) * settle if primed else (0, k, k)
+    rows drafted last step), k then `settle` steps at 0; else 0, then `lead`
+    steps at k (the first primes the proposer) and the one measured: (0, k,
+    k) where `lead` is 1."""
+    return (k,) + (0,) * settle if primed else (0,) + (k,) * (lead + 1)
 
 
 def _least_left(rows) -> int:
@@ -1308,7 +1310,11 @@ class SpecLengthPolicy:
             return None
         # what the choice would emit in the pair's steps, at the mean acceptance (not the optimistic price):
         # the pair's loss against it spaces the range's next pair (`_pair_step`)
-        steps = pair_steps(k, primed, self.settle)
+        # on a CPU the step right after the priming one runs slow too (the draft model's catch-up on whole
+        # prompts evicted the target's caches): at batch 2 on the 2-core Xeon it took 0.98-1.21 ms at k = 4
+        # against 0.67-0.84 in a drafting run, and pairs timing it priced k = 2-4 25% dear; one more step
+        # at k leads the measured one there
+        steps = pair_steps(k, primed, self.settle, lead=2 if self.quiet else 1)
         if n < PAIR_SLACK and _least_left(plan.rows) <= sum(steps) + len(steps):
             # a row would finish inside it (a pair of fewer rows is dropped as one leaves): in the last steps of
             # a batch of 2, pairs started on the one row left ran their steps at 0 and were dropped as it ended
@@ -1837,9 +1843,10 @@ class SpecLengthPolicy:
             # is the first primed one: the run before it is not like it
             wall = self._run_wall(record, k, n) * scale
         if not pair.measured(pair.done):  # priming the proposer, or settling back to plain decoding
-            if k and not record.cold:  # (a cold one prices no switch: the draft model's catch-up on a whole
-                # prompt runs shapes of its own, and at batch 2 such steps had priced starting to draft at 1.5
-                # plain steps, where warm ones put it at 0.15, and held k = 0 on most steps)
+            if k and pair.done == 1 and not record.cold:  # the priming step (a cold one prices no switch: the
+                # draft model's catch-up on a whole prompt runs shapes of its own, and at batch 2 such steps had
+                # priced starting to draft at 1.5 plain steps, where warm ones put it at 0.15, and held k = 0 on
+                # most steps)
                 pair.prime = wall
         elif k:
             # the cost of k drafts delivered to every row: a row the proposer gave fewer (a lookup

@@ -282,6 +282,7 @@ class AcceptanceEstimate:
         return [x / g for x in self._tried]
 
     def tried_first(self) -> float:
+        """`tried[0]`, without the other positions."""
         return self._tried[0] / self._g
 
     @property
@@ -321,7 +322,7 @@ class AcceptanceEstimate:
             rates = list(self._alpha())
             if rates:
                 a = rates[0]
-                n = self._tried[0] / self._g + self.prior_weight
+                n = self.tried_first() + self.prior_weight
                 rates[0] = min(a + self.optimism * math.sqrt(a * (1.0 - a) / n), 1.0)
             self._priced = rates
         return self._priced
@@ -511,7 +512,7 @@ class DraftCostTable:
         cell = cells[k]
         cell.append(float(ratio))
         del cell[: -self.window]
-        self._medians.setdefault(bucket, [0.0] * (self.kmax + 1))[k] = float(np.median(cell))
+        self._medians.setdefault(bucket, [0.0] * (self.kmax + 1))[k] = _median(cell)
         self._lines.pop(bucket, None)
         self._moved()
 
@@ -576,7 +577,7 @@ class DraftCostTable:
         cell = self._switches.setdefault(bucket, [])
         cell.append(float(extra))
         del cell[: -self.window]
-        self.switch[bucket] = float(np.median(cell))
+        self.switch[bucket] = _median(cell)
         self.version += 1
 
     def count(self, bucket: int, k: int) -> int:
@@ -989,10 +990,9 @@ class SpecLengthPolicy:
         # one dropped
         self._last_rows = (0, 0)  # (drafting rows, rows) of the last step
         # the run of steps like the last (`_track_run`): its kind (k drafts on every row, 0: plain decoding,
-        # None: neither), rows, length, and the wall times of its last RUN steady steps
+        # None: neither), rows, and the wall times of its last RUN steady steps
         self._run_kind: int | None = None
         self._run_rows = 0
-        self._run_steps = 0
         self._run: list[float] = []
         self._calm = 0  # plain decode steps in a row, whatever their rows (`_track_run`)
         self._last_alike: int | None = None  # the k every row of the last step was asked for (None: not alike)
@@ -1308,8 +1308,6 @@ class SpecLengthPolicy:
             # the 2-core Xeon such steps took up to 2x a settled one at batch 1, and pairs started on a
             # request's first decode steps priced k = 4 at 1.0-1.2 plain steps against 2.0)
             return None
-        # what the choice would emit in the pair's steps, at the mean acceptance (not the optimistic price):
-        # the pair's loss against it spaces the range's next pair (`_pair_step`)
         # on a CPU the step right after the priming one runs slow too (the draft model's catch-up on whole
         # prompts evicted the target's caches): at batch 2 on the 2-core Xeon it took 0.98-1.21 ms at k = 4
         # against 0.67-0.84 in a drafting run, and pairs timing it priced k = 2-4 25% dear; one more step
@@ -1319,6 +1317,8 @@ class SpecLengthPolicy:
             # a row would finish inside it (a pair of fewer rows is dropped as one leaves): in the last steps of
             # a batch of 2, pairs started on the one row left ran their steps at 0 and were dropped as it ended
             return None
+        # what the choice would emit in the pair's steps, at the mean acceptance (not the optimistic price):
+        # the pair's loss against it spaces the range's next pair (`_pair_step`)
         expected = self._source().expected(self.spec.kmax, priced=False)
         rate = self._rate(base, n, expected, bucket, self._best.get(bucket, 0)) if bucket in self._started else 0.0
         self._pair = pair = _Pair(bucket, n, k, steps=steps, rate=rate)
@@ -1775,10 +1775,8 @@ class SpecLengthPolicy:
             elif plan.num_verify == n and self._asked[2]:
                 kind = self._asked[2]
         self._calm = self._calm + 1 if kind == 0 else 0
-        if kind is not None and kind == self._run_kind and n == self._run_rows:
-            self._run_steps += 1
-        else:
-            self._run_kind, self._run_rows, self._run_steps = kind, n, 1
+        if kind != self._run_kind or n != self._run_rows:
+            self._run_kind, self._run_rows = kind, n
             self._run = []
         if kind is not None and (kind or self._calm > self.quiet):
             self._run = self._run[1 - RUN:] + [record.wall_s]

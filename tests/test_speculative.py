@@ -1925,26 +1925,27 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
 
 
 def _drive_requests(pol, cost, alpha: float, steps: int, seed: int = 0, left: int = 64, spikes: float = 0.2,
-                    slow_plain=None):
+                    noise: float = 0.05, slow=None):
     """One row at a time, requests of `left` tokens one after another (no
-    prefill steps): a step at k costs cost(k) with 5% noise, and one step in
-    1/spikes up to 1.4x more (a VM's hiccups; seen on the 2-core Xeon: one
-    decode step in 5-10 up to 2x). `slow_plain(i)`: a plain step's extra
-    factor, given the steps since the last that drafted (None: none). The
-    k per step, and the seqs."""
+    prefill steps): a step at k costs cost(k) with `noise` (relative
+    standard deviation), and one step in 1/spikes up to 1.4x more (a VM's
+    hiccups; seen on the 2-core Xeon: one decode step in 5-10 up to 2x).
+    `slow(k, run)`: a step's extra factor, given its k and how many steps in
+    a row, this one included, drafted (k > 0) or did not (None: none). The
+    k per step."""
     rng = np.random.default_rng(seed)
     view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
-    seq, ks, since = None, [], 1 << 20
+    seq, ks, run = None, [], 0
     for i in range(steps):
         if seq is None or seq.remaining_tokens < 2:
             seq = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0,
                             spec_last=-1, num_output=1, fork_children=[], remaining_tokens=left, num_tokens=101)
         plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
         k = _verify(plan, rng, alpha)
+        run = run + 1 if ks and (k > 0) == (ks[-1] > 0) else 1
         ks.append(k)
-        since = 0 if k else since + 1
-        noise = 0.4 * abs(rng.standard_normal()) if rng.random() < spikes else 0.05 * rng.standard_normal()
-        wall = cost(k) * (1 + noise) * (slow_plain(since) if slow_plain is not None and not k else 1.0)
+        extra = 0.4 * abs(rng.standard_normal()) if rng.random() < spikes else noise * rng.standard_normal()
+        wall = cost(k) * (1 + extra) * (slow(k, run) if slow is not None else 1.0)
         pol.observe(plan, StepRecord(i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, wall, wall, 0.0))
         seq.token_ids.extend([0] * (1 + plan.rows[0].num_accepted))
     return ks
@@ -2160,25 +2161,15 @@ def test_a_cpu_pair_from_plain_decoding_times_a_settled_step_at_k(quiet):
     (`quiet` 0, as on a GPU, where it does not run slow) prices them 30-50%
     dear here."""
     assert pair_steps(4, False, CPU_SETTLE, lead=2) == (0, 4, 4, 4)
-    rng = np.random.default_rng(0)
     pol = SpecLengthPolicy("adaptive:kmax=4", settle=CPU_SETTLE, quiet=quiet)
-    view = EngineView(0.0, 1, 0, 10_000, 10_000, 4096, 2048)
-    seq, drafting = None, 0
 
     def cost(k):
         return 1e-3 * ((1.9 + 0.2 * k) if k else 1.0)
 
-    for i in range(3000):
-        if seq is None or seq.remaining_tokens < 2:
-            seq = _spec_seq(speculative=True, spec_tried=0, spec_accepted=0, spec_block=(0, 0), spec_prev_rate=-1.0,
-                            spec_last=-1, num_output=1, fork_children=[], remaining_tokens=64, num_tokens=101)
-        plan = pol.plan(StepPlan(rows=[ScheduledRow(seq, seq.num_tokens - 1, 1, True)]), view)
-        k = _verify(plan, rng, 0.5)
-        drafting = drafting + 1 if k else 0
-        slow = 3.0 if drafting == 1 else 1.5 if drafting == 2 else 1.0  # the priming step, the one after it
-        wall = cost(k) * slow * (1 + 0.02 * rng.standard_normal())
-        pol.observe(plan, StepRecord(i, 1, plan.num_decode, seq.num_tokens, plan.num_new_tokens, wall, wall, 0.0))
-        seq.token_ids.extend([0] * (1 + plan.rows[0].num_accepted))
+    def slow(k, run):  # the priming step, and the one after it
+        return (3.0 if run == 1 else 1.5 if run == 2 else 1.0) if k else 1.0
+
+    _drive_requests(pol, cost, 0.5, steps=3000, spikes=0.0, noise=0.02, slow=slow)
     for k in (1, 2):
         assert pol.costs.count(0, k) >= 3
         err = pol.costs.ratio(0, k) / (cost(k) / cost(0)) - 1.0

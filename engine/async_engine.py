@@ -39,7 +39,7 @@ from typing import Any, AsyncIterator, Callable, NamedTuple, Sequence
 
 import torch
 
-from stepserve.engine.engine import Engine, EngineConfig, EngineStats, KVReport
+from stepserve.engine.engine import CacheFlush, Engine, EngineConfig, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
 from stepserve.engine.step_log import StepLog
@@ -334,6 +334,10 @@ class AsyncEngine:
 
     async def stats(self, since_step: int = -1) -> EngineStats:
         return await asyncio.wrap_future(self.call(Engine.stats, since_step))
+
+    async def flush_cache(self) -> CacheFlush:
+        """Empties the prefix cache between steps (`Engine.flush_cache`)."""
+        return await asyncio.wrap_future(self.call(Engine.flush_cache))
 
     async def kv_report(self) -> KVReport:
         """Runs the KV integrity check on the loop (an AssertionError if it fails)."""

@@ -210,6 +210,14 @@ class KVReport:
     capacity: int
 
 
+@dataclass
+class CacheFlush:
+    """`Engine.flush_cache()`: what the prefix cache gave back, and what it kept."""
+
+    freed: int  # cached slots freed (tokens of prefixes no request held)
+    held: int  # cached slots kept: prefixes running or waiting requests hold
+
+
 def _needs_tokens(seq) -> bool:
     """A sequence whose sampling reads its output on the host (a grammar's
     state): under the overlap schedule its step is sampled only once the
@@ -801,6 +809,16 @@ class Engine:
             last_step=self.step_id - 1,
             policy=policy_stats(self.policies),
         )
+
+    def flush_cache(self) -> CacheFlush:
+        """Empties the prefix cache of every prefix no request holds (SGLang's
+        `/flush_cache`, vLLM's `reset_prefix_cache`), so that the next requests
+        find it cold; the prefixes of running and waiting requests stay, locked,
+        and go when those requests finish. Both models' KV (a draft model's
+        shares the slots) are freed together."""
+        tree = self.scheduler.kv.tree
+        freed = tree.evict(tree.evictable_size())
+        return CacheFlush(freed=freed, held=tree.protected_size())
 
     def kv_report(self) -> KVReport:
         """Runs the KV integrity check (raises on a violation) and reports sizes."""

@@ -55,6 +55,12 @@ class LLM:
             self.engine.step()
         return [r.output(delta=False) for r in reqs]
 
+    def reset_prefix_cache(self) -> bool:
+        """Empties the prefix cache (vLLM's `LLM.reset_prefix_cache`); between
+        `generate` calls no request holds a prefix, so all of it goes."""
+        self.engine.flush_cache()
+        return True
+
     def chat(
         self,
         messages: list[dict] | Sequence[list[dict]],

@@ -143,6 +143,18 @@ def create_app(async_engine, settings: ServerSettings,
             return SafeJSONResponse({"status": "draining"}, status_code=503)
         return SafeJSONResponse({"status": "ok"})
 
+    async def flush_cache():
+        """SGLang's `/flush_cache` (GET or POST) and vLLM's `POST /reset_prefix_cache`:
+        the prefix cache let go of every prefix no request holds, so that a
+        benchmark's next run starts cold. Prefixes of requests in flight stay
+        until they finish (SGLang refuses while any run; this never fails)."""
+        f = await async_engine.flush_cache()  # a dead engine: EngineDeadError, answered 503 as everywhere
+        log.info("prefix cache flushed: %d cached tokens freed, %d held by requests in flight", f.freed, f.held)
+        return SafeJSONResponse({"object": "cache.flush", "flushed_tokens": f.freed, "held_tokens": f.held})
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+    app.add_api_route("/reset_prefix_cache", flush_cache, methods=["POST"])
+
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(await metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -307,3 +307,40 @@ def test_a_switch_given_as_a_string_is_refused(name):
     # "no" is truthy: taken as it is, prefix_caching="no" would turn caching on
     with pytest.raises(ValueError, match=f"{name} must be True or False"):
         EngineConfig(**{name: "no"})
+
+
+def test_flush_cache_frees_every_prefix_no_request_holds(llm):
+    """`LLM.reset_prefix_cache` / `Engine.flush_cache`: a prompt served before
+    is a prefix hit, and after a flush a miss; a flush while a request runs
+    keeps that request's prefix (it finishes as it would have) and frees the
+    rest, with the KV accounts whole after each."""
+    eng = llm.engine
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    a = ids(llm, "In the beginning God created the heaven and the earth. And the earth was without form")
+    b = ids(llm, "And God said, Let there be light: and there was light. And God saw the light")
+    first = llm.generate([a, b], greedy)
+    assert llm.generate([a], greedy)[0].num_cached_tokens == len(a) - 1  # warm: all but the last prompt token
+    assert llm.reset_prefix_cache() is True
+    assert_idle(eng)
+    assert eng.scheduler.kv.tree.total_size() == 0
+    cold = llm.generate([a], greedy)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first[0].outputs[0].token_ids
+
+    # a flush between steps of a running request: its prefix stays, b's cached KV goes
+    llm.generate([b], greedy)
+    req = eng.add_request(a, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    while len(req.output(delta=False).outputs[0].token_ids) < 3:
+        eng.step()
+    tree = eng.scheduler.kv.tree
+    evictable, held = tree.evictable_size(), tree.protected_size()
+    assert evictable >= len(b) and held >= len(a) - 1  # b's prompt and output; a's prompt, locked by a
+    f = eng.flush_cache()
+    assert (f.freed, f.held) == (evictable, held) and tree.total_size() == held
+    eng.check()
+    while eng.has_unfinished():
+        eng.step()
+    out = req.output(delta=False).outputs[0].token_ids
+    assert out[:6] == first[0].outputs[0].token_ids and len(out) == 12
+    assert_idle(eng)
+    assert llm.generate([b], greedy)[0].num_cached_tokens == 0  # flushed while a ran
+    assert llm.generate([a], greedy)[0].num_cached_tokens == len(a) - 1  # a's own, kept and cached on finishing

@@ -247,6 +247,43 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
               "--replays", str(tmp_path / "runs"), "--no-progress"])
 
 
+def test_each_replay_starts_from_a_flushed_prefix_cache(server, tmp_path):
+    """A replay empties the server's prefix cache first (`--flush-cache`, on by
+    default), so the same prompts sent again, by a second invocation with the
+    same seed, miss the cache as a simulation's would; `--no-flush-cache`
+    leaves them to hit. SGLang's and vLLM's routes both answer."""
+    from stepserve.cli import main
+
+    trace = "synthetic:num=6,rate=50,input=uniform:20:40,output=uniform:2:4,seed=5"  # no shared prefixes
+
+    def run(name: str, *more: str) -> dict:
+        out = tmp_path / f"{name}.json"
+        assert main(["replay", "--trace", trace, "--url", server, "--seed", "11", "--out", str(out),
+                     "--no-progress", *more]) == 0
+        rep = json.loads(out.read_text())
+        assert rep["num_completed"] == 6
+        return rep
+
+    first = run("first")
+    assert first["config"]["cache_flush"]["route"] == "/flush_cache"
+    warm = run("warm", "--no-flush-cache")
+    assert warm["config"]["cache_flush"] is None
+    assert [r["cached_tokens"] for r in warm["requests"]] == [r["prompt_tokens"] - 1 for r in warm["requests"]]
+    cold = run("cold")
+    assert [r["cached_tokens"] for r in cold["requests"]] == [0] * 6
+    prompts = sum(r["prompt_tokens"] for r in first["requests"])
+    assert cold["config"]["cache_flush"]["flushed_tokens"] >= prompts  # the prompts (and outputs) sent twice
+    assert cold["config"]["cache_flush"]["held_tokens"] == 0
+
+    for method, route in (("GET", "/flush_cache"), ("POST", "/flush_cache"), ("POST", "/reset_prefix_cache")):
+        r = httpx.request(method, server + route, timeout=30)
+        assert r.status_code == 200 and r.json()["object"] == "cache.flush", (route, r.text)
+        assert r.json()["held_tokens"] == 0
+        # the cold run's prompts, cached when it finished, go with the first; nothing is left for the others
+        assert (r.json()["flushed_tokens"] >= prompts) if route == "/flush_cache" and method == "GET" \
+            else r.json()["flushed_tokens"] == 0
+
+
 def test_bench_serve_compares_http_with_offline_on_the_same_prompts(llama_ckpt, tmp_path, capsys):
     """`stepserve bench serve` starts its own server (engine in a child
     process), streams every prompt through it and through the offline engine,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,7 @@ class ReplayConfig:
     warmup: int = 1  # untimed requests first (lazy initialisation, kernel builds)
     progress: bool = True
     max_concurrency: int | None = None  # requests in flight at most; later arrivals wait for a completion
+    flush_cache: bool = False  # empty the server's prefix cache before the run (after the warm-up)
 
 
 def server_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> ServerInfo:
@@ -112,6 +114,7 @@ class Replayer:
         self.native_url = cfg.url.rstrip("/") + "/generate"  # fork/join requests (`stages`)
         self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
         self._session = None
+        self.flushed: dict | None = None  # the server's answer to the cache flush, when one was asked for
 
     @property
     def session(self):
@@ -207,8 +210,31 @@ class Replayer:
             if rec.error:
                 raise RuntimeError(f"warm-up request failed: {rec.error}")
 
+    async def flush_cache(self) -> dict:
+        """Empties the server's prefix cache, so that this run finds none of an
+        earlier run's prompts there (as a simulation, which starts cold, does):
+        stepserve's and SGLang's `/flush_cache`, else vLLM's
+        `/reset_prefix_cache`. A server with neither gets a warning, once, and
+        the run goes on; the answer is kept in `flushed`."""
+        base = self.cfg.url.rstrip("/")
+        for route in ("/flush_cache", "/reset_prefix_cache"):
+            async with self.session.post(base + route, headers=self.headers) as resp:
+                if resp.status == 404:
+                    continue
+                if resp.status != 200:
+                    raise RuntimeError(f"{route} answered HTTP {resp.status}: {(await resp.text())[:300]}")
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    body = None
+                return {"route": route, **(body if isinstance(body, dict) else {})}
+        _warn_no_flush(base)
+        return {"route": None}
+
     async def run(self, specs: list[RequestSpec]) -> tuple[list[RequestRecord], float]:
         await self._warmup()
+        if self.cfg.flush_cache:
+            self.flushed = await self.flush_cache()
         records = [RequestRecord(s.request_id, s.arrival_s, s.prompt_len, n=s.n, stages=1 + len(s.stages))
                    for s in specs]
         bar = progress_bar(len(specs), "replay", "req", self.cfg.progress)
@@ -240,10 +266,21 @@ class Replayer:
         return records, duration
 
 
+_WARNED_NO_FLUSH: set[str] = set()
+
+
+def _warn_no_flush(base: str) -> None:
+    if base not in _WARNED_NO_FLUSH:
+        _WARNED_NO_FLUSH.add(base)
+        print(f"warning: {base} has no /flush_cache or /reset_prefix_cache route: each run may find the prompts "
+              "of the runs before it in the server's prefix cache", file=sys.stderr)
+
+
 def replay(specs: list[RequestSpec], cfg: ReplayConfig, info: ServerInfo | None = None):
-    """(records, duration_s, t0_epoch) of one replay of `specs` (already scaled):
-    the records' times count from t0_epoch (wall-clock seconds)."""
+    """(records, duration_s, t0_epoch, flushed) of one replay of `specs` (already
+    scaled): the records' times count from t0_epoch (wall-clock seconds);
+    flushed is the server's answer to the cache flush (None: not asked for)."""
     info = info or server_info(cfg.url, cfg.api_key)
     r = Replayer(cfg, info)
     records, duration = asyncio.run(r.run(specs))
-    return records, duration, r.t0_epoch
+    return records, duration, r.t0_epoch, r.flushed

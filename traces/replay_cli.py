@@ -18,6 +18,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None)
     g.add_argument("--warmup", type=int, default=1, help="untimed requests before the run")
     g.add_argument("--request-timeout", type=float, default=3600.0)
+    g.add_argument("--flush-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="empty the server's prefix cache before each run (POST /flush_cache, or vLLM's "
+                        "/reset_prefix_cache), so that no run finds an earlier run's or invocation's prompts "
+                        "cached, as a simulation does not (default: on)")
 
 
 def add_replay_args(p: argparse.ArgumentParser) -> None:
@@ -60,8 +64,10 @@ def run_replay(args) -> int:
 
 
 def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
-    """The report of one replay of `specs` (the k-th of a sweep: its own prompt
-    seed, so the server's cache never serves one run's prompts to the next)."""
+    """The report of one replay of `specs`, the k-th of a sweep: its own prompt
+    seed, and (`--flush-cache`) the server's prefix cache emptied first, so
+    that it serves no run the prompts of another, of this sweep or an earlier
+    one against the same server."""
     from stepserve.traces.metrics import percentiles
     from stepserve.traces.replay import ReplayConfig, replay
     from stepserve.traces.report import build_report
@@ -69,10 +75,10 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
     cfg = ReplayConfig(url=args.url, model=args.served_model, api_key=args.api_key, vocab_size=args.vocab_size,
                        seed=args.seed + k, warmup=args.warmup if k == 0 else 0,
                        timeout_s=args.request_timeout, progress=not args.no_progress,
-                       max_concurrency=args.max_concurrency)
+                       max_concurrency=args.max_concurrency, flush_cache=args.flush_cache)
     print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
           file=sys.stderr)
-    records, duration, t0_epoch = replay(specs, cfg, info)
+    records, duration, t0_epoch, flushed = replay(specs, cfg, info)
     lag = [r.start_s - r.arrival_s for r in records if r.start_s is not None]
     return build_report(
         mode="replay", records=records, duration_s=duration, slo=slo, trace=trace.info(),
@@ -80,7 +86,7 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
         config={"url": args.url, "model": cfg.model or info.model, "server_max_model_len": info.max_model_len,
                 "vocab_size": cfg.vocab_size or info.vocab_size, "prompt_seed": cfg.seed,
                 "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup,
-                "max_concurrency": args.max_concurrency},
+                "max_concurrency": args.max_concurrency, "cache_flush": flushed},
         extra={"client_lag_s": percentiles(lag), "t0_epoch": t0_epoch},
         with_itl=not args.no_itl_records,
     )

@@ -815,9 +815,13 @@ class Engine:
         `/flush_cache`, vLLM's `reset_prefix_cache`), so that the next requests
         find it cold; the prefixes of running and waiting requests stay, locked,
         and go when those requests finish. Both models' KV (a draft model's
-        shares the slots) are freed together."""
-        tree = self.scheduler.kv.tree
+        shares the slots) are freed together, and the free slots are put back
+        in order (`SlotAllocator.compact`), so that the next requests' KV lies
+        in contiguous runs, as on a fresh engine, whatever the churn before."""
+        kv = self.scheduler.kv
+        tree = kv.tree
         freed = tree.evict(tree.evictable_size())
+        kv.allocator.compact()
         return CacheFlush(freed=freed, held=tree.protected_size())
 
     def kv_report(self) -> KVReport:

@@ -97,6 +97,14 @@ class SlotAllocator:
         self._pending.append(chunk)
         self._pending_count += chunk.numel()
 
+    def compact(self) -> None:
+        """Every free slot back in ascending order, as in a fresh pool: the
+        next allocations are contiguous runs from the lowest free slot, not
+        the newest-freed-first order that churn has scattered over the pool
+        (`Engine.flush_cache`: a flushed engine then lays out KV as a fresh one)."""
+        self._merge()
+        self._free = torch.sort(self._free).values
+
     def free_slots(self) -> torch.Tensor:
         """All free slots, as a fresh tensor (for integrity checks)."""
         self._merge()

@@ -323,6 +323,9 @@ def test_flush_cache_frees_every_prefix_no_request_holds(llm):
     assert llm.reset_prefix_cache() is True
     assert_idle(eng)
     assert eng.scheduler.kv.tree.total_size() == 0
+    slots = eng.scheduler.kv.allocator.alloc(3)  # laid out again as in a fresh pool: the lowest slots first
+    assert slots.tolist() == [1, 2, 3]
+    eng.scheduler.kv.allocator.free(slots)
     cold = llm.generate([a], greedy)[0]
     assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == first[0].outputs[0].token_ids
 

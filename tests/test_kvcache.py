@@ -80,6 +80,29 @@ def test_slots_freed_last_are_handed_out_first_so_those_in_use_stay_compact():
     assert sorted(held.tolist() + a.free_slots().tolist()) == list(range(1, 10_000))
 
 
+def test_compact_puts_the_free_slots_back_in_order_as_in_a_fresh_pool():
+    """After churn a request's slots come from chunks freed in any order;
+    `compact` hands out contiguous ascending runs again, around the slots
+    still held, and loses or duplicates none."""
+    import random
+
+    rng = random.Random(1)
+    a = SlotAllocator(1_000)
+    chunks = [a.alloc(rng.randint(1, 30)) for _ in range(30)]
+    rng.shuffle(chunks)
+    held = chunks.pop()
+    for c in chunks:
+        a.free(c)
+    taken = a.alloc(40)
+    assert taken.tolist() != sorted(taken.tolist())  # scattered: the newest freed chunks first
+    a.compact()
+    free = a.free_slots().tolist()
+    assert free == sorted(free) and len(free) == a.available()
+    got = a.alloc(50).tolist()
+    assert got == free[:50]
+    assert sorted(held.tolist() + taken.tolist() + got + a.free_slots().tolist()) == list(range(1, 1_000))
+
+
 def test_free_copies_so_caller_can_reuse_its_buffer():
     a = SlotAllocator(6)
     table = torch.zeros(8, dtype=torch.int64)

@@ -68,6 +68,7 @@ named `DEVICE[xN]:MODEL` (e.g. `h100:llama3-8b`, `a10x8:llama2-70b`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from bisect import bisect_right
@@ -604,6 +605,20 @@ class ServingCosts:
                 an idle engine a request comes with its entry_s instead: the
                 blocking poll returns with it.) Step logs of a 2-core server:
                 0.09-0.16 ms per request, more for longer prompts.
+    cold        extra time of the first decode steps after a step that ran
+                prompt tokens (a prefill or extend chunk, or a verification):
+                ((a_1, b_1), (a_2, b_2), ...), the j-th such step taking
+                sqrt(P) * (a_j + b_j * t) longer than the model's t, for
+                the P prompt tokens of that step (`cold_extra`). The chunk's
+                activations push the weights and the KV out of the caches,
+                and the decode steps after it read them back: on the 2-core
+                Xeon the first ran 1.3-2.1x the model's time after a chunk
+                of 50-400 tokens, the second 1.2-1.7x, the third 1.0-1.2x,
+                growing with the chunk, where a long run of decode steps
+                runs at 0.96x. A model fitted on every busy step priced the
+                steady steps a few percent high and the cold ones far low,
+                and at a light load, where every request's first decode
+                steps follow its prompt's, TPOT came out 14% low.
 
     The step policies (TAPER, speculation) choose between plans of one step
     of a busy engine: delivery does not change a step's time, a busy engine
@@ -624,14 +639,17 @@ class ServingCosts:
     loop_s: float = 0.0
     loop_row_s: float = 0.0
     intake_s: float = 0.0
+    cold: tuple[tuple[float, float], ...] = ()
 
     SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s")
-    KEYS = SCALARS + ("wake_curve",)
+    KEYS = SCALARS + ("wake_curve", "cold")
 
     def __post_init__(self):
         xs = [x for x, _ in self.wake_curve]
         if any(b <= a for a, b in zip(xs, xs[1:])) or any(x <= 0 for x in xs):
             raise ValueError(f"wake_curve: idle times must be positive and increasing, got {xs}")
+        if any(len(c) != 2 or c[0] < 0 or c[1] < 0 for c in self.cold):
+            raise ValueError(f"cold: (a, b) pairs of non-negative numbers, got {self.cold}")
 
     @classmethod
     def from_engine(cls, engine: dict) -> "ServingCosts":
@@ -643,12 +661,23 @@ class ServingCosts:
             kw["delivery_s"] = float(engine["request_overhead_s"])
         if engine.get("wake_curve"):
             kw["wake_curve"] = tuple((float(x), float(y)) for x, y in engine["wake_curve"])
+        if engine.get("cold"):
+            kw["cold"] = tuple((float(a), float(b)) for a, b in engine["cold"])
         return cls(**kw)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.SCALARS}
         d["wake_curve"] = [list(p) for p in self.wake_curve]
+        d["cold"] = [list(c) for c in self.cold]
         return d
+
+    def cold_extra(self, j: int, tokens: int, step_s: float) -> float:
+        """Extra time of the j-th decode step (1, 2, ...) after a step that ran
+        `tokens` prompt tokens, whose model time is `step_s` (`cold`)."""
+        if not 0 < j <= len(self.cold) or tokens <= 0:
+            return 0.0
+        a, b = self.cold[j - 1]
+        return math.sqrt(tokens) * (a + b * step_s)
 
     def wake(self, idle_s: float) -> float:
         """Extra time of a step after `idle_s` seconds of idling."""

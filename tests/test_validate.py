@@ -103,12 +103,145 @@ def test_engine_view_measures_the_speed_window_by_window():
     run = v["speed"]["step"]
     assert run == pytest.approx((0.99 + 0.98 + 0.05) / (0.99 + 0.49 + 0.05))  # measured / predicted busy time
     assert v["speed"]["loop"] == pytest.approx(gaps / pred)
-    (w0, a0, _, l0), (w1, a1, _, l1), (w2, a2, _, l2) = v["speed_windows"]
+    (w0, a0, _, l0, c0), (w1, a1, _, l1, c1), (w2, a2, _, l2, c2) = v["speed_windows"]
     assert (w0, w1, w2) == (0.0, 1.0, 2.0)
+    assert c0 is c1 is c2 is None  # no cold steps priced: nothing to scale
     assert a0 == pytest.approx(1.0) and a1 == pytest.approx(2.0) and a2 == pytest.approx(run)
     assert l0 == pytest.approx(1.0) and l1 == pytest.approx(3.0) and l2 == pytest.approx(gaps / pred)
     assert step_log_view(lines, real, model)["speed_windows"] is None
     assert step_log_view(lines, real, model)["speed"]["loop"] is None  # no profile costs to measure it against
+
+
+def test_the_speed_is_fitted_to_the_steps_less_the_wake_up_the_simulation_adds():
+    """A light load: every prompt reaches an idle engine, and its prefill step
+    takes the model's time plus the profile's wake-up for the idling before
+    it; the decode steps take the model's time. The machine ran at the
+    profile's speed, and both factors say so: the simulation adds the
+    wake-up itself, so fitted to the whole times (no costs to take it off)
+    the wake-ups went into the per-token factor and were charged twice."""
+    from stepserve.traces.calibrate import features
+
+    model = LinearLatencyModel("linear", [1e-3, 1e-4, 0.0, 2e-5])
+    costs = ServingCosts(wake_s=2e-3, wake_curve=((0.01, 1e-3), (0.1, 2e-3)))
+    lines, t = [], 100.0
+    for i in range(60):
+        idle = 0.005 + 0.002 * i
+        t += idle
+        new = 50 + 3 * i
+        ln = _line(t, wait=idle, adds=1, step=0.0, new=new)
+        ln["decode_rows"] = 0
+        f = features(ln)
+        ln["step"] = model.predict_features(f) + costs.wake(idle)
+        lines.append(ln)
+        t += ln["step"]
+        for rows in (1, 2, 2, 1):
+            ln = _line(t, step=0.0, rows=rows, new=rows)
+            ln["step"] = model.predict_features(features(ln))
+            lines.append(ln)
+            t += ln["step"]
+    real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
+    v = step_log_view(lines, real, model, window_s=1.0, costs=costs)
+    assert v["speed"]["step"] == pytest.approx(1.0) and v["speed"]["token"] == pytest.approx(1.0)
+    for _, a, b, _, _ in v["speed_windows"]:
+        assert a == pytest.approx(1.0) and b == pytest.approx(1.0)
+    assert v["steps_after_idle"] == 60 and v["wake_extra_s_p50"] > 1e-3  # the view still shows the wake-ups
+    blind = step_log_view(lines, real, model)  # no profile costs: the wake-ups are read as slow tokens
+    assert blind["speed"]["token"] > 1.2
+
+
+def _cold_log(truth, cold, rng, reps=60, scale=1.0):
+    """Lines of a busy engine: a chunk of P prompt tokens beside B decode rows,
+    then 8 decode steps of the B rows, the j-th taking the model's t plus
+    scale * sqrt(P) * (a_j + b_j * t) for the (a_j, b_j) of `cold` (the
+    steps after it: t); every step times a +-3% scatter."""
+    import math
+
+    lines, t = [], 1000.0
+
+    def step(rows, ctx, new, extra_of=None):
+        nonlocal t
+        dt = truth.predict(rows, ctx, new, 0.0)
+        dt = (dt + (extra_of(dt) if extra_of else 0.0)) * rng.uniform(0.97, 1.03)
+        lines.append({"t": t, "wait": 0.0, "adds": 0, "cmd": 0.0, "rows": rows, "decode_rows": rows - (new > rows),
+                      "ctx": ctx, "new": new, "pairs": 0.0, "step": dt, "fwd": dt, "out": 0.0, "emit": 0.0,
+                      "outs": rows})
+        t += dt + 1e-4
+
+    for _ in range(reps):
+        b, p = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([16, 64, 256, 1024])
+        step(b + 1, b * 200 + p, b + p)
+        for j in range(1, 9):
+            a_b = cold[j - 1] if j <= len(cold) else None
+            step(b, b * 200 + 8 * j, b, (lambda t_, ab=a_b: scale * math.sqrt(p) * (ab[0] + ab[1] * t_)) if a_b else None)
+    return lines, t
+
+
+def test_calibration_prices_the_decode_steps_that_follow_a_prompt():
+    """The first decode steps after a chunk run slow by an amount growing with
+    the chunk and the step: calibration recovers each one's (a, b), prices
+    the third (not slow here) at nothing, and fits the step model on the
+    rest, which the slow steps no longer pull up."""
+    import random
+
+    from stepserve.traces.calibrate import calibrate
+
+    truth = LinearLatencyModel("linear", [0.6e-3, 5e-5, 3e-7, 2e-5])
+    cold = ((25e-6, 0.004), (10e-6, 0.005))
+    lines, t = _cold_log(truth, cold, random.Random(2))
+    cal = calibrate(lines, [], 0.0, t + 1, form="linear")
+    got = cal["costs"].cold
+    assert len(got) == 3 and cal["samples"]["cold"] == [60, 60, 60]
+    for (a, b), (ta, tb) in zip(got, cold):
+        assert a == pytest.approx(ta, rel=0.25, abs=2e-6) and b == pytest.approx(tb, rel=0.25, abs=5e-4)
+    assert got[2][0] < 2e-6 and got[2][1] < 5e-4
+    assert cal["model"].coef == pytest.approx(truth.coef, rel=0.05, abs=2e-7)
+
+
+def test_a_run_colder_than_the_profile_is_simulated_at_its_own_cold_factor():
+    """A run whose cold steps take twice the extra the profile prices: the
+    speed factors come from the other steps (the machine's speed, here the
+    profile's), and the cold steps give a factor of 2 of their own, which
+    every speed window carries to the simulation."""
+    import random
+
+    truth = LinearLatencyModel("linear", [0.6e-3, 5e-5, 3e-7, 2e-5])
+    cold = ((25e-6, 0.004), (10e-6, 0.005))
+    costs = ServingCosts(cold=cold)
+    lines, t = _cold_log(truth, cold, random.Random(3), reps=120, scale=2.0)
+    real = {"t0_epoch": 1000.0, "requests": [{"start_s": 0.0, "end_s": t - 1000.0}]}
+    v = step_log_view(lines, real, truth, window_s=1.0, costs=costs)
+    assert v["speed"]["step"] == pytest.approx(1.0, abs=0.02) and v["speed"]["token"] == pytest.approx(1.0, abs=0.05)
+    assert v["speed"]["cold"] == pytest.approx(2.0, rel=0.05)
+    assert all(w[4] == v["speed"]["cold"] for w in v["speed_windows"])
+
+
+def test_the_simulator_adds_the_cold_steps_extra_after_each_prompt():
+    """SimRunner: the j-th decode step after a step with P prompt tokens takes
+    sqrt(P) * (a_j + b_j * t) more, times the speed window's cold factor;
+    past the last j, and in a step with prompt tokens, nothing."""
+    from types import SimpleNamespace
+
+    from stepserve.scheduler.latency_model import StepFeatures
+    from stepserve.traces.simulator import SimRunner, VirtualClock
+
+    model = LinearLatencyModel("linear", [1e-3, 0.0, 0.0, 0.0])
+    clock = VirtualClock()
+    r = SimRunner(model, clock, costs=ServingCosts(cold=((1e-5, 0.01), (2e-6, 0.0))),
+                  speed_schedule=[[0.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 3.0]])
+    r.idle_s = 0.0
+
+    def step(rows, new, decode):
+        t = clock.t
+        r.run(SimpleNamespace(num_decode=decode, num_verify=0, samples=[0] * rows), StepFeatures(rows, 10, new))
+        return clock.t - t
+
+    assert step(2, 101, 1) == pytest.approx(1e-3)  # 100 prompt tokens: sqrt 10
+    assert step(2, 2, 2) == pytest.approx(1e-3 + 10 * (1e-5 + 0.01 * 1e-3))
+    assert step(2, 2, 2) == pytest.approx(1e-3 + 10 * 2e-6)
+    assert step(2, 2, 2) == pytest.approx(1e-3)
+    clock.t = 1.5  # the second window: its cold factor 3
+    assert step(1, 16, 0) == pytest.approx(1e-3)  # 16 prompt tokens, no decode row
+    assert step(1, 1, 1) == pytest.approx(1e-3 + 3 * 4 * (1e-5 + 0.01 * 1e-3))
 
 
 def _report(rate, goodput, attainment, ttft, tpot):
@@ -499,7 +632,7 @@ def test_a_window_whose_two_factors_stray_scales_the_runs_two():
     real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
     v = step_log_view(lines, real, model, window_s=10.0)
     a, b = v["speed"]["step"], v["speed"]["token"]
-    (_, a0, b0, _), (_, a1, b1, _), (_, a2, b2, _) = v["speed_windows"]
+    (_, a0, b0, _, _), (_, a1, b1, _, _), (_, a2, b2, _, _) = v["speed_windows"]
     assert a0 == pytest.approx(1.0, rel=1e-3) and b0 == pytest.approx(1.0, rel=1e-3)  # fitted, as they ran
     assert a1 / a == pytest.approx(b1 / b) and not a / WINDOW_SPLIT <= 40.0 <= a * WINDOW_SPLIT
     steps = lines[300:340]

@@ -38,6 +38,11 @@ over the same sweep:
               (19% of the one-row gaps of a sweep, 1% of a replay's at 4 req/s,
               at 0.2-1.1 ms each): in the line they lifted its constant from
               0.11 to 0.14 ms.
+  cold        ((a_j, b_j), ...) for j = 1..`COLD_STEPS`: the j-th decode
+              step after a step that ran P prompt tokens takes sqrt(P) *
+              (a_j + b_j * t) over the model's t (`cold_index`, `fit_cold`);
+              those steps are left out of the step model's fit, which they
+              would pull up for every steady step
   noise       quantiles of (measured iteration / model) over busy iterations,
               and their lag-1 autocorrelation around a running median
               (`noise_lag1`); and the quantiles around that running median
@@ -60,6 +65,8 @@ IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
 BUSY_S = 0.0005  # ... and one after less than this as busy
 WAKE_BINS = (0.0005, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf"))  # idle seconds
 MIN_BIN = 5  # samples for a point of the wake curve
+COLD_STEPS = 3  # decode steps after a step with prompt tokens that pay for the caches it emptied
+MIN_COLD = 20  # samples for a cold step's (a, b)
 
 
 def iteration_time(line: dict) -> float:
@@ -85,6 +92,54 @@ def features(line: dict) -> StepFeatures:
     ext = line.get("ext")
     return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0),
                         line["rows"] - line["decode_rows"] if ext is None else ext)
+
+
+def cold_index(steps: list[tuple[float, dict]]) -> list[tuple[int, int]]:
+    """(j, P) per step of `step_lines`: j = 0 and P its prompt tokens for a
+    step that ran any (new tokens beyond its decode rows: prefill or extend
+    chunks, verifications) or followed an idle wait, else j counts the decode
+    steps since such a step, and P is that step's prompt tokens
+    (`ServingCosts.cold`)."""
+    out, j, p = [], 0, 0
+    for idle, ln in steps:
+        prompt = ln["new"] - ln["decode_rows"]
+        if prompt > 0 or idle >= BUSY_S:
+            j, p = 0, prompt
+        else:
+            j += 1
+        out.append((j, p))
+    return out
+
+
+def _is_cold(jp: tuple[int, int], steps: int = COLD_STEPS) -> bool:
+    return 0 < jp[0] <= steps and jp[1] > 0
+
+
+def fit_cold(steps: list[tuple[float, dict]], model, index: list[tuple[int, int]] | None = None,
+             steps_after: int = COLD_STEPS) -> tuple[tuple[float, float], ...]:
+    """(a_j, b_j) for j = 1..steps_after: the busy decode steps j after a
+    step with P prompt tokens take sqrt(P) * (a_j + b_j * t) over the model's
+    t, fitted to their excess over the model by least absolute deviations
+    (iteratively reweighted non-negative least squares: a step the machine
+    held up by a millisecond is one sample, not a pull). A j with fewer
+    than `MIN_COLD` steps, and every j after it, is left out."""
+    index = cold_index(steps) if index is None else index
+    out = []
+    for jj in range(1, steps_after + 1):
+        rows = [(p, ln) for (idle, ln), (j, p) in zip(steps, index) if j == jj and p > 0 and idle < BUSY_S]
+        if len(rows) < MIN_COLD:
+            break
+        t = np.array([model.predict_features(features(ln)) for _, ln in rows])
+        y = np.array([iteration_time(ln) for _, ln in rows]) - t
+        root = np.sqrt(np.array([p for p, _ in rows], dtype=np.float64))
+        A = np.column_stack([root, root * t])
+        w = np.ones(len(y))
+        coef = np.zeros(2)
+        for _ in range(30):
+            coef = nnls(A * w[:, None], y * w)
+            w = 1.0 / np.sqrt(np.maximum(np.abs(y - A @ coef), 1e-5))
+        out.append((float(coef[0]), float(coef[1])))
+    return tuple(out)
 
 
 def loop_gaps(lines: list[dict]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -211,8 +266,10 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[Line
     forms nest the simpler ones: where they are no better, their extra terms
     would only fit noise); linear+attn only when its attention coefficient
     is positive. The segmented form's slopes are pulled together as far as
-    the held-out error allows (`pick_smooth`)."""
-    busy = [ln for idle, ln in steps if idle < BUSY_S]
+    the held-out error allows (`pick_smooth`). The first decode steps after
+    a step with prompt tokens are left out (`fit_cold` prices them)."""
+    index = cold_index(steps)
+    busy = [ln for (idle, ln), jp in zip(steps, index) if idle < BUSY_S and not _is_cold(jp)]
     if len(busy) < 10:
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
     feats = [features(ln) for ln in busy]
@@ -352,11 +409,19 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
     window = [ln for ln in lines if t_from <= ln["t"] <= t_to]
     steps = step_lines(window)
     model, fit = fit_steps(steps, form)
+    index = cold_index(steps)
+    cold = fit_cold(steps, model, index)
     alone, wake_from = wake_steps(steps)
     woke = [iteration_time(ln) - model.predict_features(features(ln)) for idle, ln in alone if idle >= IDLE_S]
     curve = wake_curve([(idle, iteration_time(ln) - model.predict_features(features(ln)))
                         for idle, ln in alone if idle >= BUSY_S])
-    ratio = [(idle < BUSY_S, iteration_time(ln) / model.predict_features(features(ln))) for idle, ln in steps]
+    priced = ServingCosts(cold=cold)
+
+    def predicted(ln, jp):  # the model's time, and a cold step's extra as the simulator adds it
+        t = model.predict_features(features(ln))
+        return t + priced.cold_extra(jp[0], jp[1], t)
+
+    ratio = [(idle < BUSY_S, iteration_time(ln) / predicted(ln, jp)) for (idle, ln), jp in zip(steps, index)]
     busy_ratio = [r for busy, r in ratio if busy]
     entry, delivery = probe_costs(window, probes)
     gaps, gap_rows, gap_adds, _ = loop_gaps(window)
@@ -384,6 +449,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         loop_s=loop_s,
         loop_row_s=loop_row_s,
         intake_s=fit_intake(gaps, gap_rows, gap_adds, loop_s, loop_row_s),
+        cold=cold,
     )
     def quantiles(r):
         q = np.percentile(np.asarray(r), np.arange(101))
@@ -399,5 +465,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
                   "quantiles_within": quantiles(within_ratios(np.asarray(busy_ratio)))},
         "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery),
                     "loop": int((gap_adds == 0).sum()), "intake": int((gap_adds > 0).sum()),
+                    "cold": [sum(1 for (idle, _), jp in zip(steps, index) if idle < BUSY_S and jp[0] == j and jp[1] > 0)
+                             for j in range(1, len(cold) + 1)],
                     "wake_from": wake_from},
     }

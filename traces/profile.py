@@ -589,10 +589,12 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
     write_report(profile, args.out)
     print(f"{describe_points(points)} over {args.rounds} rounds; form {model_fit.form}: "
           + ", ".join(f"{n}={c:.4g}" for n, c in zip(term_names(model_fit.form, model_fit.knots), model_fit.coef))
-          + "".join(f"; {name} {getattr(fitted.costs, name) * 1e3:.3f} ms" for name in ServingCosts.KEYS
-                    if name != "wake_curve" and getattr(fitted.costs, name))
+          + "".join(f"; {name} {getattr(fitted.costs, name) * 1e3:.3f} ms" for name in ServingCosts.SCALARS
+                    if getattr(fitted.costs, name))
           + (f"; wake-up after idling {', '.join(f'{x * 1e3:.0f} ms: {y * 1e3:.1f} ms' for x, y in fitted.costs.wake_curve)}"
-             if fitted.costs.wake_curve else ""))
+             if fitted.costs.wake_curve else "")
+          + (f"; decode steps after P prompt tokens: sqrt(P) x ({'; '.join(f'{a * 1e6:.1f} us + {b:.4f} t' for a, b in fitted.costs.cold)})"
+             if fitted.costs.cold else ""))
     for n, f in fit["forms"].items():
         e = f["errors"]
         print(f"  {n:12s} held-out median APE {e['points']['median_ape']:.1%} (p90 {e['points']['p90_ape']:.1%}) "

@@ -59,7 +59,9 @@ class SimConfig:
     # step ends; the first step after the engine sat idle takes wake_s longer,
     # or, with a wake_curve, as much as the curve says for how long it idled;
     # every other step starts loop_s + loop_row_s * (rows of the step before) after that one ended, plus
-    # intake_s per request that arrived at the busy engine since that step started.
+    # intake_s per request that arrived at the busy engine since that step started; the j-th decode step
+    # after a step that ran P prompt tokens takes sqrt(P) * (a_j + b_j * its model time) longer, (a_j, b_j)
+    # the j-th pair of `cold` (`ServingCosts.cold`).
     entry_s: float = 0.0
     delivery_s: float = 0.0
     stream_s: float = 0.0
@@ -68,6 +70,7 @@ class SimConfig:
     loop_s: float = 0.0
     loop_row_s: float = 0.0
     intake_s: float = 0.0
+    cold: list = field(default_factory=list)  # [[a_j, b_j], ...]
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
     # model's per-step `overhead_s` (a roofline profile's scheduling, launches, sampling; a measured
@@ -76,7 +79,8 @@ class SimConfig:
 
     def serving(self) -> ServingCosts:
         return ServingCosts(**{k: getattr(self, k) for k in ServingCosts.SCALARS},
-                            wake_curve=tuple((float(x), float(y)) for x, y in self.wake_curve))
+                            wake_curve=tuple((float(x), float(y)) for x, y in self.wake_curve),
+                            cold=tuple((float(a), float(b)) for a, b in self.cold))
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of
@@ -103,11 +107,13 @@ class SimConfig:
     # draft/target pair the spread measured is about 1.2 (README, speculative decoding in the simulator).
     acceptance_spread: float = 0.0
     # The machine's speed through the run, where it is known (`stepserve validate --speed-window`: measured
-    # from the step log of the real run simulated): [[t_from_s, step_factor, token_factor, loop_factor], ...],
+    # from the step log of the real run simulated): [[t_from_s, step_factor, token_factor, loop_factor,
+    # cold_factor], ...],
     # increasing in t_from. From virtual time t_from on, steps cost the latency model rescaled by these factors
     # (`LinearLatencyModel.rescaled`: one for the per-step, per-row and per-context-token part, one for the
-    # per-token part; a token factor None scales all by the step factor), and the busy loop's time between
-    # steps (loop_s, loop_row_s, intake_s) is scaled by the loop factor (absent or None: as it is). Before the
+    # per-token part; a token factor None scales all by the step factor), the busy loop's time between
+    # steps (loop_s, loop_row_s, intake_s) is scaled by the loop factor, and the cold decode steps' extra
+    # (`cold`) by an optional fifth, the cold factor (absent or None: as they are). Before the
     # first, and when empty, the model and the loop as they are.
     speed_schedule: list = field(default_factory=list)
 
@@ -177,7 +183,8 @@ class SimRunner:
         if any(not 0.0 <= a <= 1.0 for a in acceptance):
             raise ValueError(f"acceptance rates must be in [0, 1], got {list(acceptance)}")
         self.model = latency_model
-        self._speed_t, self._speed_models, self._loop_factors = self._schedule(latency_model, speed_schedule)
+        self._speed_t, self._speed_models, self._loop_factors, self._cold_factors = self._schedule(
+            latency_model, speed_schedule)
         self.acceptance = [float(a) for a in acceptance]
         self.draft_model = draft_model  # the draft model's step latency (None: a proposer that costs nothing)
         self.clock = clock
@@ -197,23 +204,27 @@ class SimRunner:
         self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
         self.rows_before = 0  # rows of the step before (the busy loop's time after it grows with them)
         self.taken = 0  # requests that arrived at the busy engine since the last step started (intake_s each)
+        self.cold_j = 0  # decode steps since the last step that ran prompt tokens (`ServingCosts.cold`)
+        self.cold_tokens = 0  # ... and its prompt tokens
 
     @staticmethod
-    def _schedule(model, schedule) -> tuple[list[float], list, list[float]]:
-        """(window starts, the model rescaled for each, the loop's factor in
-        each) of `SimConfig.speed_schedule`."""
+    def _schedule(model, schedule) -> tuple[list[float], list, list[float], list[float]]:
+        """(window starts, the model rescaled for each, the loop's factor and
+        the cold steps' in each) of `SimConfig.speed_schedule`."""
         if not schedule:
-            return [], [], []
+            return [], [], [], []
         if not hasattr(model, "rescaled"):
             raise ValueError(f"a speed schedule rescales a measured (linear) step model, not a {type(model).__name__}")
         starts = [float(w[0]) for w in schedule]
         if any(b <= a for a, b in zip(starts, starts[1:])):
             raise ValueError(f"speed_schedule: window starts must increase, got {starts}")
         loops = [1.0 if len(w) < 4 or w[3] is None else float(w[3]) for w in schedule]
+        colds = [1.0 if len(w) < 5 or w[4] is None else float(w[4]) for w in schedule]
         if any(not w[1] > 0 or (w[2] is not None and not w[2] > 0) for w in schedule) or any(
-                not x > 0 for x in loops):
+                not x > 0 for x in loops) or any(x < 0 for x in colds):
             raise ValueError("speed_schedule: factors must be positive")
-        return starts, [model.rescaled(float(w[1]), None if w[2] is None else float(w[2])) for w in schedule], loops
+        return (starts, [model.rescaled(float(w[1]), None if w[2] is None else float(w[2])) for w in schedule],
+                loops, colds)
 
     def _window(self) -> int:
         """The speed schedule's window at the clock's time (-1: before the first, or none)."""
@@ -235,8 +246,23 @@ class SimRunner:
             dt *= q[int(u * (len(q) - 1) + 0.5)]
         return dt
 
+    def _cold(self, plan, features: StepFeatures, dt: float) -> float:
+        """The step's extra time as the j-th decode step after a step that ran
+        prompt tokens (`ServingCosts.cold_extra`); counts this step in."""
+        prompt = features.new_tokens - plan.num_decode
+        if prompt > 0:
+            self.cold_j, self.cold_tokens = 0, prompt
+            return 0.0
+        self.cold_j += 1
+        if not self.costs.cold:
+            return 0.0
+        extra = self.costs.cold_extra(self.cold_j, self.cold_tokens, dt)
+        i = self._window()
+        return extra * self._cold_factors[i] if i >= 0 and extra else extra
+
     def run(self, plan, features: StepFeatures) -> SimOutput:
         dt = self.step_time(features)
+        dt += self._cold(plan, features, dt)
         draft_s = self.speculate(plan) if plan.num_verify else 0.0
         dt += draft_s + self._between()
         self.rows_before = features.rows
@@ -265,6 +291,7 @@ class SimRunner:
         if plan.num_verify:
             raise ValueError("the overlap schedule does not run speculative steps")
         dt = self.step_time(features)
+        dt += self._cold(plan, features, dt)
         between = self._between()  # host time, before the step's own
         self.rows_before = features.rows
         host = min(float(getattr(self.model, "overhead_s", 0.0)), dt) + between

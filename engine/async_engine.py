@@ -117,6 +117,7 @@ class EngineLoop:
         self.emit = emit
         self.paused = False
         self.stopped = False
+        self._started: set[str] = set()  # requests that have handed over an output (kept with a step log)
 
     def handle(self, cmd: Command, outputs: Outputs, replies: Replies) -> None:
         eng = self.engine
@@ -187,6 +188,19 @@ class EngineLoop:
             t3 = clock()
             if outputs or replies:
                 self.emit(outputs, replies)
+            first = None
+            if log is not None and outputs:
+                # the requests whose first output this iteration handed over: a client's first-token time
+                # against this iteration's end is the way a token takes to it (`stepserve validate`)
+                started = self._started
+                first = []
+                for rid, out in outputs:
+                    if not isinstance(out, Exception):
+                        if rid not in started and out.outputs:
+                            first.append(rid)
+                            started.add(rid)
+                        if out.finished:
+                            started.discard(rid)
             if log is not None and (stepped or cmds):
                 line = {"t": round(t0 + log.offset, 6), "wait": round(t0 - t_wait, 6),
                         "adds": sum(1 for c in cmds if type(c) is AddRequest), "cmd": round(t1 - t0, 6)}
@@ -196,6 +210,8 @@ class EngineLoop:
                                 pairs=r.prefill_pairs, ext=r.extend_rows, step=round(r.wall_s, 6), fwd=round(r.forward_s, 6),
                                 cpu=round(cpu, 6), out=round(t3 - t2, 6))
                 line.update(emit=round(clock() - t3, 6), outs=len(outputs))
+                if first:
+                    line["first"] = first
                 log.write(line)
 
 

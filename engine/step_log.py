@@ -24,6 +24,9 @@ not see:
   out     seconds turning the step's tokens into output deltas (detokenizing)
   emit    seconds handing the batch to the transport (pickle and pipe, or queue)
   outs    requests in the batch
+  first   the ids of the requests whose first output this iteration handed
+          over (absent when none): against a client's first-token time of the
+          same request, the way a first token takes from the engine to its client
 
 Lines are buffered; the file is flushed every `flush_every` lines, whenever
 the loop goes idle, and when it ends: a reader of an idle server sees every
@@ -40,7 +43,7 @@ import time
 SETTLE_S = 0.2
 
 FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "ext", "step", "fwd", "cpu", "out",
-          "emit", "outs")
+          "emit", "outs", "first")
 
 
 class StepLog:

@@ -185,6 +185,7 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
         assert eng["steps"] > 0 and eng["busy_s"] > 0 and eng["step_ratio"]["p50"] > 0
         assert eng["entry_s"]["n"] >= 1  # the first request of each run finds the engine idle
         assert eng["loop_s"] > 0  # the loop's own time between busy steps
+        assert eng["delivery_s"]["n"] == 16 and abs(eng["delivery_s"]["p50"]) < 0.5  # every first token, joined
         (paired,) = r["paired"]  # one run, against its own simulation
         assert paired["goodput"] == pytest.approx(r["goodput_error"])
     assert res["simulator"]["delivery_s"] == 1e-3

@@ -37,6 +37,8 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
     steps = [ln for ln in lines if "rows" in ln]
     assert sum(ln["adds"] for ln in lines) == 2
     assert all(set(ln) <= set(FIELDS) for ln in lines)
+    firsts = [rid for ln in lines for rid in ln.get("first", ())]  # each request's first output, once
+    assert len(firsts) == len(set(firsts)) == 2
     assert all(a["t"] <= b["t"] for a, b in zip(lines, lines[1:]))
     assert all(ln["step"] > 0 and 0 < ln["fwd"] <= ln["step"] and ln["out"] >= 0 and ln["emit"] >= 0 for ln in steps)
     # the loop thread's CPU time over the step call: positive, and no more than that call's wall time
@@ -77,6 +79,27 @@ def test_engine_view_of_a_replay():
     assert v["busy_step_ratio_p50"] == pytest.approx(1.0)
     assert v["entry_s"]["n"] == 1 and v["entry_s"]["p50"] == pytest.approx(0.002)
     assert v["loop_s"] == pytest.approx(0.0006 / 3)  # the mean over the three busy gaps
+
+
+def test_engine_view_joins_first_tokens_to_the_iterations_that_handed_them_over():
+    """The step log names the requests whose first output an iteration handed
+    over; the records carry the server's ids: a first token's way to its
+    client is its record's first-token time less that iteration's end, and
+    over the profile's delivery (1 ms + 0.1 ms per output of the iteration)."""
+    model = LinearLatencyModel("linear", [0.01, 0.0, 0.0, 0.0])
+    a = _line(100.002, wait=5.0, adds=1, step=0.010)
+    a.update(first=["cmpl-a"], outs=1)
+    b = _line(100.013, adds=1, step=0.010)
+    b.update(first=["cmpl-b"], outs=2)
+    real = {"t0_epoch": 100.0, "requests": [
+        {"start_s": 0.0, "end_s": 0.05, "first_token_s": 0.0135, "server_id": "cmpl-a"},  # 1.5 ms after 100.012
+        {"start_s": 0.011, "end_s": 0.05, "first_token_s": 0.0264, "server_id": "cmpl-b"},  # 3.4 ms after 100.023
+        {"start_s": 0.02, "end_s": 0.05, "first_token_s": 0.03}]}  # no id: not joined
+    v = step_log_view([a, b], real, model, costs=ServingCosts(delivery_s=1e-3, stream_s=1e-4))
+    d = v["delivery_s"]
+    assert d["n"] == 2 and d["p50"] == pytest.approx((0.0015 + 0.0034) / 2)
+    assert d["over_p50"] == pytest.approx((0.0015 - 0.0011 + 0.0034 - 0.0012) / 2)
+    assert step_log_view([a, b], real, model)["delivery_s"]["over_p50"] is None  # no profile costs
 
 
 def test_engine_view_measures_the_speed_window_by_window():

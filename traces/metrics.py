@@ -68,6 +68,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache, when known
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    server_id: str | None = None  # the server's id of the request (a streamed chunk's `id`), where known
 
     @property
     def branching(self) -> bool:
@@ -112,6 +113,8 @@ class RequestRecord:
             "cached_tokens": self.cached_tokens, "ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e,
             "first_token_s": self.first_token_s, "end_s": self.end_s, "error": self.error,
         }
+        if self.server_id is not None:
+            d["server_id"] = self.server_id
         if with_itl:
             d["itl_s"] = list(self.itl_s)
         return d

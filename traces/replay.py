@@ -174,6 +174,8 @@ class Replayer:
                     raise RequestFailed(f"HTTP {resp.status}: {(await resp.text())[:300]}")
                 async for chunk in stream_events(resp):
                     now = clock() - t0
+                    if rec.server_id is None:
+                        rec.server_id = chunk.get("id")  # joins the record to a step log's `first` ids
                     for c in chunk.get("choices") or chunk.get("outputs") or ():
                         if "token_ids" in c and not c["token_ids"]:
                             continue  # a native output's closing event: no token

@@ -324,9 +324,36 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "wake_extra_s_p50": q((it - pred)[after_idle], 50),
         "busy_step_ratio_p50": q(ratio[~after_idle], 50),
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
+        "delivery_s": first_token_delivery(window, recs, t0, costs),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
     }
+
+
+def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: ServingCosts | None) -> dict:
+    """How long each request's first token took from the end of the iteration
+    that handed it over (the step log's `first` ids) to the client (its
+    record's `first_token_s`), joined on the server's id of the request
+    (`server_id`): {n, p50, p90}, and `over_p50`, the median of each over
+    what the profile's `delivery_s` + `stream_s` per output of that
+    iteration predicts. n 0 where the log or the records carry no ids."""
+    ends = {}
+    for ln in window:
+        for rid in ln.get("first", ()):
+            ends[rid] = (ln["t"] + iteration_time(ln), ln.get("outs", 1))
+    got, over = [], []
+    for r in recs:
+        hit = ends.get(r.get("server_id"))
+        if hit is None or r.get("first_token_s") is None:
+            continue
+        d = t0 + r["first_token_s"] - hit[0]
+        got.append(d)
+        if costs is not None:
+            over.append(d - costs.delivery(hit[1]))
+    a = np.array(got)
+    return {"n": len(got), "p50": float(np.percentile(a, 50)) if len(a) else None,
+            "p90": float(np.percentile(a, 90)) if len(a) else None,
+            "over_p50": float(np.median(over)) if over else None}
 
 
 MIN_CLASS_STEPS = 5  # steps of each class (decode, prompt) that `run_speed` needs to split the factors
@@ -426,6 +453,11 @@ def format_rate(r: dict) -> str:
                      + f"; {v['steps_after_idle']} steps after idle, "
                      f"+{_ms(v['wake_extra_s_p50'])} ms p50; entry into an idle engine "
                      f"{_ms(e['p50'])} ms p50 ({e['n']} requests)"
+                     + ("" if not (v.get("delivery_s") or {}).get("n") else
+                        f"; first tokens delivered {_ms(v['delivery_s']['p50'])} ms p50, "
+                        f"{_ms(v['delivery_s']['p90'])} p90"
+                        + ("" if v["delivery_s"]["over_p50"] is None else
+                           f" ({v['delivery_s']['over_p50'] * 1e3:+.1f} ms over the profile's, p50)"))
                      + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms")
                      + ("" if v["speed"].get("loop") is None else f" (x{v['speed']['loop']:.2f} the profile's)"))
     return "\n".join(lines)

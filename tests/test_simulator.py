@@ -72,34 +72,6 @@ def test_per_stream_delivery_follows_the_step_size():
     assert sorted(res.itl_s) == pytest.approx([0.5e-3, 1e-3, 1.5e-3])
 
 
-def test_tokens_wait_for_the_hosts_queued_work_past_what_it_keeps_up_with():
-    """The host's work outside the engine queues: each request's send adds
-    host_request_s, each step's tokens host_token_s apiece, and a step's
-    tokens reach their clients after the work queued before the step ended.
-    One request of 5 tokens, a 1 ms step each: at 0.5 ms of host work per
-    token the host keeps up and nothing moves; at 2 ms per token it falls
-    1 ms behind each step, so the j-th token comes (j - 1) ms late; a
-    request's own 3 ms of host work holds its first token 2 ms (its step
-    ended 1 ms after the send) and its second 1 ms, and then the host has
-    caught up."""
-    spec = [_spec(0, 0.0, 10, 5)]
-
-    def run(**host):
-        return Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, **host)).run(spec)
-
-    plain = run()
-    (p,) = plain.records
-    (q,) = run(host_token_s=0.5e-3).records
-    assert (q.ttft, q.e2e) == pytest.approx((p.ttft, p.e2e))
-    slow = run(host_token_s=2e-3)
-    (q,) = slow.records
-    assert q.ttft == pytest.approx(p.ttft) and q.e2e == pytest.approx(p.e2e + 4e-3)
-    assert list(slow.itl_s) == pytest.approx([2e-3] * 4)  # the client sees the host's pace
-    assert slow.stats["virtual_busy_s"] == plain.stats["virtual_busy_s"]  # the engine's timeline is its own
-    (q,) = run(host_request_s=3e-3).records
-    assert q.ttft == pytest.approx(p.ttft + 2e-3) and q.e2e == pytest.approx(p.e2e)  # caught up by 3 ms
-
-
 def test_wake_cost_only_on_the_first_step_after_idle():
     sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, wake_s=0.003))
     # a starts on an idle engine (wakes); b arrives while a decodes (no wake); c after both ended (wakes)

@@ -70,11 +70,6 @@ class SimConfig:
     loop_s: float = 0.0
     loop_row_s: float = 0.0
     intake_s: float = 0.0
-    # the host's work outside the engine (`ServingCosts.host_request_s`, `host_token_s`): a queue, first in first
-    # out, fed host_request_s by each request's send and host_token_s by each token a step makes; a step's
-    # tokens reach their clients after the work queued before the step ended, on top of their delivery
-    host_request_s: float = 0.0
-    host_token_s: float = 0.0
     cold: list = field(default_factory=list)  # [[a_j, b_j], ...]
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
@@ -383,7 +378,6 @@ class Simulator:
         if self.speculative and self.cfg.overlap_schedule:
             raise ValueError("the overlap schedule cannot be combined with speculative decoding (as in the engine)")
         self.core: EngineCore | None = None
-        self._host_free = 0.0
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
         self._freed: list[float] | None = None  # `run`'s client slots, under max_concurrency
@@ -423,15 +417,7 @@ class Simulator:
 
     def updated(self, plan, out, got) -> None:
         freed = self._freed
-        costs = self.runner.costs
-        k = len(plan.samples)
-        end = self.clock.t
-        t = end + costs.delivery(k)  # when the client holds this step's tokens
-        free = self._host_free  # ... after the host's work queued before the step ended
-        if free > end:
-            t += free - end
-        if costs.host_token_s:
-            self._host_free = (free if free > end else end) + costs.host_token_s * k
+        t = self.clock.t + self.runner.costs.delivery(len(plan.samples))  # when the client holds this step's tokens
         seen = self._seen
         itl = self._itl
         FINISHED = SeqStatus.FINISHED
@@ -477,8 +463,6 @@ class Simulator:
         clock.t = 0.0
         self.runner.reset(cfg.noise_seed, cfg.serving())
         self._seen = {}
-        self._host_free = 0.0  # when the host's queue of work outside the engine runs empty (`host_request_s`)
-        host_request = cfg.host_request_s
         self.core = core = self._build_core()
         sched = core.scheduler
         self._itl = itl = array("d")
@@ -515,8 +499,6 @@ class Simulator:
                     heapq.heappop(freed)
                 sent += 1
                 i += 1
-                if host_request:
-                    self._host_free = max(self._host_free, at) + host_request
                 own = shifted_rates(cfg.acceptance, spread_rng.gauss(0.0, spread)) if spread > 0 else None
                 rec = RequestRecord(spec.request_id, spec.arrival_s, spec.prompt_len, n=spec.n, start_s=at,
                                     stages=1 + len(spec.stages))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from stepserve.engine.engine import EngineStats
@@ -124,6 +124,7 @@ class ServerMetrics:
         self.engine = async_engine
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        ProcessCollector(registry=r)  # the front end's own process (CPU seconds, memory), as vLLM's /metrics has it
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=_LATENCY_BUCKETS)
         self.tpot = Histogram(P + "time_per_output_token_seconds", "(E2E - TTFT) / (output tokens - 1)",

@@ -5,6 +5,8 @@ metrics, and cancellation."""
 
 import asyncio
 import json
+import re
+import sys
 
 import httpx
 import openai
@@ -476,4 +478,6 @@ def test_metrics_count_what_was_sent(srv, client):
     assert m1["stepserve:retractions_total"] >= 0
     text = httpx.get(srv.url + "/metrics", headers=srv.headers()).text
     assert "# TYPE stepserve:time_to_first_token_seconds histogram" in text
+    if sys.platform.startswith("linux"):  # the front end's own process, unprefixed (read off /proc)
+        assert re.search(r"^process_cpu_seconds_total \d", text, re.M)
     srv.assert_kv_clean()

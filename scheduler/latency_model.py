@@ -605,6 +605,21 @@ class ServingCosts:
                 an idle engine a request comes with its entry_s instead: the
                 blocking poll returns with it.) Step logs of a 2-core server:
                 0.09-0.16 ms per request, more for longer prompts.
+    host_request_s, host_token_s
+                the host's work outside the engine per stream started (a
+                request's first token: the response, the client taking it
+                up; with the request's own HTTP handling) and per token
+                streamed: the front end's and, on a machine that runs it
+                too, the load generator's, on the one core the engine leaves
+                them. It queues, first in, first out: a step's tokens wait,
+                on top of their delivery, for the work queued before the
+                step ended, and its i-th new stream for the i - 1 before it.
+                A host that keeps up adds nothing; past the knee on the
+                2-core Xeon a step that started 20 streams held the last by
+                ~20 ms, and first tokens took 13-19 ms from the engine to the
+                client at 144-160 req/s of the Azure trace (1.4 ms at 16).
+                `profile --url` measures both from CPU time
+                (`profile_http.host_work`).
     cold        extra time of the first decode steps after a step that ran
                 prompt tokens (a prefill or extend chunk, or a verification):
                 ((a_1, b_1), (a_2, b_2), ...), the j-th such step taking
@@ -639,9 +654,12 @@ class ServingCosts:
     loop_s: float = 0.0
     loop_row_s: float = 0.0
     intake_s: float = 0.0
+    host_request_s: float = 0.0
+    host_token_s: float = 0.0
     cold: tuple[tuple[float, float], ...] = ()
 
-    SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s")
+    SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s", "host_request_s",
+               "host_token_s")
     KEYS = SCALARS + ("wake_curve", "cold")
 
     def __post_init__(self):

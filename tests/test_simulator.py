@@ -72,6 +72,38 @@ def test_per_stream_delivery_follows_the_step_size():
     assert sorted(res.itl_s) == pytest.approx([0.5e-3, 1e-3, 1.5e-3])
 
 
+def test_tokens_wait_for_the_hosts_queued_work_past_what_it_keeps_up_with():
+    """The host's work outside the engine queues: each step's tokens add
+    host_token_s apiece and each stream it starts (a request's first token)
+    host_request_s, and a step's tokens reach their clients after the work
+    queued before the step ended, its i-th new stream after the i - 1 new
+    ones before it too. One request of 5 tokens, a 1 ms step each: at
+    0.5 ms of host work per token the host keeps up and nothing moves; at
+    2 ms per token it falls 1 ms behind each step, so the j-th token comes
+    (j - 1) ms late. Two requests whose prompts share a step, at 3 ms per
+    stream: the second's first token comes 3 ms after the first's, and the
+    tokens of the two steps after wait until the host has done both
+    streams' work, 7 ms in (the last ended at 3 ms: both finish 4 ms late)."""
+    def run(spec, **host):
+        return Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, **host)).run(spec)
+
+    one = [_spec(0, 0.0, 10, 5)]
+    plain = run(one)
+    (p,) = plain.records
+    (q,) = run(one, host_token_s=0.5e-3).records
+    assert (q.ttft, q.e2e) == pytest.approx((p.ttft, p.e2e))
+    slow = run(one, host_token_s=2e-3)
+    (q,) = slow.records
+    assert q.ttft == pytest.approx(p.ttft) and q.e2e == pytest.approx(p.e2e + 4e-3)
+    assert list(slow.itl_s) == pytest.approx([2e-3] * 4)  # the client sees the host's pace
+    assert slow.stats["virtual_busy_s"] == plain.stats["virtual_busy_s"]  # the engine's timeline is its own
+    two = [_spec(0, 0.0, 10, 3), _spec(1, 0.0, 10, 3)]
+    a0, b0 = run(two).records
+    a, b = run(two, host_request_s=3e-3).records
+    assert a.ttft == pytest.approx(a0.ttft) and b.ttft == pytest.approx(b0.ttft + 3e-3)
+    assert sorted([a.e2e, b.e2e]) == pytest.approx([a0.e2e + 4e-3, b0.e2e + 4e-3])
+
+
 def test_wake_cost_only_on_the_first_step_after_idle():
     sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, wake_s=0.003))
     # a starts on an idle engine (wakes); b arrives while a decodes (no wake); c after both ended (wakes)

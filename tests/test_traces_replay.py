@@ -143,6 +143,12 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert prof["target"].startswith("engine loop iteration")
     costs = ServingCosts.from_engine(prof["engine"])
     assert costs.entry_s > 0 and costs.delivery(1) > 0  # a real server spends time on both ways
+    # the host's work outside the engine, from the front end's CPU seconds on /metrics and the client's: passes
+    # of 96 requests of 1 and 33 tokens in turn; a request and a streamed token each cost the host something
+    host = prof["host_work"]
+    assert [(p["requests"], p["tokens"]) for p in host["passes"]] == [(96, 96), (96, 96 * 33)] * 2
+    assert all(p["front_end_cpu_s"] > 0 and p["client_cpu_s"] > 0 for p in host["passes"])
+    assert costs.host_request_s == host["request_s"] > 0 and costs.host_token_s == host["token_s"] > 0
     assert len(prof["noise"]["quantiles"]) == 101
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]

@@ -28,6 +28,7 @@ Every form's errors are recorded, so the chosen form is justified by residuals.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import random
 import statistics
@@ -472,7 +473,7 @@ def _server_engine_sizing(args, max_len: int) -> tuple[int, str]:
 def _run_http(args) -> int:
     import asyncio
 
-    from stepserve.traces.profile_http import HTTPSweep, run_http_sweep
+    from stepserve.traces.profile_http import HTTPSweep, host_work, run_http_sweep
     from stepserve.traces.replay import ReplayConfig, Replayer, server_info
 
     if args.form not in ("auto", *POINT_FORMS) and not args.step_log:
@@ -498,9 +499,15 @@ def _run_http(args) -> int:
 
     async def go():
         replayer = Replayer(ReplayConfig(url=args.url, api_key=args.api_key, warmup=0, progress=False), info)
-        return await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
+        got = await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
+        try:  # the host's work per request and per token, outside the engine (after the sweep's window)
+            host = await host_work(replayer, args.url, args.api_key, seed=args.sweep_seed)
+        finally:
+            await replayer.close()
+        return got, host
 
-    points = asyncio.run(go())
+    points, host = asyncio.run(go())
+    sweep_end = time.time()
     untimed = sweep.decode_streams["untimed"]
     if untimed:
         total = untimed + sweep.decode_streams["timed"]
@@ -513,7 +520,7 @@ def _run_http(args) -> int:
         from stepserve.traces.calibrate import calibrate
 
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
-        calibration = calibrate(lines, sweep.probes, epoch0, time.time(), args.form)
+        calibration = calibrate(lines, sweep.probes, epoch0, sweep_end, args.form)
     slots, how = _server_engine_sizing(args, max_len)
     return _write_profile(
         args, points, source="measured-http", target="client-observed step time",
@@ -524,12 +531,12 @@ def _run_http(args) -> int:
         sweep={"batch_sizes": bss, "context_lens": ctxs, "prefill_lens": plens, "repeats": args.repeats,
                "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0,
                "decode_streams": dict(sweep.decode_streams)},
-        calibration=calibration,
+        calibration=calibration, host=host,
     )
 
 
 def _write_profile(args, points: list[dict], *, source: str, target: str, device: dict, model: dict, engine: dict,
-                   sweep: dict, calibration: dict | None = None) -> int:
+                   sweep: dict, calibration: dict | None = None, host: dict | None = None) -> int:
     from stepserve.traces.report import command_line, versions
 
     if len(points) < 5:
@@ -554,6 +561,10 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
             "client_points": _ape_summary(errs),
             "client_fit": {"latency": client.model.to_dict(), "costs": client.costs.to_dict()},
         }}
+    if host is not None:  # measured apart from the sweep (`profile_http.host_work`)
+        fitted = Fitted(fitted.model, dataclasses.replace(fitted.costs, host_request_s=host["request_s"],
+                                                          host_token_s=host["token_s"]))
+        extra["host_work"] = host
     if fitted.costs != ServingCosts():
         engine = {**engine, **fitted.costs.to_dict()}
     h = fit["heldout"]

@@ -246,3 +246,63 @@ async def run_http_sweep(sweep: HTTPSweep, replayer, plan: list[tuple], rounds: 
         progress.close()
         await replayer.close()
     return sweep.points()
+
+
+HOST_REQUESTS = 96  # requests per pass of `host_work`
+HOST_CONCURRENCY = 16
+HOST_OUTPUTS = (1, 33)  # output tokens per request of the two kinds of pass
+
+
+def front_end_cpu_s(url: str, api_key: str | None = None) -> float | None:
+    """The server front end's CPU seconds so far (`process_cpu_seconds_total`
+    on its /metrics); None where the server does not report it."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("process_cpu_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
+async def host_work(replayer, url: str, api_key: str | None = None, passes: int = 2,
+                    seed: int = 0) -> dict | None:
+    """The host's work per request and per streamed token, outside the engine:
+    the front end's (its /metrics CPU seconds) and this client's (its own CPU
+    time, as a load generator on the same machine spends it), each pass
+    `HOST_REQUESTS` short requests, `HOST_CONCURRENCY` at a time, of 1 or 33
+    output tokens, the passes interleaved. The two kinds of pass differ only
+    in the tokens streamed: cpu = requests * w_r + tokens * w_t, solved in
+    the mean of each kind. None where the server reports no CPU time.
+    {"request_s": w_r, "token_s": w_t, "passes": [...]}"""
+    if front_end_cpu_s(url, api_key) is None:
+        return None
+    rng = random.Random(seed)
+    rows = []
+    for k in range(passes * len(HOST_OUTPUTS)):
+        out = HOST_OUTPUTS[k % len(HOST_OUTPUTS)]
+        specs = [RequestSpec(f"host-{rng.random()}", 0.0, out, (Segment(f"host:{rng.random()}", 16),))
+                 for _ in range(HOST_REQUESTS)]
+        recs = [RequestRecord(s.request_id, 0.0, 16) for s in specs]
+        limit = asyncio.Semaphore(HOST_CONCURRENCY)
+
+        async def one(spec, rec):
+            async with limit:
+                await replayer._one(spec, rec, time.perf_counter())
+
+        fe0, c0 = front_end_cpu_s(url, api_key), time.process_time()
+        await asyncio.gather(*(one(s, r) for s, r in zip(specs, recs)))
+        c1, fe1 = time.process_time(), front_end_cpu_s(url, api_key)
+        failed = [r.error for r in recs if r.error]
+        if failed:
+            raise RuntimeError(f"profile request failed: {failed[0]}")
+        rows.append({"requests": len(specs), "tokens": sum(r.output_tokens for r in recs),
+                     "front_end_cpu_s": fe1 - fe0, "client_cpu_s": c1 - c0})
+    by = {o: [r for i, r in enumerate(rows) if HOST_OUTPUTS[i % len(HOST_OUTPUTS)] == o] for o in HOST_OUTPUTS}
+    (n1, t1, s1), (n2, t2, s2) = [
+        (sum(r["requests"] for r in g) / len(g), sum(r["tokens"] for r in g) / len(g),
+         sum(r["front_end_cpu_s"] + r["client_cpu_s"] for r in g) / len(g)) for g in by.values()]
+    w_t = max(0.0, (s2 - s1 * n2 / n1) / (t2 - t1 * n2 / n1))
+    w_r = max(0.0, (s1 - w_t * t1) / n1)
+    return {"request_s": w_r, "token_s": w_t, "passes": rows}

@@ -70,6 +70,12 @@ class SimConfig:
     loop_s: float = 0.0
     loop_row_s: float = 0.0
     intake_s: float = 0.0
+    # the host's work outside the engine (`ServingCosts.host_request_s`, `host_token_s`): a queue, first in first
+    # out, fed host_token_s by each token a step makes and host_request_s by each stream it starts (a request's
+    # first token); a step's tokens reach their clients after the work queued before the step ended, on top of
+    # their delivery, and its i-th new stream after the i - 1 before it
+    host_request_s: float = 0.0
+    host_token_s: float = 0.0
     cold: list = field(default_factory=list)  # [[a_j, b_j], ...]
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
@@ -378,6 +384,7 @@ class Simulator:
         if self.speculative and self.cfg.overlap_schedule:
             raise ValueError("the overlap schedule cannot be combined with speculative decoding (as in the engine)")
         self.core: EngineCore | None = None
+        self._host_free = 0.0
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
         self._freed: list[float] | None = None  # `run`'s client slots, under max_concurrency
@@ -417,34 +424,47 @@ class Simulator:
 
     def updated(self, plan, out, got) -> None:
         freed = self._freed
-        t = self.clock.t + self.runner.costs.delivery(len(plan.samples))  # when the client holds this step's tokens
+        costs = self.runner.costs
+        k = len(plan.samples)
+        end = self.clock.t
+        t = end + costs.delivery(k)  # when the client holds this step's tokens
+        free = self._host_free  # ... after the host's work queued before the step ended (`host_request_s`)
+        if free > end:
+            t += free - end
+        host_r = costs.host_request_s
+        firsts = 0  # the step's first tokens so far: each new stream holds the ones after it by host_request_s
         seen = self._seen
         itl = self._itl
         FINISHED = SeqStatus.FINISHED
         for _, s in plan.samples:
             sid = s.seq_id
             p = seen.get(sid)
+            ts = t
             if p is None:
                 rec = s.group.rec
                 if rec.first_token_s is None:
-                    rec.first_token_s = t
+                    ts = t + firsts * host_r
+                    firsts += 1
+                    rec.first_token_s = ts
             else:
-                itl.append(t - p)
-            seen[sid] = t
+                itl.append(ts - p)
+            seen[sid] = ts
             if s.status is FINISHED:
                 del seen[sid]
                 live = s.group
                 rec = live.rec
-                k = s.num_output
-                rec.output_tokens += k
-                if k > rec.branch_tokens:
-                    rec.branch_tokens = k
+                k_out = s.num_output
+                rec.output_tokens += k_out
+                if k_out > rec.branch_tokens:
+                    rec.branch_tokens = k_out
                 live.left -= 1
                 if live.left == 0:
-                    rec.end_s = t
+                    rec.end_s = ts
                     rec.cached_tokens = live.cached
                     if freed is not None:
-                        heapq.heappush(freed, t)
+                        heapq.heappush(freed, ts)
+        if costs.host_token_s or host_r:
+            self._host_free = (free if free > end else end) + costs.host_token_s * k + host_r * firsts
 
     # -- the run ----------------------------------------------------------------
     def run(self, specs: list[RequestSpec], progress=None, max_concurrency: int | None = None) -> SimResult:
@@ -463,6 +483,7 @@ class Simulator:
         clock.t = 0.0
         self.runner.reset(cfg.noise_seed, cfg.serving())
         self._seen = {}
+        self._host_free = 0.0  # when the host's queue of work outside the engine runs empty (`host_request_s`)
         self.core = core = self._build_core()
         sched = core.scheduler
         self._itl = itl = array("d")

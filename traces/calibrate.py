@@ -115,6 +115,12 @@ def _is_cold(jp: tuple[int, int], steps: int = COLD_STEPS) -> bool:
     return 0 < jp[0] <= steps and jp[1] > 0
 
 
+def cold_steps(steps: list[tuple[float, dict]], index: list[tuple[int, int]], j: int) -> list[tuple[int, dict]]:
+    """(P, line) of the busy decode steps that are the j-th after a step with
+    P > 0 prompt tokens (`cold_index`)."""
+    return [(p, ln) for (idle, ln), (jj, p) in zip(steps, index) if jj == j and p > 0 and idle < BUSY_S]
+
+
 def fit_cold(steps: list[tuple[float, dict]], model, index: list[tuple[int, int]] | None = None,
              steps_after: int = COLD_STEPS) -> tuple[tuple[float, float], ...]:
     """(a_j, b_j) for j = 1..steps_after: the busy decode steps j after a
@@ -126,7 +132,7 @@ def fit_cold(steps: list[tuple[float, dict]], model, index: list[tuple[int, int]
     index = cold_index(steps) if index is None else index
     out = []
     for jj in range(1, steps_after + 1):
-        rows = [(p, ln) for (idle, ln), (j, p) in zip(steps, index) if j == jj and p > 0 and idle < BUSY_S]
+        rows = cold_steps(steps, index, jj)
         if len(rows) < MIN_COLD:
             break
         t = np.array([model.predict_features(features(ln)) for _, ln in rows])
@@ -259,7 +265,8 @@ def pick_smooth(X: np.ndarray, times: np.ndarray, knots: tuple[int, ...]) -> tup
     return lam, errs[lam], terr
 
 
-def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[LinearLatencyModel, dict]:
+def fit_steps(steps: list[tuple[float, dict]], form: str = "auto",
+              index: list[tuple[int, int]] | None = None) -> tuple[LinearLatencyModel, dict]:
     """The step model on busy iterations, and its 4-fold held-out error per
     iteration. `auto`: of `CANDIDATE_FORMS`, the simplest whose held-out error
     in time (`time_error`) is within `PARSIMONY` of the least (the richer
@@ -267,8 +274,9 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto") -> tuple[Line
     would only fit noise); linear+attn only when its attention coefficient
     is positive. The segmented form's slopes are pulled together as far as
     the held-out error allows (`pick_smooth`). The first decode steps after
-    a step with prompt tokens are left out (`fit_cold` prices them)."""
-    index = cold_index(steps)
+    a step with prompt tokens are left out (`fit_cold` prices them); `index`:
+    the steps' `cold_index`, where the caller has it."""
+    index = cold_index(steps) if index is None else index
     busy = [ln for (idle, ln), jp in zip(steps, index) if idle < BUSY_S and not _is_cold(jp)]
     if len(busy) < 10:
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
@@ -408,8 +416,8 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
     t_from and t_to (wall clock) and the probes sent meanwhile."""
     window = [ln for ln in lines if t_from <= ln["t"] <= t_to]
     steps = step_lines(window)
-    model, fit = fit_steps(steps, form)
     index = cold_index(steps)
+    model, fit = fit_steps(steps, form, index)
     cold = fit_cold(steps, model, index)
     alone, wake_from = wake_steps(steps)
     woke = [iteration_time(ln) - model.predict_features(features(ln)) for idle, ln in alone if idle >= IDLE_S]
@@ -465,7 +473,6 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
                   "quantiles_within": quantiles(within_ratios(np.asarray(busy_ratio)))},
         "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery),
                     "loop": int((gap_adds == 0).sum()), "intake": int((gap_adds > 0).sum()),
-                    "cold": [sum(1 for (idle, _), jp in zip(steps, index) if idle < BUSY_S and jp[0] == j and jp[1] > 0)
-                             for j in range(1, len(cold) + 1)],
+                    "cold": [len(cold_steps(steps, index, j)) for j in range(1, len(cold) + 1)],
                     "wake_from": wake_from},
     }

@@ -501,7 +501,7 @@ def _run_http(args) -> int:
         replayer = Replayer(ReplayConfig(url=args.url, api_key=args.api_key, warmup=0, progress=False), info)
         got = await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
         try:  # the host's work per request and per token, outside the engine (after the sweep's window)
-            host = await host_work(replayer, args.url, args.api_key, seed=args.sweep_seed)
+            host = await host_work(replayer, seed=args.sweep_seed)
         finally:
             await replayer.close()
         return got, host

@@ -253,21 +253,20 @@ HOST_CONCURRENCY = 16
 HOST_OUTPUTS = (1, 33)  # output tokens per request of the two kinds of pass
 
 
-def front_end_cpu_s(url: str, api_key: str | None = None) -> float | None:
+def front_end_cpu_s(url: str) -> float | None:
     """The server front end's CPU seconds so far (`process_cpu_seconds_total`
-    on its /metrics); None where the server does not report it."""
+    on its /metrics, which needs no API key); None where the server does not
+    report it."""
     import httpx
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=30).text
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
     for line in text.splitlines():
         if line.startswith("process_cpu_seconds_total "):
             return float(line.split()[1])
     return None
 
 
-async def host_work(replayer, url: str, api_key: str | None = None, passes: int = 2,
-                    seed: int = 0) -> dict | None:
+async def host_work(replayer, passes: int = 2, seed: int = 0) -> dict | None:
     """The host's work per request and per streamed token, outside the engine:
     the front end's (its /metrics CPU seconds) and this client's (its own CPU
     time, as a load generator on the same machine spends it), each pass
@@ -276,7 +275,8 @@ async def host_work(replayer, url: str, api_key: str | None = None, passes: int 
     in the tokens streamed: cpu = requests * w_r + tokens * w_t, solved in
     the mean of each kind. None where the server reports no CPU time.
     {"request_s": w_r, "token_s": w_t, "passes": [...]}"""
-    if front_end_cpu_s(url, api_key) is None:
+    url = replayer.cfg.url
+    if front_end_cpu_s(url) is None:
         return None
     rng = random.Random(seed)
     rows = []
@@ -291,9 +291,9 @@ async def host_work(replayer, url: str, api_key: str | None = None, passes: int 
             async with limit:
                 await replayer._one(spec, rec, time.perf_counter())
 
-        fe0, c0 = front_end_cpu_s(url, api_key), time.process_time()
+        fe0, c0 = front_end_cpu_s(url), time.process_time()
         await asyncio.gather(*(one(s, r) for s, r in zip(specs, recs)))
-        c1, fe1 = time.process_time(), front_end_cpu_s(url, api_key)
+        c1, fe1 = time.process_time(), front_end_cpu_s(url)
         failed = [r.error for r in recs if r.error]
         if failed:
             raise RuntimeError(f"profile request failed: {failed[0]}")

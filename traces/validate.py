@@ -32,7 +32,7 @@ import os
 
 import numpy as np
 
-from stepserve.scheduler.latency_model import ServingCosts, nnls
+from stepserve.scheduler.latency_model import ServingCosts
 from stepserve.traces.calibrate import BUSY_S, cold_index, features, iteration_time, loop_gaps, step_lines
 from stepserve.traces.options import (add_trace_args, positive_float, positive_int, rates_from_args,
                                        scaling_from_args, slo_from_args)

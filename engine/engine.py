@@ -259,14 +259,15 @@ def builtin_policies(config: EngineConfig, proposer=None, device_type: str = "cp
     a plain step further from drafting (`CPU_SETTLE`), and a pair from plain
     decoding waits for plain steps on caches drafting or a prefill left
     alone (`CPU_QUIET`)."""
-    model = None
+    model = costs = None
     if config.latency_profile:
-        from stepserve.scheduler.latency_model import load_profile
+        from stepserve.scheduler.latency_model import ServingCosts, load_profile
 
-        model = load_profile(config.latency_profile).model
+        profile = load_profile(config.latency_profile)
+        model, costs = profile.model, ServingCosts.from_engine(profile.engine)
     out = []
     branch = branch_admission_policy(config.branch_policy, latency_model=model, slo_ttft_s=config.slo_ttft_s,
-                                     slo_tpot_s=config.slo_tpot_s)
+                                     slo_tpot_s=config.slo_tpot_s, costs=costs)
     if branch is not None:
         out.append(branch)
     if config.speculative != "none":

@@ -69,7 +69,12 @@ TAPER, each step:
     (`latency_model.py`): an offline fit when given, rescaled online on the
     last 200 steps this policy observes, every `refit` (50) observed steps
     and every 600 s of the scheduler's clock (`refit=0`: by the clock
-    only). Until it is
+    only). A decode step soon after a step with prompt chunks runs on caches
+    the chunk emptied; where the profile prices that (`ServingCosts.cold`),
+    so does the plan (`cold=price`, the default; `cold=ignore` leaves it
+    out): its baseline is a + (1 + b) t0 and each extra row's marginal time
+    (1 + b) times the model's, and the refits count each step's extra in.
+    Until it is
     calibrated (no offline fit and fewer than `min_samples` steps seen)
     TAPER runs eager and counts those steps
     (`stats()['taper_uncalibrated_steps']`).
@@ -88,7 +93,8 @@ import time
 from dataclasses import dataclass, fields
 
 from stepserve.scheduler.latency_model import (
-    LinearLatencyModel, OnlineLatencyModel, linear_fit_of, plan_features,
+    COLD_STEPS, LinearLatencyModel, OnlineLatencyModel, ServingCosts, SincePrompt, linear_fit_of, plan_features,
+    prompt_tokens,
 )
 from stepserve.scheduler.plan import StepPlan, StepRecord
 from stepserve.scheduler.policy import EngineView
@@ -100,8 +106,9 @@ BUDGETS = ("slack", "slo")
 PREDICTORS = ("model", "constant")
 LATES = ("drop", "keep")
 CATCHUPS = ("step", "recent")
+COLDS = ("price", "ignore")
 TAPER_OPTIONS = {"rho": float, "utility": str, "clock": str, "budget": str, "replan": int, "predictor": str,
-                 "late": str, "refit": int, "catchup": str}
+                 "late": str, "refit": int, "catchup": str, "cold": str}
 
 
 @dataclass(frozen=True)
@@ -124,6 +131,9 @@ class BranchAdmissionSpec:
     # late=drop: the baseline steps a late request is checked to catch up at: this step's (`step`), or
     # the mean baseline of the recent steps, prefill chunks included, when longer (`recent`)
     catchup: str = "recent"
+    # where the profile prices the decode steps after a prompt chunk (`ServingCosts.cold`): the plan of such a
+    # step adds that extra (`price`), or leaves it out (`ignore`: the prediction of a steady step)
+    cold: str = "price"
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -144,6 +154,8 @@ class BranchAdmissionSpec:
             raise ValueError(f"taper late must be one of {', '.join(LATES)}; got {self.late!r}")
         if self.catchup not in CATCHUPS:
             raise ValueError(f"taper catchup must be one of {', '.join(CATCHUPS)}; got {self.catchup!r}")
+        if self.cold not in COLDS:
+            raise ValueError(f"taper cold must be one of {', '.join(COLDS)}; got {self.cold!r}")
         if self.replan < 1:
             raise ValueError(f"taper replan must be at least 1, got {self.replan}")
         if self.refit < 0:
@@ -152,7 +164,8 @@ class BranchAdmissionSpec:
     @classmethod
     def parse(cls, spec: str) -> "BranchAdmissionSpec":
         """`eager` | `off` | `cap:N` | `taper[:rho=R,utility=concave|linear,clock=average|token,
-        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep,refit=K,catchup=step|recent]`."""
+        budget=slack|slo,replan=K,predictor=model|constant,late=drop|keep,refit=K,catchup=step|recent,
+        cold=price|ignore]`."""
         head, _, rest = spec.strip().partition(":")
         if head == "cap":
             try:
@@ -167,7 +180,7 @@ class BranchAdmissionSpec:
                 if not eq or k not in TAPER_OPTIONS:
                     raise ValueError("taper options are rho=R, utility=concave|linear, clock=average|token, "
                                      "budget=slack|slo, replan=K, predictor=model|constant, late=drop|keep, "
-                                     "refit=K and catchup=step|recent; "
+                                     "refit=K, catchup=step|recent and cold=price|ignore; "
                                      f"got {item!r}")
                 try:
                     kw[k] = TAPER_OPTIONS[k](v)
@@ -184,7 +197,7 @@ class BranchAdmissionSpec:
         if self.mode == "taper":
             defaults = {f.name: f.default for f in fields(self)}
             extra = "".join(f",{k}={getattr(self, k)}" for k in ("budget", "replan", "predictor", "late", "refit",
-                                                                  "catchup")
+                                                                  "catchup", "cold")
                             if getattr(self, k) != defaults[k])
             return f"taper:rho={self.rho:g},utility={self.utility},clock={self.clock}{extra}"
         return self.mode
@@ -221,7 +234,8 @@ class BranchAdmissionPolicy:
 
     def __init__(self, spec: BranchAdmissionSpec | str = "eager", *, latency_model=None,
                  slo_tpot_s: float | None = None, slo_ttft_s: float | None = None,
-                 window: int = 200, min_samples: int = 32, refit_period_s: float = 600.0):
+                 window: int = 200, min_samples: int = 32, refit_period_s: float = 600.0,
+                 costs: ServingCosts | None = None):
         self.spec = BranchAdmissionSpec.parse(spec) if isinstance(spec, str) else spec
         self.slo_tpot_s = slo_tpot_s
         self.slo_ttft_s = slo_ttft_s
@@ -235,7 +249,8 @@ class BranchAdmissionPolicy:
                 base = linear_fit_of(base)
             self.predictor = OnlineLatencyModel(base=base, window=window, min_samples=min_samples,
                                                 refit_period_s=refit_period_s, clock=self._now,
-                                                refit_every_steps=self.spec.refit or None)
+                                                refit_every_steps=self.spec.refit or None,
+                                                costs=costs if self.spec.cold == "price" else None)
         self._t = 0.0  # the scheduler's clock at the last plan
         self._planned = False  # the last plan() ran the taper planner (its step is observed)
         self.steps = 0  # steps that had a request with more than one decode row
@@ -249,6 +264,9 @@ class BranchAdmissionPolicy:
         self.planned_steps = 0  # steps taper planned (calibrated, with branches)
         self.predicted_s = 0.0  # of those: the step times taper predicted for the plans it chose ...
         self.measured_s = 0.0  # ... and what they took
+        self.after_prompt_steps = 0  # of those, the first COLD_STEPS decode steps after a step with prompt tokens,
+        self.after_prompt_predicted_s = 0.0  # and their predicted and measured times (`ServingCosts.cold`)
+        self.after_prompt_measured_s = 0.0
         self._widths: dict[int, int] = {}  # replan > 1: each request's width at the last plan
         self._base_avg = 0.0  # catchup=recent: running mean of the steps' predicted baseline times
         self._last_base: float | None = None  # the baseline the last plan predicted
@@ -285,7 +303,7 @@ class BranchAdmissionPolicy:
                 return plan
             t0 = time.perf_counter()
             if self._since_plan % self.spec.replan == 0:
-                deferred = self._taper(plan, branchy, view.now)
+                deferred = self._taper(plan, branchy, view.now, view.since_prompt)
                 if self.spec.replan > 1:
                     kept: dict[int, int] = {}
                     for g in branchy:
@@ -313,12 +331,20 @@ class BranchAdmissionPolicy:
                     r = record
                     base = self.predictor.predict(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs,
                                                   r.extend_rows)
+                    a, b = self.predictor.cold_terms(plan.after_prompt)
+                    base += a + b * base
                 self._base_avg += (base - self._base_avg) / 32.0
             self._last_base = None
             if self._planned:  # the prediction it planned with, against the step's own time
                 self.planned_steps += 1
                 self.predicted_s += self.last_predicted_s
-                self.measured_s += getattr(record, self.predictor.target)
+                took = getattr(record, self.predictor.target)
+                self.measured_s += took
+                j, p = plan.after_prompt
+                if 0 < j <= COLD_STEPS and p > 0:
+                    self.after_prompt_steps += 1
+                    self.after_prompt_predicted_s += self.last_predicted_s
+                    self.after_prompt_measured_s += took
             self.predictor.observe(plan, record)
 
     # -- TAPER --------------------------------------------------------------------
@@ -382,7 +408,7 @@ class BranchAdmissionPolicy:
                 d = c.tpot_s
         return d
 
-    def _taper(self, plan: StepPlan, branchy: list, now: float) -> set[int]:
+    def _taper(self, plan: StepPlan, branchy: list, now: float, since_prompt: tuple[int, int] = (0, 0)) -> set[int]:
         # the baseline: every row but the extra branch rows (each request's stalest row runs)
         candidates = [g[1:] for g in branchy]
         extra_ids = {id(r) for g in candidates for r in g}
@@ -400,7 +426,13 @@ class BranchAdmissionPolicy:
 
             def predict(*_):
                 return mean
-        t_base = predict(rows, ctx, new, pairs, ext)
+        t_raw = predict(rows, ctx, new, pairs, ext)
+        # a decode step soon after a prompt chunk runs on caches the chunk emptied: a + (1 + b) t for the
+        # model's t (`ServingCosts.cold`), and each extra row's marginal time grows by the same factor
+        cold_a, cold_b = (self.predictor.cold_terms(SincePrompt(*since_prompt).next(prompt_tokens(plan.rows)))
+                          if self.predictor.costs is not None else (0.0, 0.0))
+        scale = 1.0 + cold_b
+        t_base = t_raw * scale + cold_a
         self._last_base = t_base
         rho = self.spec.rho
 
@@ -481,7 +513,7 @@ class BranchAdmissionPolicy:
         t_all = t_base
         for g, got in zip(candidates, costs):
             for r in g:
-                c = predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_base
+                c = (predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_raw) * scale
                 got.append(c)
                 t_all += c
             if t_all > budget:
@@ -500,7 +532,7 @@ class BranchAdmissionPolicy:
             got = costs[gi]
             if k == len(got):  # (a request's rows are reached in order)
                 r = candidates[gi][k]
-                got.append(predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_base)
+                got.append((predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_raw) * scale)
             cost = got[k]
             gain = math.log((k + 2) / (k + 1)) if concave else 1.0
             return (-gain / max(cost, 1e-12), _staleness(candidates[gi][k]), gi, k, cost)
@@ -551,6 +583,9 @@ class BranchAdmissionPolicy:
                      taper_plan_ms_per_step=(1e3 * self.plan_s / max(self.steps - self.uncalibrated_steps, 1)),
                      taper_planned_steps=self.planned_steps, taper_predicted_s=self.predicted_s,
                      taper_measured_s=self.measured_s,
+                     taper_after_prompt_steps=self.after_prompt_steps,
+                     taper_after_prompt_predicted_s=self.after_prompt_predicted_s,
+                     taper_after_prompt_measured_s=self.after_prompt_measured_s,
                      # None when no deadline counted (no SLO, or every one already lost): unbounded
                      taper_last_slack_s=self.last_slack_s if math.isfinite(self.last_slack_s) else None,
                      taper_last_budget_s=self.last_budget_s if math.isfinite(self.last_budget_s) else None)

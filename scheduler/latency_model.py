@@ -167,6 +167,38 @@ def plan_features(plan) -> StepFeatures:
     return StepFeatures(len(plan.rows), ctx, new, float(pairs), ext)
 
 
+COLD_STEPS = 3  # the decode steps after a step with prompt tokens that pay for the caches it emptied
+
+
+def prompt_tokens(rows) -> int:
+    """The new tokens of a step's rows beyond one per decode row: its prefill
+    and extend chunks and its verifications (`ServingCosts.cold`)."""
+    return sum(r.num_new for r in rows if r.num_new != 1)
+
+
+@dataclass(slots=True)
+class SincePrompt:
+    """Where the engine stands since its last step that ran prompt tokens
+    (`prompt_tokens`), for `ServingCosts.cold`: `steps` decode steps have run
+    since, and that step ran `tokens` of them (0: none yet). The scheduler
+    keeps one over the steps it commits (`StepPlan.after_prompt`, and
+    `EngineView.since_prompt` for the step being planned)."""
+
+    steps: int = 0
+    tokens: int = 0
+
+    def next(self, prompt: int) -> tuple[int, int]:
+        """(j, P) of a step with `prompt` prompt tokens if it runs next: j = 0
+        and P = `prompt` where it has any, else the j-th decode step after a
+        step of P prompt tokens."""
+        return (0, prompt) if prompt > 0 else (self.steps + 1, self.tokens)
+
+    def advance(self, prompt: int) -> tuple[int, int]:
+        """Counts in a step with `prompt` prompt tokens; returns its (j, P)."""
+        self.steps, self.tokens = jp = self.next(prompt)
+        return jp
+
+
 def record_features(rec) -> StepFeatures:
     """Features of a `StepRecord`."""
     return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, rec.prefill_pairs, rec.extend_rows)
@@ -441,17 +473,28 @@ def error_summary(model, feats: list[StepFeatures], times) -> dict:
             "mean_ape": float(e.mean())}
 
 
-def _scale_fit(base: LinearLatencyModel, feats: list[StepFeatures], times: list[float]) -> float:
+def _scale_fit(base: LinearLatencyModel, feats: list[StepFeatures], times: list[float],
+               cold: list[tuple[float, float]] | None = None) -> float:
     """The alpha whose alpha * base adds up to the steps' measured time (the
-    ratio of the sums). Not the least relative squared error, which the
+    ratio of the sums); with `cold`, each step's (a, b) of its cold extra
+    a + b * t on the model's t (`ServingCosts.cold_terms`), the alpha whose
+    alpha * base plus that extra adds up to it. Not the least relative squared error, which the
     offline fit minimises across shapes: for one scale under a multiplicative
     scatter of the steps it comes out low (e^(-3 s^2 / 2) of the median for
     a log-normal scatter s, lower still against the mean), and TAPER's
     budget check then admits rows into steps that run past it: on the 2-core
     CPU server a TAPER server's rescaled predictions were 7-12% below the
     steps' measured time over whole runs."""
+    total = float(sum(times))
+    if cold:
+        t = [base.predict_features(f) for f in feats]
+        p = float(sum(x * (1.0 + b) for x, (_, b) in zip(t, cold)))
+        fixed = float(sum(a for a, _ in cold))
+        if p > 0 and total > fixed:
+            return (total - fixed) / p
+        return total / (p + fixed) if p + fixed > 0 else 1.0
     p = float(sum(base.predict_features(f) for f in feats))
-    return float(sum(times)) / p if p > 0 else 1.0
+    return total / p if p > 0 else 1.0
 
 
 class OnlineLatencyModel:
@@ -466,6 +509,11 @@ class OnlineLatencyModel:
     (`predict`, `current`), on the window as it is then, so an owner that
     reads it on few steps (speculation prices only mixed steps with it) does
     not pay a fit every `refit_every_steps` steps for nothing.
+    `costs`: the profile's serving costs; where they price cold decode steps
+    (`ServingCosts.cold`), the rescaling of `base` counts each observed
+    step's cold extra in (by its `StepPlan.after_prompt`), so the scale is
+    the steady steps' and `cold_extra` prices the next ones on top. (Without
+    `base` the window is fitted as it is: a profile brings both.)
     """
 
     name = "latency-model"
@@ -481,10 +529,13 @@ class OnlineLatencyModel:
         target: str = "wall_s",
         clock: Callable[[], float] = time.monotonic,
         lazy: bool = False,
+        costs: "ServingCosts | None" = None,
     ):
         self.base = base
+        self.costs = costs if costs is not None and costs.cold else None
         self.form = form or (base.form if base is not None else "linear")
         self.window: deque[tuple[StepFeatures, float]] = deque(maxlen=window)
+        self._after: deque[tuple[int, int]] = deque(maxlen=window)  # each window step's (j, P)
         self.min_samples = min_samples
         self.refit_period_s = refit_period_s
         self.refit_every_steps = refit_every_steps
@@ -513,6 +564,11 @@ class OnlineLatencyModel:
             raise RuntimeError("latency model not calibrated yet (fewer than min_samples steps, no offline profile)")
         return m.predict(rows, context_tokens, new_tokens, prefill_pairs, extend_rows)
 
+    def cold_terms(self, after: tuple[int, int]) -> tuple[float, float]:
+        """(a, b): a step that is `after` (`StepPlan.after_prompt`) takes
+        a + (1 + b) t for the model's t (`ServingCosts.cold_terms`)."""
+        return self.costs.cold_terms(*after) if self.costs is not None else (0.0, 0.0)
+
     # -- StepPolicy ------------------------------------------------------------
     def plan(self, plan, view):
         return plan
@@ -524,10 +580,13 @@ class OnlineLatencyModel:
             # and priced every step 1.75x its time until the next refit, 600 s later.
             return
         f = plan_features(plan) if plan is not None else record_features(record)
-        self.add(f, getattr(record, self.target))
+        self.add(f, getattr(record, self.target), plan.after_prompt if plan is not None else (0, 0))
 
-    def add(self, f: StepFeatures, t: float) -> None:
+    def add(self, f: StepFeatures, t: float, after: tuple[int, int] = (0, 0)) -> None:
+        """Observes a step of features `f` that took `t`, and was `after`
+        (`StepPlan.after_prompt`)."""
         self.window.append((f, t))
+        self._after.append(after)
         self._since_refit += 1
         if len(self.window) < self.min_samples:
             return
@@ -547,7 +606,8 @@ class OnlineLatencyModel:
         feats = [f for f, _ in self.window]
         times = [t for _, t in self.window]
         if self.base is not None:
-            self.model = self.base.rescaled(_scale_fit(self.base, feats, times))
+            cold = [self.cold_terms(jp) for jp in self._after] if self.costs is not None else None
+            self.model = self.base.rescaled(_scale_fit(self.base, feats, times, cold))
         else:  # a whisker of ridge keeps a rank-deficient window solvable, too little to bias a well-posed one
             self.model = LinearLatencyModel.fit(feats, times, self.form, ridge=1e-9, nonneg=True)
         self.num_refits += 1
@@ -643,7 +703,11 @@ class ServingCosts:
     before, which every plan of this one shares, and intake_s the requests
     that arrived, which every plan of the step takes in). The real engine's
     policies measure steps without it, too, so the simulated ones see what
-    the real ones see.
+    the real ones see. `cold` does change a plan's time: TAPER prices it
+    (`OnlineLatencyModel.cold_terms`, from the scheduler's count of the
+    steps since a prompt chunk, `EngineView.since_prompt`), and its refits
+    count it in. The speculation policy measures plain steps and leaves the
+    first ones after drafting or a prefill untimed on a CPU (`quiet`).
     """
 
     entry_s: float = 0.0
@@ -692,10 +756,16 @@ class ServingCosts:
     def cold_extra(self, j: int, tokens: int, step_s: float) -> float:
         """Extra time of the j-th decode step (1, 2, ...) after a step that ran
         `tokens` prompt tokens, whose model time is `step_s` (`cold`)."""
+        a, b = self.cold_terms(j, tokens)
+        return a + b * step_s
+
+    def cold_terms(self, j: int, tokens: int) -> tuple[float, float]:
+        """`cold_extra` as (a, b): a + b * step_s."""
         if not 0 < j <= len(self.cold) or tokens <= 0:
-            return 0.0
+            return 0.0, 0.0
         a, b = self.cold[j - 1]
-        return math.sqrt(tokens) * (a + b * step_s)
+        r = math.sqrt(tokens)
+        return r * a, r * b
 
     def wake(self, idle_s: float) -> float:
         """Extra time of a step after `idle_s` seconds of idling."""

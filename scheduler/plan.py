@@ -49,6 +49,9 @@ class StepPlan:
     num_decode: int = 0  # leading rows with exactly one new token (set at commit)
     num_verify: int = 0  # verify rows, right after them (set at commit)
     samples: list[tuple[int, Seq]] = field(default_factory=list)  # `sampling()`, frozen at commit
+    # (j, P): the j-th decode step after a step of P prompt tokens; j = 0 where it runs prompt tokens
+    # itself, P of them (`latency_model.SincePrompt`; set at commit)
+    after_prompt: tuple[int, int] = (0, 0)
 
     @property
     def empty(self) -> bool:

@@ -15,13 +15,15 @@ from stepserve.scheduler.speculation import SETTLE, SpecLengthPolicy, SpecLength
 
 
 def branch_admission_policy(spec: str | BranchAdmissionSpec, *, latency_model=None, slo_ttft_s: float | None = None,
-                            slo_tpot_s: float | None = None) -> BranchAdmissionPolicy | None:
+                            slo_tpot_s: float | None = None, costs=None) -> BranchAdmissionPolicy | None:
     """The branch-admission policy of `spec`, or None for `eager` (every row
-    runs: the plan needs no policy)."""
+    runs: the plan needs no policy). `costs`: the profile's `ServingCosts`
+    (TAPER prices cold decode steps with them)."""
     spec = BranchAdmissionSpec.parse(spec) if isinstance(spec, str) else spec
     if spec.mode == "eager":
         return None
-    return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    return BranchAdmissionPolicy(spec, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+                                 costs=costs)
 
 
 def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay=None,
@@ -39,13 +41,15 @@ def speculation_policy(spec: str | SpecLengthSpec, *, latency_model=None, replay
                             quiet=quiet)
 
 
-def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None):
+def make_policy(name: str, *, latency_model=None, slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
+                costs=None):
     """`noop`, or `branch:SPEC` (SPEC as `--branch-policy` takes it)."""
     if name == "noop":
         return NoopPolicy()
     head, _, rest = name.partition(":")
     if head == "branch" and rest:
-        return BranchAdmissionPolicy(rest, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        return BranchAdmissionPolicy(rest, latency_model=latency_model, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s,
+                                     costs=costs)
     raise ValueError(f"unknown step policy {name!r} (noop, branch:eager|off|cap:N|taper[:rho=R,utility=U])")
 
 

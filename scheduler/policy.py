@@ -21,6 +21,9 @@ class EngineView:
     kv_capacity: int
     max_batched_tokens: int = 0  # the step's token budget (0: unknown)
     max_context: int = 0  # the model's context (0: unknown)
+    # (decode steps committed since the last step that ran prompt tokens, that step's prompt tokens):
+    # the `latency_model.SincePrompt` of the steps before the one being planned (`ServingCosts.cold`)
+    since_prompt: tuple[int, int] = (0, 0)
 
 
 class StepPolicy(Protocol):

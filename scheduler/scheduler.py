@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from stepserve.scheduler.kv_manager import KVManager
+from stepserve.scheduler.latency_model import SincePrompt
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.policy import EngineView, StepPolicy
 from stepserve.scheduler.sequence import Seq, SeqStatus
@@ -66,6 +67,7 @@ class Scheduler:
         self.spec_accepted = 0
         # overlap schedule (`EngineCore`): the plan launched on the device but not yet `advance`d
         self.launched: StepPlan | None = None
+        self.since_prompt = SincePrompt()  # over the committed steps (`StepPlan.after_prompt`)
 
     # -- queue ---------------------------------------------------------------
     def add(self, seq: Seq, front: bool = False) -> None:
@@ -144,6 +146,7 @@ class Scheduler:
                 kv_capacity=self.kv.capacity,
                 max_batched_tokens=self.cfg.max_batched_tokens,
                 max_context=self.cfg.max_context,
+                since_prompt=(self.since_prompt.steps, self.since_prompt.tokens),
             )
             for p in self.policies:
                 plan = p.plan(plan, view)
@@ -255,6 +258,7 @@ class Scheduler:
         total = plan.num_new_tokens
         if total == 0:
             return
+        plan.after_prompt = self.since_prompt.advance(total - plan.num_decode)
         slots = self.kv.alloc(total)
         if slots is None:
             raise RuntimeError(f"KV accounting error: {total} slots planned, {self.kv.available()} available")

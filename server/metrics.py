@@ -42,6 +42,10 @@ _POLICY_METRICS = {
     "taper_planned_steps": ("counter", "Steps TAPER planned with its step-latency model"),
     "taper_predicted_seconds": ("counter", "Of those steps, the step time TAPER predicted for the plans it chose"),
     "taper_measured_seconds": ("counter", "Of those steps, the step time measured"),
+    "taper_after_prompt_steps": ("counter", "Of those steps, the first three decode steps after a step with "
+                                 "prompt tokens (their caches emptied by its chunk)"),
+    "taper_after_prompt_predicted_seconds": ("counter", "Of those, the step time TAPER predicted"),
+    "taper_after_prompt_measured_seconds": ("counter", "Of those, the step time measured"),
     "taper_last_slack_seconds": ("gauge", "The batch's SLO slack at TAPER's last plan (negative: a request is "
                                           "late; absent: no deadline counted)"),
     "taper_last_budget_seconds": ("gauge", "The step-time budget of TAPER's last plan"),

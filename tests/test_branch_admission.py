@@ -149,7 +149,8 @@ def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     from stepserve.scheduler.latency_model import PROFILE_KIND
 
     prof = {"kind": PROFILE_KIND, "source": "measured",
-            "latency": {"form": "linear", "coef": [1e-3, 1e-2, 0.0, 0.0]}}
+            "latency": {"form": "linear", "coef": [1e-3, 1e-2, 0.0, 0.0]},
+            "engine": {"cold": [[1e-4, 0.01], [1e-5, 0.0]]}}
     path = tmp_path / "slow.json"
     path.write_text(json.dumps(prof))
     eager, _, _ = _run(llama_ckpt, "eager")
@@ -169,6 +170,11 @@ def test_taper_narrows_under_a_slow_profile(llama_ckpt, tmp_path):
     # two: the measured side is this machine's timing, which a loaded machine can stretch past any bound)
     assert st["taper_planned_steps"] > 0 and st["taper_predicted_s"] > 0 and st["taper_measured_s"] > 0
     assert st["taper_last_budget_s"] > 0
+    # it plans with the profile's price of the decode steps after a prompt chunk, and counts those apart
+    (taper,) = [p for p in eng.policies if isinstance(p, BranchAdmissionPolicy)]
+    assert taper.predictor.costs.cold == ((1e-4, 0.01), (1e-5, 0.0))
+    assert 0 < st["taper_after_prompt_steps"] < st["taper_planned_steps"]
+    assert 0 < st["taper_after_prompt_predicted_s"] < st["taper_predicted_s"]
     # late=drop (the default): no plan keeps any deadline, so none narrows the step
     out, widths, eng = _run(llama_ckpt, "taper:clock=token", slo_tpot_s=0.015, latency_profile=str(path))
     st = eng.stats().policy
@@ -780,3 +786,109 @@ def test_ablation_replan_keeps_widths_between_plans():
     st = res.stats["policy"]
     assert all(r.completed for r in res.records)
     assert st["taper_planned_steps"] > 10 and len(calls) == -(-st["taper_planned_steps"] // 5)
+
+
+def test_taper_prices_the_decode_steps_after_a_prompt_chunk():
+    """A decode step right after a step with P prompt tokens (the view's
+    `since_prompt`) takes the profile's cold extra: TAPER's baseline is
+    sqrt(P) a + (1 + sqrt(P) b) t0 and each extra row costs (1 + sqrt(P) b)
+    times its model price, so a binding SLO admits fewer rows there. Past
+    the priced steps, in a step with prompt tokens of its own, or with
+    cold=ignore, the plain model prices it."""
+    from stepserve.scheduler.latency_model import ServingCosts
+
+    model = LinearLatencyModel("linear", [2e-3, 1e-3, 0.0, 0.0])  # 1 ms per row
+    costs = ServingCosts(cold=((0.0, 0.05), (1e-4, 0.0)))
+    groups = [[(40, 0.995), (41, 0.990), (42, 0.993)], [(10, 0.999)], [(7, 0.996), (8, 0.994)],
+              [(30, 0.998), (31, 0.998), (32, 0.997), (33, 0.992)]]
+
+    def plan_of(spec, since, slo=1.0, prefill=False):
+        pol = BranchAdmissionPolicy(spec, latency_model=model, slo_tpot_s=slo, costs=costs)
+        plan = _plan(groups)
+        if not prefill:
+            plan.rows = [r for r in plan.rows if r.num_new == 1]
+        out = pol.plan(plan, EngineView(1.0, 11, 0, 100, 100, since_prompt=since))
+        return pol, sum(1 for r in out.rows if r.num_new == 1)
+
+    t_all = 2e-3 + 10 * 1e-3  # every row admitted (a loose SLO)
+    for since, (a, b) in (((0, 100), (0.0, 0.5)), ((1, 100), (1e-3, 0.0)), ((2, 100), (0.0, 0.0)),
+                          ((5, 0), (0.0, 0.0))):
+        pol, n = plan_of("taper", since)
+        assert n == 10 and pol.last_predicted_s == pytest.approx(a + (1 + b) * t_all), since
+        pol, n = plan_of("taper:cold=ignore", since)
+        assert n == 10 and pol.last_predicted_s == pytest.approx(t_all)
+    pol, _ = plan_of("taper", (0, 100), prefill=True)  # its own prompt tokens: not cold (the model's price)
+    assert pol.last_predicted_s == pytest.approx(model.predict(11, 0, 26) + 0.0)
+    # a binding SLO: the cold step admits fewer rows and keeps its prediction within its budget
+    # (the token clock: slack 0.995 + 20 ms - 1 s = 15 ms; plain, T0 6 ms and a budget of 13.2: all 6 extra
+    # rows at 1 ms; cold, T0 1.5 x 6 = 9 ms and a budget of 13.8: 3 extra rows at 1.5 ms)
+    tight = {spec: plan_of(f"taper:clock=token,late=keep{spec}", (0, 100), slo=0.02) for spec in ("", ",cold=ignore")}
+    assert tight[""][1] == 4 + 3 and tight[",cold=ignore"][1] == 4 + 6
+    assert tight[""][0].last_budget_s == pytest.approx(0.0138)
+    assert tight[""][0].last_predicted_s == pytest.approx(0.0135)
+    assert "cold=ignore" in str(BranchAdmissionSpec.parse("taper:cold=ignore"))
+    with pytest.raises(ValueError, match="cold"):
+        BranchAdmissionSpec.parse("taper:cold=never")
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_scheduler_counts_the_steps_since_a_prompt_chunk(overlap):
+    """Each committed step's `after_prompt`, and the `since_prompt` a policy
+    sees when it plans it, follow the steps in the order they run (the
+    overlap schedule plans a step before the one before it is observed):
+    counted again from the steps' records."""
+
+    class Recorder:
+        name = "recorder"
+
+        def __init__(self):
+            self.views, self.steps = {}, []
+
+        def plan(self, plan, view):
+            self.views[id(plan)] = view.since_prompt
+            return plan
+
+        def observe(self, plan, rec):
+            self.steps.append((self.views.pop(id(plan)), plan.after_prompt, rec.new_tokens - rec.decode_rows))
+
+    model = LinearLatencyModel("linear", [5e-3, 2e-3, 0.0, 0.0])
+    rec = Recorder()
+    sim = Simulator(model, SimConfig(kv_slots=20000, max_context=512, vocab_size=100, check_every=1,
+                                     max_batched_tokens=24, overlap_schedule=overlap), [rec])
+    res = sim.run(_specs())
+    assert all(r.completed for r in res.records)
+    j, p = 0, 0
+    prompts = 0
+    for view, after, prompt in rec.steps:
+        assert view == (j, p)
+        j, p = (0, prompt) if prompt > 0 else (j + 1, p)
+        assert after == (j, p)
+        prompts += prompt > 0
+    assert prompts >= 12 and max(j for _, (j, _), _ in rec.steps) > 3
+
+
+def test_taper_predicts_the_steps_after_a_prompt_chunk_in_the_simulator():
+    """On a simulated engine whose decode steps after a prompt chunk take the
+    profile's cold extra, TAPER given the costs predicts those steps (and the
+    rest) at their simulated time; with cold=ignore it predicts them short
+    and the steady steps long (its rescale spreads their extra over all)."""
+    from stepserve.scheduler.latency_model import ServingCosts
+
+    model = LinearLatencyModel("linear", [1e-3, 5e-5, 0.0, 0.0])
+    cold = ((1e-4, 0.05), (5e-5, 0.02))
+    out = {}
+    for spec in ("taper", "taper:cold=ignore"):
+        pol = BranchAdmissionPolicy(spec, latency_model=model, slo_tpot_s=0.01, slo_ttft_s=1.0,
+                                    costs=ServingCosts(cold=cold))
+        sim = Simulator(model, SimConfig(kv_slots=20000, max_context=512, vocab_size=100, check_every=1,
+                                         cold=[list(c) for c in cold]), [pol])
+        specs = [RequestSpec(f"r{i}", 0.02 * i, 24, (Segment(f"p{i}", 32),), n=4 if i % 3 else 1) for i in range(40)]
+        res = sim.run(specs)
+        assert all(r.completed for r in res.records)
+        st = res.stats["policy"]
+        assert st["taper_after_prompt_steps"] >= 50
+        out[spec] = (st["taper_after_prompt_predicted_s"] / st["taper_after_prompt_measured_s"],
+                     (st["taper_predicted_s"] - st["taper_after_prompt_predicted_s"])
+                     / (st["taper_measured_s"] - st["taper_after_prompt_measured_s"]))
+    assert out["taper"] == pytest.approx((1.0, 1.0), abs=0.02)
+    assert out["taper:cold=ignore"][0] < 0.9 and out["taper:cold=ignore"][1] > 1.0

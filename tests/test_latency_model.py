@@ -518,3 +518,44 @@ def test_rescaled_in_two_parts(form, coef, knots):
         assert 0 < tok < m.predict_features(f)
         assert r.predict_features(f) == pytest.approx(1.5 * (m.predict_features(f) - tok) + 1.1 * tok, rel=1e-12)
     assert m.rescaled(2.0, 2.0).coef == pytest.approx(m.rescaled(2.0).coef)
+
+
+def test_online_rescale_counts_the_cold_steps_extra_in():
+    """Steps of a machine at 1.3x the profile's speed factor, a third of them
+    the first or second decode step after a prompt chunk, which take the
+    profile's cold extra on top: a predictor given the costs rescales to
+    exactly 1.3 and prices the next cold step as it runs; one without them
+    takes the extra for speed and prices every steady step high."""
+    base = LinearLatencyModel("linear", [1e-3, 2e-4, 1e-7, 3e-6])
+    costs = ServingCosts(cold=((2e-5, 0.02), (5e-6, 0.01)))
+    alpha = 1.3
+    rng = np.random.default_rng(7)
+    with_costs = OnlineLatencyModel(base=base, min_samples=60, costs=costs)
+    without = OnlineLatencyModel(base=base, min_samples=60)
+    for i in range(60):
+        b = int(rng.integers(1, 16))
+        f = StepFeatures(b, b * 200, b)
+        after = (i % 3, 144)  # j = 0 (a step with 144 prompt tokens), 1 or 2
+        t = alpha * base.predict_features(f)
+        t += costs.cold_extra(*after, t)
+        with_costs.add(f, t, after)
+        without.add(f, t, after)
+    f = StepFeatures(8, 1600, 8)
+    steady = alpha * base.predict_features(f)
+    assert with_costs.predict(8, 1600, 8) == pytest.approx(steady, rel=1e-9)
+    a, b = with_costs.cold_terms((1, 144))
+    assert (a, b) == pytest.approx((12 * 2e-5, 12 * 0.02))
+    assert a + (1 + b) * with_costs.predict(8, 1600, 8) == pytest.approx(steady + costs.cold_extra(1, 144, steady))
+    assert without.predict(8, 1600, 8) > 1.05 * steady and without.cold_terms((1, 144)) == (0.0, 0.0)
+    # a profile without cold steps priced leaves the predictor as it was
+    assert OnlineLatencyModel(base=base, costs=ServingCosts()).costs is None
+
+
+def test_since_prompt_counts_decode_steps_after_a_prompt_chunk():
+    from stepserve.scheduler.latency_model import SincePrompt
+
+    s = SincePrompt()
+    assert s.next(0) == (1, 0) and s.next(5) == (0, 5)
+    assert [s.advance(p) for p in (0, 40, 0, 0, 9, 0, 0, 0)] == [
+        (1, 0), (0, 40), (1, 40), (2, 40), (0, 9), (1, 9), (2, 9), (3, 9)]
+    assert ServingCosts(cold=((1e-5, 0.01),)).cold_extra(*s.next(0), 1e-3) == 0.0  # j = 4: past the priced ones

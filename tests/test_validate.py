@@ -241,10 +241,11 @@ def test_a_run_colder_than_the_profile_is_simulated_at_its_own_cold_factor():
 def test_the_simulator_adds_the_cold_steps_extra_after_each_prompt():
     """SimRunner: the j-th decode step after a step with P prompt tokens takes
     sqrt(P) * (a_j + b_j * t) more, times the speed window's cold factor;
-    past the last j, and in a step with prompt tokens, nothing."""
+    past the last j, and in a step with prompt tokens, nothing. (The plans'
+    `after_prompt` counted as the scheduler counts it at commit.)"""
     from types import SimpleNamespace
 
-    from stepserve.scheduler.latency_model import StepFeatures
+    from stepserve.scheduler.latency_model import SincePrompt, StepFeatures
     from stepserve.traces.simulator import SimRunner, VirtualClock
 
     model = LinearLatencyModel("linear", [1e-3, 0.0, 0.0, 0.0])
@@ -252,10 +253,12 @@ def test_the_simulator_adds_the_cold_steps_extra_after_each_prompt():
     r = SimRunner(model, clock, costs=ServingCosts(cold=((1e-5, 0.01), (2e-6, 0.0))),
                   speed_schedule=[[0.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 3.0]])
     r.idle_s = 0.0
+    since = SincePrompt()
 
     def step(rows, new, decode):
         t = clock.t
-        r.run(SimpleNamespace(num_decode=decode, num_verify=0, samples=[0] * rows), StepFeatures(rows, 10, new))
+        r.run(SimpleNamespace(num_decode=decode, num_verify=0, samples=[0] * rows,
+                              after_prompt=since.advance(new - decode)), StepFeatures(rows, 10, new))
         return clock.t - t
 
     assert step(2, 101, 1) == pytest.approx(1e-3)  # 100 prompt tokens: sqrt 10

@@ -58,14 +58,13 @@ from __future__ import annotations
 import numpy as np
 
 from stepserve.scheduler.latency_model import (
-    LinearLatencyModel, ServingCosts, StepFeatures, design, error_summary, nnls, row_knots,
+    COLD_STEPS, LinearLatencyModel, ServingCosts, SincePrompt, StepFeatures, design, error_summary, nnls, row_knots,
 )
 
 IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
 BUSY_S = 0.0005  # ... and one after less than this as busy
 WAKE_BINS = (0.0005, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, float("inf"))  # idle seconds
 MIN_BIN = 5  # samples for a point of the wake curve
-COLD_STEPS = 3  # decode steps after a step with prompt tokens that pay for the caches it emptied
 MIN_COLD = 20  # samples for a cold step's (a, b)
 
 
@@ -100,14 +99,14 @@ def cold_index(steps: list[tuple[float, dict]]) -> list[tuple[int, int]]:
     chunks, verifications) or followed an idle wait, else j counts the decode
     steps since such a step, and P is that step's prompt tokens
     (`ServingCosts.cold`)."""
-    out, j, p = [], 0, 0
+    out, since = [], SincePrompt()
     for idle, ln in steps:
         prompt = ln["new"] - ln["decode_rows"]
-        if prompt > 0 or idle >= BUSY_S:
-            j, p = 0, prompt
+        if idle >= BUSY_S:  # the wake-up prices it, and the caches start over
+            since = SincePrompt(0, prompt)
+            out.append((0, prompt))
         else:
-            j += 1
-        out.append((j, p))
+            out.append(since.advance(prompt))
     return out
 
 

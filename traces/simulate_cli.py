@@ -109,15 +109,16 @@ def speculation(args):
     return args.spec_length or "adaptive", draft
 
 
-def make_policies(args, latency_model, slo) -> list:
+def make_policies(args, latency_model, slo, costs=None) -> list:
     """The simulated engine's step policies: branch admission, then those
     named by --policy (`scheduler.policies.make_policy`), all given the
-    profile's step model and the run's SLOs."""
+    profile's step model, the serving costs the simulation runs with and the
+    run's SLOs."""
     from stepserve.scheduler.policies import branch_admission_policy, make_policy
 
     from stepserve.scheduler.policies import speculation_policy
 
-    kw = dict(latency_model=latency_model, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s)
+    kw = dict(latency_model=latency_model, slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s, costs=costs)
     try:
         branch = branch_admission_policy(args.branch_policy, **kw)
         named = [make_policy(name, **kw) for name in args.policy]
@@ -195,7 +196,7 @@ def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:
     from stepserve.traces.report import build_report
     from stepserve.traces.simulator import Simulator
 
-    policies = make_policies(args, prof.model, slo)
+    policies = make_policies(args, prof.model, slo, cfg.serving())
     online = None
     if args.online_refit:
         base = prof.model if isinstance(prof.model, LinearLatencyModel) else None

@@ -210,8 +210,6 @@ class SimRunner:
         self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
         self.rows_before = 0  # rows of the step before (the busy loop's time after it grows with them)
         self.taken = 0  # requests that arrived at the busy engine since the last step started (intake_s each)
-        self.cold_j = 0  # decode steps since the last step that ran prompt tokens (`ServingCosts.cold`)
-        self.cold_tokens = 0  # ... and its prompt tokens
 
     @staticmethod
     def _schedule(model, schedule) -> tuple[list[float], list, list[float], list[float]]:
@@ -252,23 +250,19 @@ class SimRunner:
             dt *= q[int(u * (len(q) - 1) + 0.5)]
         return dt
 
-    def _cold(self, plan, features: StepFeatures, dt: float) -> float:
+    def _cold(self, plan, dt: float) -> float:
         """The step's extra time as the j-th decode step after a step that ran
-        prompt tokens (`ServingCosts.cold_extra`); counts this step in."""
-        prompt = features.new_tokens - plan.num_decode
-        if prompt > 0:
-            self.cold_j, self.cold_tokens = 0, prompt
-            return 0.0
-        self.cold_j += 1
+        prompt tokens (`ServingCosts.cold_extra`, at the scheduler's count:
+        `StepPlan.after_prompt`)."""
         if not self.costs.cold:
             return 0.0
-        extra = self.costs.cold_extra(self.cold_j, self.cold_tokens, dt)
+        extra = self.costs.cold_extra(*plan.after_prompt, dt)
         i = self._window()
         return extra * self._cold_factors[i] if i >= 0 and extra else extra
 
     def run(self, plan, features: StepFeatures) -> SimOutput:
         dt = self.step_time(features)
-        dt += self._cold(plan, features, dt)
+        dt += self._cold(plan, dt)
         draft_s = self.speculate(plan) if plan.num_verify else 0.0
         dt += draft_s + self._between()
         self.rows_before = features.rows
@@ -297,7 +291,7 @@ class SimRunner:
         if plan.num_verify:
             raise ValueError("the overlap schedule does not run speculative steps")
         dt = self.step_time(features)
-        dt += self._cold(plan, features, dt)
+        dt += self._cold(plan, dt)
         between = self._between()  # host time, before the step's own
         self.rows_before = features.rows
         host = min(float(getattr(self.model, "overhead_s", 0.0)), dt) + between

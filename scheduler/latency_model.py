@@ -478,7 +478,8 @@ def _scale_fit(base: LinearLatencyModel, feats: list[StepFeatures], times: list[
     """The alpha whose alpha * base adds up to the steps' measured time (the
     ratio of the sums); with `cold`, each step's (a, b) of its cold extra
     a + b * t on the model's t (`ServingCosts.cold_terms`), the alpha whose
-    alpha * base plus that extra adds up to it. Not the least relative squared error, which the
+    alpha * base plus that extra adds up to it. Not the least relative
+    squared error, which the
     offline fit minimises across shapes: for one scale under a multiplicative
     scatter of the steps it comes out low (e^(-3 s^2 / 2) of the median for
     a log-normal scatter s, lower still against the mean), and TAPER's
@@ -628,8 +629,19 @@ class ServingCosts:
     entry_s     from a request's arrival to its reaching the scheduler (HTTP,
                 validation, the pipe to the engine loop). Step logs of a
                 2-core server measured 1.8-2.5 ms p50 into an idle engine.
-    delivery_s  from the end of the step that made a token to the client
-                holding it (output batch, pipe, SSE, the client's parsing).
+    delivery_s  from the end of the step that made a stream's first token to
+                the client holding it (output batch, pipe, the response's
+                start and its first SSE event, the client's parsing).
+    token_delivery_s
+                the same for a later token of the stream, with nothing
+                queued on the host (0: not measured, delivery_s): the
+                response's start is behind it. Probes of a 2-core EPYC
+                server: first tokens 0.8-1.2 ms, their third 0.2-0.5 ms;
+                the second waits behind the first's host work (below), so
+                the client saw the first two 0.12-0.21 ms apart where the
+                engine made them 0.6-0.8 ms apart, and a simulator that
+                delivered every token like a first read those requests'
+                TPOT up to 1.4x high.
     stream_s    more delivery per token the same step made: the front end
                 and the client handle a step's tokens one stream after the
                 other. A step with k tokens delivers them delivery_s +
@@ -720,10 +732,11 @@ class ServingCosts:
     intake_s: float = 0.0
     host_request_s: float = 0.0
     host_token_s: float = 0.0
+    token_delivery_s: float = 0.0
     cold: tuple[tuple[float, float], ...] = ()
 
     SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s", "host_request_s",
-               "host_token_s")
+               "host_token_s", "token_delivery_s")
     KEYS = SCALARS + ("wake_curve", "cold")
 
     def __post_init__(self):
@@ -785,8 +798,14 @@ class ServingCosts:
         return self.loop_s + self.loop_row_s * rows_before + self.intake_s * taken
 
     def delivery(self, tokens: int) -> float:
-        """Delay from a step's end to its client holding a token, for a step that made `tokens`."""
+        """Delay from a step's end to its client holding a stream's first
+        token, for a step that made `tokens`."""
         return self.delivery_s + self.stream_s * tokens
+
+    def first_extra(self) -> float:
+        """How much later than a later token a stream's first token reaches
+        its client, from steps alike (`token_delivery_s`)."""
+        return self.delivery_s - self.token_delivery_s if self.token_delivery_s else 0.0
 
 
 @dataclass

@@ -757,3 +757,28 @@ def test_no_serving_costs_leaves_every_serving_cost_out(tmp_path):
                                 "latency": {"form": "linear", "coef": [1e-3, 0.0, 0.0, 0.0]}, "engine": engine}))
     assert _sim_config(str(path)).serving() == ServingCosts.from_engine(engine)
     assert _sim_config(str(path), no_serving_costs=True).serving() == ServingCosts()
+
+
+def test_a_streams_later_tokens_are_delivered_sooner_than_its_first():
+    """A stream's first token reaches its client delivery_s after its step,
+    a later one token_delivery_s after its own, behind the host's work on
+    the stream's start (host_request_s) and never before the token ahead of
+    it. One request of 4 tokens, 1 ms steps ending at 1, 2, 3 and 4 ms, a
+    first token's delivery of 2 ms, a later one's of 0.5 ms: the first at
+    3 ms; without host work the second (made at 2 ms) would pass it, so it
+    comes with it, then 3.5 and 4.5 ms; with 1.5 ms of host work on the
+    start, the second waits for it until 2.5 ms, then 3.0, 3.5 and 4.5 ms
+    all the same. Without token_delivery_s every token takes delivery_s."""
+    def run(**costs):
+        cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, delivery_s=2e-3, **costs)
+        res = Simulator(CONST_1MS, cfg).run([_spec(0, 0.0, 10, 4)])
+        (r,) = res.records
+        return r, list(res.itl_s)
+
+    r, itl = run()
+    assert (r.ttft, r.e2e) == pytest.approx((3e-3, 6e-3)) and itl == pytest.approx([1e-3] * 3)
+    for host in ({}, {"host_request_s": 1.5e-3}):
+        r, itl = run(token_delivery_s=0.5e-3, **host)
+        assert (r.ttft, r.e2e) == pytest.approx((3e-3, 4.5e-3)) and itl == pytest.approx([0.0, 0.5e-3, 1e-3])
+    r, itl = run(token_delivery_s=0.5e-3, host_request_s=2.8e-3)  # the host holds the second until 3.8 ms
+    assert (r.ttft, r.e2e) == pytest.approx((3e-3, 4.5e-3)) and itl == pytest.approx([1.3e-3, 0.0, 0.2e-3])

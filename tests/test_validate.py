@@ -665,3 +665,35 @@ def test_a_window_whose_two_factors_stray_scales_the_runs_two():
     measured = sum(ln["step"] for ln in steps)
     predicted = sum(model.rescaled(a, b).predict(1, 10, ln["new"]) for ln in steps)
     assert a1 == pytest.approx(a * measured / predicted)
+
+
+def test_a_probes_third_token_gives_a_later_tokens_delivery():
+    """Idle probes of 4 tokens: the step that made the first is followed by
+    one-row decode steps; the third token reaches the client 0.3 ms after the
+    second of those ends (a later token's delivery), the first 1 ms after its
+    own. A probe whose next steps ran another row, or whose client saw fewer
+    events than tokens, gives none."""
+    from stepserve.traces.calibrate import probe_costs
+
+    lines, probes, t = [], [], 1000.0
+
+    def step(t, wait, adds, rows, new, dt=0.5e-3):
+        lines.append({"t": t, "wait": wait, "adds": adds, "cmd": 0.0, "rows": rows, "decode_rows": rows - (new > rows),
+                      "ctx": 40, "new": new, "pairs": 0.0, "step": dt, "fwd": dt, "out": 0.0, "emit": 0.0,
+                      "outs": rows})
+        return t + dt
+
+    for i in range(6):
+        send = t + 0.1
+        t = send + 1e-3
+        e1 = step(t, 0.1, 1, 1, 32, dt=2e-3)
+        ends = [e1]
+        for _ in range(3):
+            ends.append(step(ends[-1] + 0.1e-3, 0.0, 0, 2 if i == 4 else 1, 2 if i == 4 else 1))
+        firsts = [ends[0] + 1e-3] + [e + 0.3e-3 for e in ends[1:]]
+        itl = [b - a for a, b in zip(firsts, firsts[1:])]
+        probes.append({"start": send, "first": firsts[0], "prompt": 32, "itl": itl[:1] if i == 5 else itl})
+        t = ends[-1]
+    entry, delivery, later = probe_costs(lines, probes)
+    assert [d for _, d in delivery] == pytest.approx([1e-3] * 6)
+    assert later == pytest.approx([0.3e-3] * 4)  # not the probe beside another row, nor the one of merged events

@@ -492,7 +492,7 @@ def _run_http(args) -> int:
     plan: list[tuple] = [("decode", b, c) for b in bss for c in ctxs] + [("prefill", p) for p in plens]
     plan += [("mixed", b, c, p) for b in _ints(args.mixed_batch_sizes) for c in ctxs[:: max(1, len(ctxs) // 2)]
              for p in _ints(args.chunk_sizes) if b + p <= max_batched]
-    sweep = HTTPSweep(args.warmup, args.repeats, max_batched, args.sweep_seed)
+    sweep = HTTPSweep(args.warmup, args.repeats, max_batched, args.sweep_seed, max_len=max_len)
     progress = SweepProgress(sweep, args.rounds, len(plan), not args.no_progress)
     t0 = time.perf_counter()
     epoch0 = time.time()

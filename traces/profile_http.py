@@ -46,6 +46,8 @@ from stepserve.scheduler.latency_model import StepFeatures
 from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.request_spec import RequestSpec, Segment
 
+PROBE_TOKENS = 4  # an idle probe's output tokens: its third gives a later token's delivery (its last, more work)
+
 
 def window_time_per_token(events: list[tuple[float, int]], w: int, n: int) -> float | None:
     """Mean time per token between a stream's w-th and n-th tokens, from its
@@ -66,8 +68,9 @@ def window_time_per_token(events: list[tuple[float, int]], w: int, n: int) -> fl
 
 class HTTPSweep:
     def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int,
-                 idle_s: tuple[float, float] = (0.002, 0.3)):
+                 idle_s: tuple[float, float] = (0.002, 0.3), max_len: int | None = None):
         self.idle_s = idle_s
+        self.max_len = max_len  # the server's context: a probe's prompt and output within it
         # every TTFT probe, in wall-clock seconds, for a calibration from the server's step log
         self.probes: list[dict] = []
         self._epoch = wall_offset()
@@ -89,12 +92,14 @@ class HTTPSweep:
     def _spec(self, plen: int, out: int) -> RequestSpec:
         return RequestSpec(f"profile-{self.rng.random()}", 0.0, out, (Segment(f"profile:{self.rng.random()}", plen),))
 
-    async def _probe(self, replayer, plen: int, spec: RequestSpec | None = None) -> tuple[RequestRecord, RequestSpec]:
-        """One request of `plen` prompt tokens and one output token; its send and
-        first-token times are kept (wall clock) in `probes`. `spec`: send that
-        prompt again (its KV cached by the server: a full prefix hit)."""
+    async def _probe(self, replayer, plen: int, spec: RequestSpec | None = None,
+                     out: int = 1) -> tuple[RequestRecord, RequestSpec]:
+        """One request of `plen` prompt tokens and `out` output tokens; its send
+        and first-token times, and the gaps to its later tokens, are kept (wall
+        clock) in `probes`. `spec`: send that prompt again (its KV cached by the
+        server: a full prefix hit)."""
         hit = spec is not None
-        spec = RequestSpec(f"profile-{self.rng.random()}", 0.0, 1, spec.segments) if hit else self._spec(plen, 1)
+        spec = RequestSpec(f"profile-{self.rng.random()}", 0.0, out, spec.segments) if hit else self._spec(plen, out)
         rec = RequestRecord(spec.request_id, 0.0, plen)
         t0 = time.perf_counter()
         await replayer._one(spec, rec, t0)
@@ -102,7 +107,7 @@ class HTTPSweep:
             raise RuntimeError(f"profile request failed: {rec.error}")
         base = self._epoch + t0
         self.probes.append({"start": base + rec.start_s, "first": base + rec.first_token_s, "prompt": plen,
-                            "hit": hit})
+                            "hit": hit, "itl": list(rec.itl_s)})
         return rec, spec
 
     async def decode(self, replayer, bs: int, ctx: int) -> None:
@@ -145,15 +150,17 @@ class HTTPSweep:
         are what the wake-up is read from (`calibrate`): the step model prices
         decode-shaped steps from thousands of busy ones, where a lone prompt's
         step is one the busy steps (prefill chunks beside decode rows) price
-        less well."""
+        less well. Each probe makes PROBE_TOKENS tokens: the later ones'
+        delivery is read off them (`calibrate.probe_costs`)."""
         raw, hits = [], []
+        out = max(1, min(PROBE_TOKENS, self.max_len - plen)) if self.max_len else PROBE_TOKENS
         f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
         f_hit = StepFeatures(1, plen, 1)
         for rep in range(self.warmup + self.repeats):
             await self._idle()
-            rec, spec = await self._probe(replayer, plen)
+            rec, spec = await self._probe(replayer, plen, out=out)
             await self._idle()
-            again, _ = await self._probe(replayer, plen, spec)
+            again, _ = await self._probe(replayer, plen, spec, out=out)
             if rep >= self.warmup:
                 raw.append((f, rec.ttft))
                 hits.append((f_hit, again.ttft))

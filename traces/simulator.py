@@ -54,9 +54,9 @@ class SimConfig:
     check_every: int = 0  # run the KV integrity check every N steps (tests; slow)
     # The serving system's costs around the steps (`latency_model.ServingCosts`,
     # from profiles measured through a server): a request reaches the scheduler
-    # entry_s after its arrival (its TTFT still counts from the arrival); a token
+    # entry_s after its arrival (its TTFT still counts from the arrival); a stream's first token
     # reaches its client delivery_s + stream_s * (tokens of its step) after its
-    # step ends; the first step after the engine sat idle takes wake_s longer,
+    # step ends, a later one token_delivery_s + stream_s * (...); the first step after the engine sat idle takes wake_s longer,
     # or, with a wake_curve, as much as the curve says for how long it idled;
     # every other step starts loop_s + loop_row_s * (rows of the step before) after that one ended, plus
     # intake_s per request that arrived at the busy engine since that step started; the j-th decode step
@@ -64,6 +64,7 @@ class SimConfig:
     # the j-th pair of `cold` (`ServingCosts.cold`).
     entry_s: float = 0.0
     delivery_s: float = 0.0
+    token_delivery_s: float = 0.0  # a later token's (0: as delivery_s, a first token's)
     stream_s: float = 0.0
     wake_s: float = 0.0
     wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
@@ -421,11 +422,13 @@ class Simulator:
         costs = self.runner.costs
         k = len(plan.samples)
         end = self.clock.t
-        t = end + costs.delivery(k)  # when the client holds this step's tokens
+        host_r = costs.host_request_s
+        # when the client holds this step's later tokens (`token_delivery_s`); a first token `first` after them
+        first = costs.first_extra()
+        t = end + costs.delivery(k) - first
         free = self._host_free  # ... after the host's work queued before the step ended (`host_request_s`)
         if free > end:
             t += free - end
-        host_r = costs.host_request_s
         firsts = 0  # the step's first tokens so far: each new stream holds the ones after it by host_request_s
         seen = self._seen
         itl = self._itl
@@ -437,10 +440,12 @@ class Simulator:
             if p is None:
                 rec = s.group.rec
                 if rec.first_token_s is None:
-                    ts = t + firsts * host_r
+                    ts = t + first + firsts * host_r
                     firsts += 1
                     rec.first_token_s = ts
             else:
+                if ts < p:  # a stream's tokens reach its client in order: none passes its first's delivery
+                    ts = p
                 itl.append(ts - p)
             seen[sid] = ts
             if s.status is FINISHED:

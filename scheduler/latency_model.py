@@ -635,13 +635,19 @@ class ServingCosts:
     token_delivery_s
                 the same for a later token of the stream, with nothing
                 queued on the host (0: not measured, delivery_s): the
-                response's start is behind it. Probes of a 2-core EPYC
-                server: first tokens 0.8-1.2 ms, their third 0.2-0.5 ms;
-                the second waits behind the first's host work (below), so
-                the client saw the first two 0.12-0.21 ms apart where the
-                engine made them 0.6-0.8 ms apart, and a simulator that
-                delivered every token like a first read those requests'
-                TPOT up to 1.4x high.
+                response's start is behind it.
+    end_delivery_s
+                the same for the token that ends the stream (0: as a
+                later one): the last event, the usage, the stream's close.
+                Replays at 16-48 req/s on a 2-core EPYC: a stream's first
+                token reached the client 0.7-0.9 ms after its step, the
+                second 0.3 (it waits behind the first's host work, below),
+                the third 0.15, the middle one 0.1, the last 0.3-0.4.
+                Delivered like its first, a stream's later tokens came late
+                against it: the client saw the first two 0.12-0.21 ms apart
+                where the engine made them 0.6-0.8 ms apart, and the
+                simulator read 0.8 ms. TPOT, from the first token to the
+                last, depends on the two ends.
     stream_s    more delivery per token the same step made: the front end
                 and the client handle a step's tokens one stream after the
                 other. A step with k tokens delivers them delivery_s +
@@ -733,10 +739,11 @@ class ServingCosts:
     host_request_s: float = 0.0
     host_token_s: float = 0.0
     token_delivery_s: float = 0.0
+    end_delivery_s: float = 0.0
     cold: tuple[tuple[float, float], ...] = ()
 
     SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s", "host_request_s",
-               "host_token_s", "token_delivery_s")
+               "host_token_s", "token_delivery_s", "end_delivery_s")
     KEYS = SCALARS + ("wake_curve", "cold")
 
     def __post_init__(self):
@@ -806,6 +813,11 @@ class ServingCosts:
         """How much later than a later token a stream's first token reaches
         its client, from steps alike (`token_delivery_s`)."""
         return self.delivery_s - self.token_delivery_s if self.token_delivery_s else 0.0
+
+    def end_extra(self) -> float:
+        """How much later than a later token the token that ends a stream
+        (not its first) reaches its client (`end_delivery_s`)."""
+        return self.end_delivery_s - self.token_delivery_s if self.token_delivery_s and self.end_delivery_s else 0.0
 
 
 @dataclass

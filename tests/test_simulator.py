@@ -768,7 +768,8 @@ def test_a_streams_later_tokens_are_delivered_sooner_than_its_first():
     3 ms; without host work the second (made at 2 ms) would pass it, so it
     comes with it, then 3.5 and 4.5 ms; with 1.5 ms of host work on the
     start, the second waits for it until 2.5 ms, then 3.0, 3.5 and 4.5 ms
-    all the same. Without token_delivery_s every token takes delivery_s."""
+    all the same; the last takes end_delivery_s instead where given. Without
+    token_delivery_s every token takes delivery_s."""
     def run(**costs):
         cfg = SimConfig(kv_slots=1000, max_context=256, vocab_size=100, delivery_s=2e-3, **costs)
         res = Simulator(CONST_1MS, cfg).run([_spec(0, 0.0, 10, 4)])
@@ -782,3 +783,7 @@ def test_a_streams_later_tokens_are_delivered_sooner_than_its_first():
         assert (r.ttft, r.e2e) == pytest.approx((3e-3, 4.5e-3)) and itl == pytest.approx([0.0, 0.5e-3, 1e-3])
     r, itl = run(token_delivery_s=0.5e-3, host_request_s=2.8e-3)  # the host holds the second until 3.8 ms
     assert (r.ttft, r.e2e) == pytest.approx((3e-3, 4.5e-3)) and itl == pytest.approx([1.3e-3, 0.0, 0.2e-3])
+    # the token that ends the stream takes end_delivery_s: the 4th at 4 + 1.2 ms
+    r, itl = run(token_delivery_s=0.5e-3, end_delivery_s=1.2e-3)
+    assert (r.ttft, r.e2e) == pytest.approx((3e-3, 5.2e-3)) and itl == pytest.approx([0.0, 0.5e-3, 1.7e-3])
+    assert run(end_delivery_s=1.2e-3)[0].e2e == pytest.approx(6e-3)  # (with no later tokens' delivery: as they)

@@ -143,8 +143,9 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert prof["target"].startswith("engine loop iteration")
     costs = ServingCosts.from_engine(prof["engine"])
     assert costs.entry_s > 0 and costs.delivery(1) > 0  # a real server spends time on both ways
-    # the idle probes' third tokens: a later token's delivery
+    # the idle probes' third and last tokens: a later token's delivery, and the stream's end's
     assert cal["samples"]["token_delivery"] >= 1 and costs.token_delivery_s > 0
+    assert cal["samples"]["end_delivery"] >= 1 and costs.end_delivery_s > 0
     # the host's work outside the engine, from the front end's CPU seconds on /metrics and the client's: passes
     # of 96 requests of 1 and 33 tokens in turn; a request and a streamed token each cost the host something
     host = prof["host_work"]

@@ -670,8 +670,8 @@ def test_a_window_whose_two_factors_stray_scales_the_runs_two():
 def test_a_probes_third_token_gives_a_later_tokens_delivery():
     """Idle probes of 4 tokens: the step that made the first is followed by
     one-row decode steps; the third token reaches the client 0.3 ms after the
-    second of those ends (a later token's delivery), the first 1 ms after its
-    own. A probe whose next steps ran another row, or whose client saw fewer
+    second of those ends (a later token's delivery), the last 0.7 ms after
+    the third (the stream's end), the first 1 ms after its own. A probe whose next steps ran another row, or whose client saw fewer
     events than tokens, gives none."""
     from stepserve.traces.calibrate import probe_costs
 
@@ -692,8 +692,12 @@ def test_a_probes_third_token_gives_a_later_tokens_delivery():
             ends.append(step(ends[-1] + 0.1e-3, 0.0, 0, 2 if i == 4 else 1, 2 if i == 4 else 1))
         firsts = [ends[0] + 1e-3] + [e + 0.3e-3 for e in ends[1:]]
         itl = [b - a for a, b in zip(firsts, firsts[1:])]
-        probes.append({"start": send, "first": firsts[0], "prompt": 32, "itl": itl[:1] if i == 5 else itl})
+        firsts[-1] += 0.4e-3  # the last token ends the stream: 0.7 ms after its step
+        itl = [b - a for a, b in zip(firsts, firsts[1:])]
+        probes.append({"start": send, "first": firsts[0], "prompt": 32, "out": 4,
+                       "itl": itl[:1] if i == 5 else itl})
         t = ends[-1]
-    entry, delivery, later = probe_costs(lines, probes)
+    entry, delivery, later, last = probe_costs(lines, probes)
     assert [d for _, d in delivery] == pytest.approx([1e-3] * 6)
     assert later == pytest.approx([0.3e-3] * 4)  # not the probe beside another row, nor the one of merged events
+    assert last == pytest.approx([0.7e-3] * 4)

@@ -25,10 +25,11 @@ over the same sweep:
               to the client holding it, fitted as delivery_s + stream_s * k
               over probes whose step made k tokens (1 alone, B + 1 beside B
               streams)
-  token_delivery_s
+  token_delivery_s, end_delivery_s
               the median of the same for a later token: each idle probe's
               third, made by the second step after its first, from the
-              client's gaps between its tokens
+              client's gaps between its tokens; and for its last (the 4th),
+              which ends the stream
   loop_s, loop_row_s
               the time from one busy iteration's end to the next one's start
               (`loop_gaps`): the loop's poll, bookkeeping and log line, which
@@ -312,16 +313,19 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto",
                       if smooth_errs else {})}
 
 
-def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], list[tuple[int, float]], list[float]]:
+def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], list[tuple[int, float]], list[float],
+                                                               list[float]]:
     """(entry samples, [(tokens of the step, delivery)], later-token delivery
-    samples) of the probes: each probe is a request sent alone (`start` and
-    `first`, wall-clock), so the first iteration that took a request in at or
-    after its send took it in, and the first step from there with a prefill of
-    its prompt made its token. A probe that made more (its `itl`, one gap per
-    token) made its next ones in the steps right after, each of one row; its
-    third token (`LATER_TOKEN`: past the host's work on its first, and not
-    its last) gives a later token's delivery."""
-    entry, delivery, later = [], [], []
+    samples, last-token delivery samples) of the probes: each probe is a
+    request sent alone (`start` and `first`, wall-clock), so the first
+    iteration that took a request in at or after its send took it in, and
+    the first step from there with a prefill of its prompt made its token. A
+    probe that made more (its `itl`, one gap per token) made its next ones in
+    the steps right after, each of one row; its third token (`LATER_TOKEN`:
+    past the host's work on its first, and not its last) gives a later
+    token's delivery, and its last (the `out` it asked for, each seen) the
+    stream's end's."""
+    entry, delivery, later, last = [], [], [], []
     adds = [(i, ln) for i, ln in enumerate(lines) if ln["adds"]]
     for p in probes:
         hit = next(((i, ln) for i, ln in adds if ln["t"] >= p["start"]), None)
@@ -338,22 +342,29 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
                 end = step["t"] + iteration_time(step)
                 if p["first"] >= end:
                     delivery.append((step["rows"], p["first"] - end))
-                    d = _later_delivery(lines, j, p)
-                    if d is not None:
-                        later.append(d)
+                    n = len(p.get("itl") or []) + 1  # its tokens; the last (the stream's end) when all came
+                    if n > LATER_TOKEN:
+                        d = _token_delivery(lines, j, p, LATER_TOKEN)
+                        if d is not None:
+                            later.append(d)
+                    if n > 1 and n == p.get("out"):
+                        d = _token_delivery(lines, j, p, n)
+                        if d is not None:
+                            last.append(d)
                 break
-    return entry, delivery, later
+    return entry, delivery, later, last
 
 
 LATER_TOKEN = 3  # a probe's token whose delivery is a later token's (`probe_costs`)
 
 
-def _later_delivery(lines: list[dict], i: int, p: dict) -> float | None:
-    """The delivery of probe `p`'s LATER_TOKEN-th token, whose first token
-    lines[i] made: the (LATER_TOKEN - 1)-th step after it made it, when the
-    steps between ran its row alone."""
+def _token_delivery(lines: list[dict], i: int, p: dict, j: int) -> float | None:
+    """The delivery of probe `p`'s j-th token (j >= 2), whose first token
+    lines[i] made: the (j - 1)-th step after it made it, when the steps
+    between ran its row alone, and the client saw each token as an event of
+    its own (`itl`)."""
     itl = p.get("itl") or []
-    if len(itl) < LATER_TOKEN:  # (not its last token, and one event per token)
+    if len(itl) < j - 1:
         return None
     steps = []
     for ln in lines[i + 1:]:
@@ -361,12 +372,12 @@ def _later_delivery(lines: list[dict], i: int, p: dict) -> float | None:
             if ln["rows"] != 1 or ln["decode_rows"] != 1:
                 return None
             steps.append(ln)
-            if len(steps) == LATER_TOKEN - 1:
+            if len(steps) == j - 1:
                 break
-    if len(steps) < LATER_TOKEN - 1:
+    if len(steps) < j - 1:
         return None
     end = steps[-1]["t"] + iteration_time(steps[-1])
-    t = p["first"] + sum(itl[: LATER_TOKEN - 1])
+    t = p["first"] + sum(itl[: j - 1])
     return t - end if t >= end else None
 
 
@@ -467,7 +478,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
 
     ratio = [(idle < BUSY_S, iteration_time(ln) / predicted(ln, jp)) for (idle, ln), jp in zip(steps, index)]
     busy_ratio = [r for busy, r in ratio if busy]
-    entry, delivery, later = probe_costs(window, probes)
+    entry, delivery, later, last = probe_costs(window, probes)
     gaps, gap_rows, gap_adds, _ = loop_gaps(window)
     loop_s, loop_row_s = fit_loop(gaps, gap_rows, gap_adds)
     delivery_s = stream_s = 0.0
@@ -488,6 +499,7 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
         entry_s=float(np.median(entry)) if entry else 0.0,
         delivery_s=max(0.0, float(delivery_s)),
         token_delivery_s=float(np.median(later)) if later else 0.0,
+        end_delivery_s=float(np.median(last)) if last and later else 0.0,
         stream_s=max(0.0, float(stream_s)),
         wake_s=max(0.0, float(np.median(woke))) if woke else 0.0,
         wake_curve=curve,
@@ -508,7 +520,8 @@ def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float,
                   # the scatter about the machine's speed of the moment (`within_ratios`): for a simulation that
                   # is told that speed (`stepserve validate --speed-window`), which the raw quantiles hold too
                   "quantiles_within": quantiles(within_ratios(np.asarray(busy_ratio)))},
-        "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery), "token_delivery": len(later),
+        "samples": {"steps": len(steps), "after_idle": len(woke), "entry": len(entry), "delivery": len(delivery),
+                    "token_delivery": len(later), "end_delivery": len(last),
                     "loop": int((gap_adds == 0).sum()), "intake": int((gap_adds > 0).sum()),
                     "cold": [len(cold_steps(steps, index, j)) for j in range(1, len(cold) + 1)],
                     "wake_from": wake_from},

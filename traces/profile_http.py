@@ -46,7 +46,7 @@ from stepserve.scheduler.latency_model import StepFeatures
 from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.request_spec import RequestSpec, Segment
 
-PROBE_TOKENS = 4  # an idle probe's output tokens: its third gives a later token's delivery (its last, more work)
+PROBE_TOKENS = 4  # an idle probe's output tokens: its third gives a later token's delivery, its last the end's
 
 
 def window_time_per_token(events: list[tuple[float, int]], w: int, n: int) -> float | None:
@@ -107,7 +107,7 @@ class HTTPSweep:
             raise RuntimeError(f"profile request failed: {rec.error}")
         base = self._epoch + t0
         self.probes.append({"start": base + rec.start_s, "first": base + rec.first_token_s, "prompt": plen,
-                            "hit": hit, "itl": list(rec.itl_s)})
+                            "hit": hit, "out": out, "itl": list(rec.itl_s)})
         return rec, spec
 
     async def decode(self, replayer, bs: int, ctx: int) -> None:

@@ -56,7 +56,8 @@ class SimConfig:
     # from profiles measured through a server): a request reaches the scheduler
     # entry_s after its arrival (its TTFT still counts from the arrival); a stream's first token
     # reaches its client delivery_s + stream_s * (tokens of its step) after its
-    # step ends, a later one token_delivery_s + stream_s * (...); the first step after the engine sat idle takes wake_s longer,
+    # step ends, a later one token_delivery_s + stream_s * (...), the one that ends the stream
+    # end_delivery_s + ...; the first step after the engine sat idle takes wake_s longer,
     # or, with a wake_curve, as much as the curve says for how long it idled;
     # every other step starts loop_s + loop_row_s * (rows of the step before) after that one ended, plus
     # intake_s per request that arrived at the busy engine since that step started; the j-th decode step
@@ -65,6 +66,7 @@ class SimConfig:
     entry_s: float = 0.0
     delivery_s: float = 0.0
     token_delivery_s: float = 0.0  # a later token's (0: as delivery_s, a first token's)
+    end_delivery_s: float = 0.0  # the one that ends its stream (0: as a later one)
     stream_s: float = 0.0
     wake_s: float = 0.0
     wake_curve: list = field(default_factory=list)  # [[idle_s, extra_s], ...]
@@ -425,6 +427,7 @@ class Simulator:
         host_r = costs.host_request_s
         # when the client holds this step's later tokens (`token_delivery_s`); a first token `first` after them
         first = costs.first_extra()
+        ending = costs.end_extra()  # ... and the token that ends a stream (not its first) `ending` after them
         t = end + costs.delivery(k) - first
         free = self._host_free  # ... after the host's work queued before the step ended (`host_request_s`)
         if free > end:
@@ -444,6 +447,8 @@ class Simulator:
                     firsts += 1
                     rec.first_token_s = ts
             else:
+                if ending and s.status is FINISHED and s.group.left == 1:  # the token that ends the stream
+                    ts += ending
                 if ts < p:  # a stream's tokens reach its client in order: none passes its first's delivery
                     ts = p
                 itl.append(ts - p)

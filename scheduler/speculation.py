@@ -149,6 +149,7 @@ FAR = 0.9  # an exploration candidate below this share of the chosen k's rate is
 TRUSTED = 3  # ... once its cost cell holds this many pairs
 EXPLORE_SHARE = 0.01  # exploration pairs may lose at most this share of a range's step time to the choice
 EXPLORE_TURNS = 32  # ... and come at least once in this many exploration turns (`explore_every` steps each)
+STALE_TURNS = 32  # a length last paired this many exploration turns ago takes its turn again, wherever it is priced
 LEARNED = 32.0  # ... once the first draft position has been tried this many times (decayed)
 DECIDE_EVERY = 4  # a decode step's choice is made afresh once in this many verification steps (`_decision_key`)
 PROBE_EVERY = 16  # in a drafting run of a draft model, one step in this many starts a probe (`_Probe`)
@@ -983,6 +984,7 @@ class SpecLengthPolicy:
         self._probe: _Probe | None = None
         self._probe_turn: dict[int, int] = {}  # per bucket: probes up, then down, in turn
         self._explore_k: dict[int, int] = {}  # per bucket, the exploration turn
+        self._paired_at: dict[tuple[int, int], int] = {}  # (bucket, k): the step its last pair completed at
         self._started: set[int] = set()  # the buckets whose first pairs are measured
         self._best: dict[int, int] = {}  # per bucket, the last k chosen (not exploring)
         self._explore_at: dict[int, int] = {}  # per bucket, the step before which no pair starts (`_pair_step`)
@@ -1120,6 +1122,13 @@ class SpecLengthPolicy:
                 measured = self.costs.measured(bucket)
                 trusted = self.costs.trusted(bucket, TRUSTED)
                 near.update(k for k in measured if k not in trusted)
+                # and every length last paired STALE_TURNS turns ago or more: a length priced out once (its pairs
+                # taken in a slow phase of the machine, or cold) is otherwise never paired again where it is not
+                # next to the choice (at batch 1 on the 2-core Zen 4 EPYC, where fixed:4 ran 1.25x plain
+                # decoding and fixed:1 0.99x, one run's adaptive length decoded plainly on 91% of its steps,
+                # 0.72x the best fixed length)
+                stale = self.steps - STALE_TURNS * self.explore_every
+                near.update(k for k in measured if self._paired_at.get((bucket, k), stale) <= stale)
                 if best and self._probing():
                     # the lengths next to a drafting choice are priced by probes against it, a step each:
                     # its pairs (a step at 0 after `settle` more) are only what holds the range to plain decoding
@@ -1867,6 +1876,7 @@ class SpecLengthPolicy:
             r = at_k / unit  # scaled to k drafts delivered on every row, the jump kept whole (`_cost`)
             j = self._jump(pair.bucket, r)
             self.costs.add(pair.bucket, pair.k, 1.0 + j + (r - 1.0 - j) / fill)
+            self._paired_at[pair.bucket, pair.k] = self.steps
             self._warm = pair.bucket
             if pair.prime > 0.0:  # the priming step over the same step primed: what starting to draft costs
                 self.costs.add_switch(pair.bucket, max(pair.prime - at_k, 0.0) / unit)

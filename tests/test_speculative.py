@@ -645,12 +645,14 @@ def _accepted_run(rng, a: float, k: int) -> int:
     return acc
 
 
-def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, context: int = 100) -> list[int]:
+def _drive(pol, cost, alpha: float, steps: int, rows: int = 32, seed: int = 0, context: int = 100,
+           max_context: int = 2048) -> list[int]:
     """`steps` decode steps of `rows` rows through the policy, each timed at
     cost(rows, k, context) (a growing context, +-5% noise), each draft accepted
-    with probability alpha; the k chosen per step."""
+    with probability alpha; the k chosen per step. (Past `max_context` no row
+    drafts.)"""
     rng = np.random.default_rng(seed)
-    view = EngineView(0.0, rows, 0, 10_000, 10_000, 4096, 2048)
+    view = EngineView(0.0, rows, 0, 10_000, 10_000, 4096, max_context)
     ks = []
     for i in range(steps):
         plan = pol.plan(_decode_plan(rows, start=context + i), view)
@@ -2174,3 +2176,23 @@ def test_a_cpu_pair_from_plain_decoding_times_a_settled_step_at_k(quiet):
         assert pol.costs.count(0, k) >= 3
         err = pol.costs.ratio(0, k) / (cost(k) / cost(0)) - 1.0
         assert (abs(err) < 0.05) if quiet else (err > 0.3), (k, err)
+
+
+def test_a_drafting_length_priced_out_while_cold_is_measured_again_from_plain_decoding():
+    """A step's first draft carries a large fixed price (the draft model's
+    catch-up), so k = 1 and 2 lose to plain decoding while k = 4 wins by
+    1.29x; but for the first 600 steps the engine runs k = 4 at 2.5x its
+    price (cold caches), long enough for its cell to hold TRUSTED pairs all
+    taken cold. Plain decoding is chosen. Exploring only k = 1 and 2 next to
+    it, nothing would price k = 4 again; the drafting length priced best is
+    explored too (8x less often while priced far below plain decoding), its
+    warm pairs outvote the cold ones, and k = 4 is chosen from there on."""
+    def cost(rows, k, ctx):
+        cold = 2.5 if ctx - 100 < 600 else 1.0
+        return 1e-3 * (1.0 + (cold * (1.4 + 0.05 * k) if k >= 3 else (1.4 + 0.05 * k) if k else 0.0))
+
+    pol = SpecLengthPolicy("adaptive:kmax=4,per_row=0", probe_every=0)
+    ks = _drive(pol, cost, alpha=0.8, steps=12000, rows=1, max_context=1 << 20)
+    assert ks[400:600].count(0) >= 150  # priced out while cold: plain decoding
+    tail = ks[-2000:]
+    assert sum(k >= 3 for k in tail) >= 0.85 * len(tail), {k: tail.count(k) for k in set(tail)}

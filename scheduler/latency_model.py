@@ -814,6 +814,11 @@ class ServingCosts:
         its client, from steps alike (`token_delivery_s`)."""
         return self.delivery_s - self.token_delivery_s if self.token_delivery_s else 0.0
 
+    def end_delivery(self, tokens: int) -> float:
+        """Delay from a step's end to its client holding the token that ends a
+        stream (not its first), for a step that made `tokens`."""
+        return self.delivery(tokens) - self.first_extra() + self.end_extra()
+
     def end_extra(self) -> float:
         """How much later than a later token the token that ends a stream
         (not its first) reaches its client (`end_delivery_s`)."""

@@ -701,3 +701,29 @@ def test_a_probes_third_token_gives_a_later_tokens_delivery():
     assert [d for _, d in delivery] == pytest.approx([1e-3] * 6)
     assert later == pytest.approx([0.3e-3] * 4)  # not the probe beside another row, nor the one of merged events
     assert last == pytest.approx([0.7e-3] * 4)
+
+
+def test_engine_view_times_last_tokens_from_the_step_that_made_them():
+    """A request of n tokens, one event each, made its last token in the
+    (n - 1)-th step after the iteration that handed over its first: its
+    record's end less that step's end is the last token's way to the client,
+    and over the profile's end-of-stream delivery. One whose client saw
+    merged events, or with no id, is not timed."""
+    model = LinearLatencyModel("linear", [0.001, 0.0, 0.0, 0.0])
+    lines = [_line(100.0 + 0.002 * i, adds=int(i == 0), step=0.001) for i in range(6)]
+    lines[0].update(first=["cmpl-a", "cmpl-b"], outs=2)
+    for ln in lines[1:]:
+        ln["outs"] = 2
+    # a: 4 tokens, its last made by lines[3] (ends 100.007), seen at +0.6 ms; b: merged events
+    real = {"t0_epoch": 100.0, "requests": [
+        {"start_s": 0.0, "end_s": 0.0076, "first_token_s": 0.0015, "output_tokens": 4, "itl_s": [0.002] * 3,
+         "server_id": "cmpl-a"},
+        {"start_s": 0.0, "end_s": 0.0076, "first_token_s": 0.0015, "output_tokens": 4, "itl_s": [0.006],
+         "server_id": "cmpl-b"},
+        {"start_s": 0.0, "end_s": 0.0076, "first_token_s": 0.0015, "output_tokens": 4, "itl_s": [0.002] * 3}]}
+    costs = ServingCosts(delivery_s=1e-3, stream_s=1e-4, token_delivery_s=0.2e-3, end_delivery_s=0.4e-3)
+    e = step_log_view(lines, real, model, costs=costs)["end_delivery_s"]
+    assert e["n"] == 1 and e["p50"] == pytest.approx(0.0006)
+    assert e["over_p50"] == pytest.approx(0.0006 - (0.4e-3 + 2 * 1e-4))
+    assert costs.end_delivery(2) == pytest.approx(0.6e-3)
+    assert ServingCosts(delivery_s=1e-3).end_delivery(1) == pytest.approx(1e-3)  # unmeasured: as a first token

@@ -325,6 +325,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "busy_step_ratio_p50": q(ratio[~after_idle], 50),
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "delivery_s": first_token_delivery(window, recs, t0, costs),
+        "end_delivery_s": last_token_delivery(window, recs, t0, costs),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
     }
@@ -350,6 +351,40 @@ def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs:
         got.append(d)
         if costs is not None:
             over.append(d - costs.delivery(hit[1]))
+    a = np.array(got)
+    return {"n": len(got), "p50": float(np.percentile(a, 50)) if len(a) else None,
+            "p90": float(np.percentile(a, 90)) if len(a) else None,
+            "over_p50": float(np.median(over)) if over else None}
+
+
+def last_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: ServingCosts | None) -> dict:
+    """How long each request's last token took from the end of the step that
+    made it to the client (its record's `end_s`), as `first_token_delivery`
+    does for first tokens, for the requests of one stream that made a token
+    in each step after their first (n tokens: the (n - 1)-th step after the
+    iteration that handed over the first made the last) and whose client
+    saw each token as an event of its own (speculative steps, which make
+    several, never count). `over_p50` against the profile's
+    `ServingCosts.end_delivery`."""
+    steps = [ln for ln in window if "rows" in ln]
+    at = {}
+    for i, ln in enumerate(steps):
+        for rid in ln.get("first", ()):
+            at[rid] = i
+    got, over = [], []
+    for r in recs:
+        i = at.get(r.get("server_id"))
+        n = r.get("output_tokens") or 0
+        if i is None or n < 2 or r.get("end_s") is None or len(r.get("itl_s") or []) != n - 1 or r.get("n", 1) != 1:
+            continue
+        j = i + n - 1
+        if j >= len(steps):
+            continue
+        ln = steps[j]
+        d = t0 + r["end_s"] - (ln["t"] + iteration_time(ln))
+        got.append(d)
+        if costs is not None:
+            over.append(d - costs.end_delivery(ln.get("outs", 1)))
     a = np.array(got)
     return {"n": len(got), "p50": float(np.percentile(a, 50)) if len(a) else None,
             "p90": float(np.percentile(a, 90)) if len(a) else None,
@@ -458,6 +493,10 @@ def format_rate(r: dict) -> str:
                         f"{_ms(v['delivery_s']['p90'])} p90"
                         + ("" if v["delivery_s"]["over_p50"] is None else
                            f" ({v['delivery_s']['over_p50'] * 1e3:+.1f} ms over the profile's, p50)"))
+                     + ("" if not (v.get("end_delivery_s") or {}).get("n") else
+                        f"; last tokens {_ms(v['end_delivery_s']['p50'])} ms p50"
+                        + ("" if v["end_delivery_s"]["over_p50"] is None else
+                           f" ({v['end_delivery_s']['over_p50'] * 1e3:+.1f} ms over)"))
                      + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms")
                      + ("" if v["speed"].get("loop") is None else f" (x{v['speed']['loop']:.2f} the profile's)"))
     return "\n".join(lines)

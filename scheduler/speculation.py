@@ -61,8 +61,9 @@ Modes (`SpecLengthSpec.parse`, `--spec-length`):
              lose more than 1% of the time to the choice), so the costs keep
              following the machine even where k = 0 wins, a length chosen
              on fewer than 3 pairs is paired at once, and every length
-             measured on fewer than 3 (nor tied to one by probes) is paired
-             in its turn; starting to draft cold
+             measured on fewer than 3 (nor tied to one by probes), or last
+             paired 32 turns ago or more, is paired in its turn; starting
+             to draft cold
              is priced (the draft model's catch-up, from the pairs' priming
              steps); past the longest length measured the line
              is not trusted to stay flat (it never prices below the extra time

@@ -347,7 +347,7 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
                         d = _token_delivery(lines, j, p, LATER_TOKEN)
                         if d is not None:
                             later.append(d)
-                    if n > 1 and n == p.get("out"):
+                    if n > LATER_TOKEN and n == p.get("out"):  # (a second token waits on the first's host work)
                         d = _token_delivery(lines, j, p, n)
                         if d is not None:
                             last.append(d)

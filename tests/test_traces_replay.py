@@ -195,8 +195,12 @@ def test_validate_replays_and_simulates_each_rate(served, tmp_path, capsys):
         assert eng["entry_s"]["n"] >= 1  # the first request of each run finds the engine idle
         assert eng["loop_s"] > 0  # the loop's own time between busy steps
         assert eng["delivery_s"]["n"] == 16 and abs(eng["delivery_s"]["p50"]) < 0.5  # every first token, joined
+        assert eng["end_delivery_s"]["n"] >= 1  # the last tokens of requests that decoded every step
         (paired,) = r["paired"]  # one run, against its own simulation
         assert paired["goodput"] == pytest.approx(r["goodput_error"])
+    # each stored run carries the host's CPU beside the engine: the front end's (its /metrics) and the client's
+    host = json.loads((tmp_path / "runs" / "rate0-run0.json").read_text())["host_cpu_s"]
+    assert host["front_end"] >= 0 and host["client"] > 0
     assert res["simulator"]["delivery_s"] == 1e-3
     assert set(res["summary"]) >= {"goodput", "attainment", "ttft_p50", "tpot_p90", "knee", "all_met"}
     assert (tmp_path / "val.png").stat().st_size > 0

@@ -727,3 +727,20 @@ def test_engine_view_times_last_tokens_from_the_step_that_made_them():
     assert e["over_p50"] == pytest.approx(0.0006 - (0.4e-3 + 2 * 1e-4))
     assert costs.end_delivery(2) == pytest.approx(0.6e-3)
     assert ServingCosts(delivery_s=1e-3).end_delivery(1) == pytest.approx(1e-3)  # unmeasured: as a first token
+
+
+def test_engine_view_sets_the_runs_host_cpu_against_the_profiles():
+    """A replay's report carries the front end's and the client's CPU seconds
+    over the run; against the profile's host costs for its requests and
+    tokens they give the run's host factor. No CPU figure, or no host costs
+    in the profile: none."""
+    from stepserve.traces.validate import host_work
+
+    real = {"host_cpu_s": {"front_end": 0.6, "client": 0.3},
+            "requests": [{"output_tokens": 10}, {"output_tokens": 20}, {"output_tokens": 5, "error": "x"}]}
+    costs = ServingCosts(host_request_s=1e-3, host_token_s=1e-4)
+    h = host_work(real, costs)
+    assert h["cpu_s"] == pytest.approx(0.9) and h["predicted_s"] == pytest.approx(2e-3 + 30e-4)
+    assert h["factor"] == pytest.approx(0.9 / 5e-3)
+    assert host_work({"host_cpu_s": {"front_end": None, "client": 0.3}, "requests": []}, costs) is None
+    assert host_work(real, ServingCosts()) is None and host_work(real, None) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import time
 
 from stepserve.traces.options import (
     add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
@@ -63,6 +64,17 @@ def run_replay(args) -> int:
     return 0
 
 
+def _front_end_cpu(url: str) -> float | None:
+    """The server front end's CPU seconds so far, or None where it reports
+    none or cannot be asked (`profile_http.front_end_cpu_s`)."""
+    from stepserve.traces.profile_http import front_end_cpu_s
+
+    try:
+        return front_end_cpu_s(url)
+    except Exception:  # noqa: BLE001 - a server without /metrics, or none at that address: not measured
+        return None
+
+
 def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
     """The report of one replay of `specs`, the k-th of a sweep: its own prompt
     seed, and (`--flush-cache`) the server's prefix cache emptied first, so
@@ -78,7 +90,12 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
                        max_concurrency=args.max_concurrency, flush_cache=args.flush_cache)
     print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
           file=sys.stderr)
+    fe0, c0 = _front_end_cpu(args.url), time.process_time()
     records, duration, t0_epoch, flushed = replay(specs, cfg, info)
+    c1, fe1 = time.process_time(), _front_end_cpu(args.url)
+    # the host's work beside the engine over the run (with the cache flush before it): the front end's CPU
+    # seconds (its /metrics; None where it reports none) and this client's
+    host = {"front_end": None if fe0 is None or fe1 is None else fe1 - fe0, "client": c1 - c0}
     lag = [r.start_s - r.arrival_s for r in records if r.start_s is not None]
     return build_report(
         mode="replay", records=records, duration_s=duration, slo=slo, trace=trace.info(),
@@ -87,6 +104,6 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
                 "vocab_size": cfg.vocab_size or info.vocab_size, "prompt_seed": cfg.seed,
                 "temperature": cfg.temperature, "ignore_eos": True, "warmup": cfg.warmup,
                 "max_concurrency": args.max_concurrency, "cache_flush": flushed},
-        extra={"client_lag_s": percentiles(lag), "t0_epoch": t0_epoch},
+        extra={"client_lag_s": percentiles(lag), "t0_epoch": t0_epoch, "host_cpu_s": host},
         with_itl=not args.no_itl_records,
     )

@@ -326,6 +326,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "delivery_s": first_token_delivery(window, recs, t0, costs),
         "end_delivery_s": last_token_delivery(window, recs, t0, costs),
+        "host_work": host_work(real, costs),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
     }
@@ -355,6 +356,20 @@ def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs:
     return {"n": len(got), "p50": float(np.percentile(a, 50)) if len(a) else None,
             "p90": float(np.percentile(a, 90)) if len(a) else None,
             "over_p50": float(np.median(over)) if over else None}
+
+
+def host_work(real: dict, costs: ServingCosts | None) -> dict | None:
+    """The host's CPU seconds beside the engine over a real run (its report's
+    `host_cpu_s`: the front end's and the client's), against what the
+    profile's `host_request_s` and `host_token_s` say for its requests and
+    tokens: {cpu_s, predicted_s, factor}. None where either is missing."""
+    host = real.get("host_cpu_s") or {}
+    if host.get("front_end") is None or costs is None or not (costs.host_request_s or costs.host_token_s):
+        return None
+    recs = [r for r in real.get("requests") or [] if r.get("error") is None]
+    predicted = costs.host_request_s * len(recs) + costs.host_token_s * sum(r.get("output_tokens") or 0 for r in recs)
+    cpu = host["front_end"] + host["client"]
+    return {"cpu_s": cpu, "predicted_s": predicted, "factor": cpu / predicted if predicted > 0 else None}
 
 
 def last_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: ServingCosts | None) -> dict:
@@ -497,6 +512,8 @@ def format_rate(r: dict) -> str:
                         f"; last tokens {_ms(v['end_delivery_s']['p50'])} ms p50"
                         + ("" if v["end_delivery_s"]["over_p50"] is None else
                            f" ({v['end_delivery_s']['over_p50'] * 1e3:+.1f} ms over)"))
+                     + ("" if not (v.get("host_work") or {}).get("factor") else
+                        f"; host CPU {v['host_work']['cpu_s']:.2f} s, x{v['host_work']['factor']:.2f} the profile's")
                      + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms")
                      + ("" if v["speed"].get("loop") is None else f" (x{v['speed']['loop']:.2f} the profile's)"))
     return "\n".join(lines)

@@ -93,7 +93,7 @@ import time
 from dataclasses import dataclass, fields
 
 from stepserve.scheduler.latency_model import (
-    COLD_STEPS, LinearLatencyModel, OnlineLatencyModel, ServingCosts, SincePrompt, linear_fit_of, plan_features,
+    LinearLatencyModel, OnlineLatencyModel, ServingCosts, SincePrompt, is_cold, linear_fit_of, plan_features,
     prompt_tokens,
 )
 from stepserve.scheduler.plan import StepPlan, StepRecord
@@ -264,7 +264,7 @@ class BranchAdmissionPolicy:
         self.planned_steps = 0  # steps taper planned (calibrated, with branches)
         self.predicted_s = 0.0  # of those: the step times taper predicted for the plans it chose ...
         self.measured_s = 0.0  # ... and what they took
-        self.after_prompt_steps = 0  # of those, the first COLD_STEPS decode steps after a step with prompt tokens,
+        self.after_prompt_steps = 0  # of those, the first decode steps after a step with prompt tokens (`is_cold`),
         self.after_prompt_predicted_s = 0.0  # and their predicted and measured times (`ServingCosts.cold`)
         self.after_prompt_measured_s = 0.0
         self._widths: dict[int, int] = {}  # replan > 1: each request's width at the last plan
@@ -340,8 +340,7 @@ class BranchAdmissionPolicy:
                 self.predicted_s += self.last_predicted_s
                 took = getattr(record, self.predictor.target)
                 self.measured_s += took
-                j, p = plan.after_prompt
-                if 0 < j <= COLD_STEPS and p > 0:
+                if is_cold(plan.after_prompt):
                     self.after_prompt_steps += 1
                     self.after_prompt_predicted_s += self.last_predicted_s
                     self.after_prompt_measured_s += took

@@ -170,6 +170,13 @@ def plan_features(plan) -> StepFeatures:
 COLD_STEPS = 3  # the decode steps after a step with prompt tokens that pay for the caches it emptied
 
 
+def is_cold(after: tuple[int, int]) -> bool:
+    """Whether a step that is `after` (`StepPlan.after_prompt`: the j-th decode
+    step after one of P prompt tokens) is one of the first COLD_STEPS decode
+    steps after prompt tokens (`ServingCosts.cold`)."""
+    return 0 < after[0] <= COLD_STEPS and after[1] > 0
+
+
 def prompt_tokens(rows) -> int:
     """The new tokens of a step's rows beyond one per decode row: its prefill
     and extend chunks and its verifications (`ServingCosts.cold`)."""

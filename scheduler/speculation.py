@@ -1120,16 +1120,15 @@ class SpecLengthPolicy:
                 # line through the longest prices every length past the others, and a range's first pairs may
                 # have been taken cold (at batch 2 on the 2-core Xeon one first pair at k = 1 read 2.2 plain
                 # steps against 1.6 measured by fixed:1, and, left alone, priced the short lengths out)
-                measured = self.costs.measured(bucket)
-                trusted = self.costs.trusted(bucket, TRUSTED)
-                near.update(k for k in measured if k not in trusted)
                 # and every length last paired STALE_TURNS turns ago or more: a length priced out once (its pairs
                 # taken in a slow phase of the machine, or cold) is otherwise never paired again where it is not
                 # next to the choice (at batch 1 on the 2-core Zen 4 EPYC, where fixed:4 ran 1.25x plain
                 # decoding and fixed:1 0.99x, one run's adaptive length decoded plainly on 91% of its steps,
                 # 0.72x the best fixed length)
+                trusted = self.costs.trusted(bucket, TRUSTED)
                 stale = self.steps - STALE_TURNS * self.explore_every
-                near.update(k for k in measured if self._paired_at.get((bucket, k), stale) <= stale)
+                near.update(k for k in self.costs.measured(bucket)
+                            if k not in trusted or self._paired_at.get((bucket, k), stale) <= stale)
                 if best and self._probing():
                     # the lengths next to a drafting choice are priced by probes against it, a step each:
                     # its pairs (a step at 0 after `settle` more) are only what holds the range to plain decoding

@@ -734,13 +734,13 @@ def test_engine_view_sets_the_runs_host_cpu_against_the_profiles():
     over the run; against the profile's host costs for its requests and
     tokens they give the run's host factor. No CPU figure, or no host costs
     in the profile: none."""
-    from stepserve.traces.validate import host_work
+    from stepserve.traces.validate import host_cpu
 
     real = {"host_cpu_s": {"front_end": 0.6, "client": 0.3},
             "requests": [{"output_tokens": 10}, {"output_tokens": 20}, {"output_tokens": 5, "error": "x"}]}
     costs = ServingCosts(host_request_s=1e-3, host_token_s=1e-4)
-    h = host_work(real, costs)
+    h = host_cpu(real, costs)
     assert h["cpu_s"] == pytest.approx(0.9) and h["predicted_s"] == pytest.approx(2e-3 + 30e-4)
     assert h["factor"] == pytest.approx(0.9 / 5e-3)
-    assert host_work({"host_cpu_s": {"front_end": None, "client": 0.3}, "requests": []}, costs) is None
-    assert host_work(real, ServingCosts()) is None and host_work(real, None) is None
+    assert host_cpu({"host_cpu_s": {"front_end": None, "client": 0.3}, "requests": []}, costs) is None
+    assert host_cpu(real, ServingCosts()) is None and host_cpu(real, None) is None

@@ -63,7 +63,8 @@ from __future__ import annotations
 import numpy as np
 
 from stepserve.scheduler.latency_model import (
-    COLD_STEPS, LinearLatencyModel, ServingCosts, SincePrompt, StepFeatures, design, error_summary, nnls, row_knots,
+    COLD_STEPS, LinearLatencyModel, ServingCosts, SincePrompt, StepFeatures, design, error_summary, is_cold, nnls,
+    row_knots,
 )
 
 IDLE_S = 0.005  # an iteration after this much idle wait counts as a wake-up
@@ -113,10 +114,6 @@ def cold_index(steps: list[tuple[float, dict]]) -> list[tuple[int, int]]:
         else:
             out.append(since.advance(prompt))
     return out
-
-
-def _is_cold(jp: tuple[int, int], steps: int = COLD_STEPS) -> bool:
-    return 0 < jp[0] <= steps and jp[1] > 0
 
 
 def cold_steps(steps: list[tuple[float, dict]], index: list[tuple[int, int]], j: int) -> list[tuple[int, dict]]:
@@ -281,7 +278,7 @@ def fit_steps(steps: list[tuple[float, dict]], form: str = "auto",
     a step with prompt tokens are left out (`fit_cold` prices them); `index`:
     the steps' `cold_index`, where the caller has it."""
     index = cold_index(steps) if index is None else index
-    busy = [ln for (idle, ln), jp in zip(steps, index) if idle < BUSY_S and not _is_cold(jp)]
+    busy = [ln for (idle, ln), jp in zip(steps, index) if idle < BUSY_S and not is_cold(jp)]
     if len(busy) < 10:
         raise ValueError(f"the step log holds {len(busy)} busy steps in the sweep's window: too few to fit")
     feats = [features(ln) for ln in busy]
@@ -347,10 +344,10 @@ def probe_costs(lines: list[dict], probes: list[dict]) -> tuple[list[float], lis
                         d = _token_delivery(lines, j, p, LATER_TOKEN)
                         if d is not None:
                             later.append(d)
-                    if n > LATER_TOKEN and n == p.get("out"):  # (a second token waits on the first's host work)
-                        d = _token_delivery(lines, j, p, n)
-                        if d is not None:
-                            last.append(d)
+                        if n == p.get("out"):  # (past its third: a second token waits on the first's host work)
+                            d = _token_delivery(lines, j, p, n)
+                            if d is not None:
+                                last.append(d)
                 break
     return entry, delivery, later, last
 

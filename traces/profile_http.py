@@ -263,10 +263,13 @@ HOST_OUTPUTS = (1, 33)  # output tokens per request of the two kinds of pass
 def front_end_cpu_s(url: str) -> float | None:
     """The server front end's CPU seconds so far (`process_cpu_seconds_total`
     on its /metrics, which needs no API key); None where the server does not
-    report it."""
+    report it or cannot be asked."""
     import httpx
 
-    text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
     for line in text.splitlines():
         if line.startswith("process_cpu_seconds_total "):
             return float(line.split()[1])
@@ -304,6 +307,8 @@ async def host_work(replayer, passes: int = 2, seed: int = 0) -> dict | None:
         failed = [r.error for r in recs if r.error]
         if failed:
             raise RuntimeError(f"profile request failed: {failed[0]}")
+        if fe0 is None or fe1 is None:
+            raise RuntimeError(f"the server at {url} stopped reporting its CPU time on /metrics")
         rows.append({"requests": len(specs), "tokens": sum(r.output_tokens for r in recs),
                      "front_end_cpu_s": fe1 - fe0, "client_cpu_s": c1 - c0})
     by = {o: [r for i, r in enumerate(rows) if HOST_OUTPUTS[i % len(HOST_OUTPUTS)] == o] for o in HOST_OUTPUTS}

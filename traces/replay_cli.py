@@ -64,23 +64,13 @@ def run_replay(args) -> int:
     return 0
 
 
-def _front_end_cpu(url: str) -> float | None:
-    """The server front end's CPU seconds so far, or None where it reports
-    none or cannot be asked (`profile_http.front_end_cpu_s`)."""
-    from stepserve.traces.profile_http import front_end_cpu_s
-
-    try:
-        return front_end_cpu_s(url)
-    except Exception:  # noqa: BLE001 - a server without /metrics, or none at that address: not measured
-        return None
-
-
 def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
     """The report of one replay of `specs`, the k-th of a sweep: its own prompt
     seed, and (`--flush-cache`) the server's prefix cache emptied first, so
     that it serves no run the prompts of another, of this sweep or an earlier
     one against the same server."""
     from stepserve.traces.metrics import percentiles
+    from stepserve.traces.profile_http import front_end_cpu_s
     from stepserve.traces.replay import ReplayConfig, replay
     from stepserve.traces.report import build_report
 
@@ -90,9 +80,9 @@ def replay_one(args, info, trace, slo, specs, sinfo, k: int) -> dict:
                        max_concurrency=args.max_concurrency, flush_cache=args.flush_cache)
     print(f"replaying {len(specs)} requests at {sinfo.rate_rps or 0:.3f} req/s against {args.url} ...",
           file=sys.stderr)
-    fe0, c0 = _front_end_cpu(args.url), time.process_time()
+    fe0, c0 = front_end_cpu_s(args.url), time.process_time()
     records, duration, t0_epoch, flushed = replay(specs, cfg, info)
-    c1, fe1 = time.process_time(), _front_end_cpu(args.url)
+    c1, fe1 = time.process_time(), front_end_cpu_s(args.url)
     # the host's work beside the engine over the run (with the cache flush before it): the front end's CPU
     # seconds (its /metrics; None where it reports none) and this client's
     host = {"front_end": None if fe0 is None or fe1 is None else fe1 - fe0, "client": c1 - c0}

@@ -326,7 +326,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "delivery_s": first_token_delivery(window, recs, t0, costs),
         "end_delivery_s": last_token_delivery(window, recs, t0, costs),
-        "host_work": host_work(real, costs),
+        "host_cpu": host_cpu(real, costs),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
     }
@@ -352,13 +352,19 @@ def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs:
         got.append(d)
         if costs is not None:
             over.append(d - costs.delivery(hit[1]))
+    return _delays(got, over)
+
+
+def _delays(got: list[float], over: list[float]) -> dict:
+    """{n, p50, p90, over_p50} of tokens' ways to their clients, and of their
+    excess over the profile's (`first_token_delivery`, `last_token_delivery`)."""
     a = np.array(got)
     return {"n": len(got), "p50": float(np.percentile(a, 50)) if len(a) else None,
             "p90": float(np.percentile(a, 90)) if len(a) else None,
             "over_p50": float(np.median(over)) if over else None}
 
 
-def host_work(real: dict, costs: ServingCosts | None) -> dict | None:
+def host_cpu(real: dict, costs: ServingCosts | None) -> dict | None:
     """The host's CPU seconds beside the engine over a real run (its report's
     `host_cpu_s`: the front end's and the client's), against what the
     profile's `host_request_s` and `host_token_s` say for its requests and
@@ -400,10 +406,7 @@ def last_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: 
         got.append(d)
         if costs is not None:
             over.append(d - costs.end_delivery(ln.get("outs", 1)))
-    a = np.array(got)
-    return {"n": len(got), "p50": float(np.percentile(a, 50)) if len(a) else None,
-            "p90": float(np.percentile(a, 90)) if len(a) else None,
-            "over_p50": float(np.median(over)) if over else None}
+    return _delays(got, over)
 
 
 MIN_CLASS_STEPS = 5  # steps of each class (decode, prompt) that `run_speed` needs to split the factors
@@ -512,8 +515,8 @@ def format_rate(r: dict) -> str:
                         f"; last tokens {_ms(v['end_delivery_s']['p50'])} ms p50"
                         + ("" if v["end_delivery_s"]["over_p50"] is None else
                            f" ({v['end_delivery_s']['over_p50'] * 1e3:+.1f} ms over)"))
-                     + ("" if not (v.get("host_work") or {}).get("factor") else
-                        f"; host CPU {v['host_work']['cpu_s']:.2f} s, x{v['host_work']['factor']:.2f} the profile's")
+                     + ("" if not (v.get("host_cpu") or {}).get("factor") else
+                        f"; host CPU {v['host_cpu']['cpu_s']:.2f} s, x{v['host_cpu']['factor']:.2f} the profile's")
                      + ("" if v.get("loop_s") is None else f"; loop between busy steps {v['loop_s'] * 1e3:.2f} ms")
                      + ("" if v["speed"].get("loop") is None else f" (x{v['speed']['loop']:.2f} the profile's)"))
     return "\n".join(lines)

@@ -36,8 +36,15 @@ from stepserve.kvcache import TokenKVPool
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended float workspace (split-k partial results)
 # decode runs flashinfer's tensor-core kernel (its prefill kernel, one query per
-# row) when a KV head serves at least this many query heads (vLLM: over 4)
-TENSOR_CORE_MIN_GROUP = 5
+# row) when a KV head serves at least this many query heads. On an H200 with
+# Llama-3-8B shapes (group 4) that kernel (fa2) beat the CUDA-core decode kernel
+# at batch 1, 64 and 256 (5.05 / 6.95 / 13.08 against 5.23 / 7.19 / 14.13 ms a step)
+TENSOR_CORE_MIN_GROUP = 4
+# ... and its kernel family: fa2. flashinfer's "auto" picks fa3 on Hopper, whose
+# paged path is slow with one token a page: on that H200, fa3 decode steps took
+# 1.4x (Qwen2.5-1.5B shapes, group 6, batch 64) to 2.6x (batch 256) fa2's, and
+# 1.55x with Llama-3-8B shapes at batch 64
+TENSOR_CORE_BACKEND = "fa2"
 
 
 def flashinfer_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -150,8 +157,9 @@ class FlashInferAttention:
         # tensor-core decode (the prefill kernel with one query per row) pays off for wide GQA groups;
         # its planner also walks the batch's lengths in Python, ~5 us a row
         self.use_tensor_cores = num_heads // num_kv_heads >= TENSOR_CORE_MIN_GROUP
-        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                            use_tensor_cores=self.use_tensor_cores)
+        self.decode_backend = TENSOR_CORE_BACKEND
+        self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores,
+                                                            backend=self.decode_backend)
         self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         shape = (pool.num_slots, 1, num_kv_heads, head_dim)
         self._kv = [(k.view(shape), v.view(shape)) for k, v in zip(pool.k_buffers, pool.v_buffers)]
@@ -219,6 +227,7 @@ class FlashInferAttention:
                 self._graph_indices = torch.zeros(max_pages, dtype=torch.int32, device=dev)
             w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                backend=self.decode_backend,
                 paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=dev),
                 paged_kv_indices_buffer=self._graph_indices,
                 paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=dev),

@@ -60,8 +60,10 @@ class _Wrapper:
 
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     def __init__(self, workspace, kv_layout="NHD", use_cuda_graph=False, use_tensor_cores=False,
-                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None,
+                 backend="auto"):
         super().__init__(workspace, kv_layout)
+        assert backend in ("auto", "fa2", "fa3")
         self.use_cuda_graph = use_cuda_graph
         if use_cuda_graph:
             assert paged_kv_indptr_buffer.dtype == torch.int32 and paged_kv_indices_buffer.dtype == torch.int32

@@ -101,6 +101,10 @@ def weight_bytes_per_step(model, batch: int) -> int:
 def engine(args, **kw):
     from stepserve.engine.engine import Engine, EngineConfig
 
+    # the engine before is unreferenced only once its caller returned: free its memory now, or this one's KV pool,
+    # sized from what the GPU has free, finds the old pool's blocks still cached
+    gc.collect()
+    torch.cuda.empty_cache()
     return Engine(EngineConfig(model=args.model, dtype="bfloat16", device="cuda", max_model_len=args.max_model_len,
                                kv_memory_gb=args.kv_memory_gb, max_batched_tokens=args.max_batched_tokens, **kw))
 
@@ -353,7 +357,10 @@ def main() -> int:
     p.add_argument("--tensor-core-groups", default=None,
                    help="comma list of TENSOR_CORE_MIN_GROUP values: each batch size runs with each (an A/B of "
                         "flashinfer's tensor-core decode against its CUDA-core one)")
-    p.add_argument("--prefill-prompts", type=int, default=64)
+    p.add_argument("--tensor-core-backends", default=None,
+                   help="comma list of TENSOR_CORE_BACKEND values (auto, fa2, fa3): the tensor-core decode's kernels, "
+                        "each batch size with each")
+    p.add_argument("--prefill-prompts", type=int, default=64, help="prompts of the prefill measurement (0: skip)")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-memory-gb", type=float, default=None)
@@ -383,17 +390,23 @@ def main() -> int:
     from stepserve.engine import attention_flashinfer
 
     groups = [int(x) for x in args.tensor_core_groups.split(",")] if args.tensor_core_groups else [None]
+    tc_backends = args.tensor_core_backends.split(",") if args.tensor_core_backends else [None]
     default_group = attention_flashinfer.TENSOR_CORE_MIN_GROUP
+    default_tc_backend = attention_flashinfer.TENSOR_CORE_BACKEND
     points = []
     for b in [int(x) for x in args.batches.split(",")]:
-        for eager, group, ov in [(e, g, o) for e in ([False, True] if args.compare_eager else [False])
-                                 for g in groups for o in args.overlap_schedules.split(",")]:
+        for eager, group, tcb, ov in [(e, g, t, o) for e in ([False, True] if args.compare_eager else [False])
+                                      for g in groups for t in tc_backends for o in args.overlap_schedules.split(",")]:
             if group is not None:
                 attention_flashinfer.TENSOR_CORE_MIN_GROUP = group
+            if tcb is not None:
+                attention_flashinfer.TENSOR_CORE_BACKEND = tcb
             pt = decode_point(args, b, eager, bw, ov)
             pt["tensor_core_min_group"] = attention_flashinfer.TENSOR_CORE_MIN_GROUP
+            pt["tensor_core_backend"] = attention_flashinfer.TENSOR_CORE_BACKEND
             points.append(pt)
             print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']} tc>={pt['tensor_core_min_group']} "
+                  f"({pt['tensor_core_backend']}) "
                   f"overlap {'on' if pt['overlap_schedule'] else 'off'}: "
                   f"{pt['step_ms_median']:7.2f} ms/step "
                   f"{pt['tok_per_s']:9.1f} tok/s  roofline {pt['roofline_ms']:6.2f} ms ({pt['x_roofline']:.2f}x)  "
@@ -405,8 +418,10 @@ def main() -> int:
                       f"{pt['sample_and_sync_ms']:.2f} ms; rows {pt['rows_median']}, context "
                       f"{pt['context_tokens_median']} tokens", flush=True)
     attention_flashinfer.TENSOR_CORE_MIN_GROUP = default_group
-    pre = prefill_point(args)
-    print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)
+    attention_flashinfer.TENSOR_CORE_BACKEND = default_tc_backend
+    pre = prefill_point(args) if args.prefill_prompts else None
+    if pre:
+        print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)
     entry = {}
     for mixed in (args.entry_mixed.split(",") if args.entry_rows else []):
         e = entry[mixed] = entry_point(args, mixed)

@@ -175,6 +175,11 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     dtype: str
     device: str
+    # how the engine schedules, for those that model it (a profile, the simulator)
+    max_batched_tokens: int = 0
+    overlap_schedule: bool = False
+    speculative: str = "none"
+    attention_backend: str = ""
 
 
 @dataclass
@@ -781,6 +786,8 @@ class Engine:
             vocab_size=self.model_config.vocab_size, kv_capacity=self.kv_capacity,
             max_running=self.config.max_running, eos_token_ids=tuple(sorted(self.eos_token_ids)),
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
+            max_batched_tokens=self.scheduler.cfg.max_batched_tokens, overlap_schedule=self.overlap_schedule,
+            speculative=self.config.speculative, attention_backend=self.attention_backend,
         )
 
     def stats(self, since_step: int = -1) -> EngineStats:

@@ -31,6 +31,9 @@ from stepserve.server.protocol import ChatCompletionRequest, CompletionRequest, 
 from stepserve.server.shutdown_cut import ShutdownCutMiddleware
 from stepserve.server.serving import ClientDisconnected, EngineClient, ServerSettings
 
+# SGLang's speculative_algorithm for each of stepserve's proposers (None: no speculation)
+SPECULATIVE_ALGORITHMS = {"draft": "STANDALONE", "ngram": "NGRAM"}
+
 log = logging.getLogger("stepserve.server")
 
 
@@ -128,6 +131,29 @@ def create_app(async_engine, settings: ServerSettings,
     async def model(model: str):
         client.check_model(model)
         return SafeJSONResponse(model_card())
+
+    async def server_info():
+        """SGLang's `GET /get_server_info` (and `/server_info`): how the engine
+        is sized and schedules, under SGLang's names where it has them, so
+        that its clients read them, then stepserve's own. `stepserve profile
+        --url` reads it to model the server as it runs."""
+        import stepserve
+
+        info = async_engine.info
+        return SafeJSONResponse({
+            "model_path": info.model, "tokenizer_path": info.tokenizer, "served_model_name": settings.served_model_name,
+            "context_length": info.max_model_len, "max_running_requests": info.max_running,
+            "max_total_num_tokens": info.kv_capacity, "page_size": 1, "chunked_prefill_size": info.max_batched_tokens,
+            "disable_overlap_schedule": not info.overlap_schedule,
+            "speculative_algorithm": SPECULATIVE_ALGORITHMS.get(info.speculative),
+            "attention_backend": info.attention_backend, "dtype": info.dtype, "device": info.device,
+            "vocab_size": info.vocab_size, "version": stepserve.__version__,
+            "max_batched_tokens": info.max_batched_tokens, "overlap_schedule": info.overlap_schedule,
+            "speculative": info.speculative,
+        })
+
+    app.add_api_route("/get_server_info", server_info, methods=["GET"])
+    app.add_api_route("/server_info", server_info, methods=["GET"])
 
     @app.get("/version")
     async def version():

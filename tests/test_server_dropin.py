@@ -120,6 +120,31 @@ def test_version(srv):
     assert r.status_code == 200 and r.json() == {"version": stepserve.__version__}
 
 
+def test_server_info_as_sglang_names_it(srv, llama_ckpt):
+    """SGLang's `GET /get_server_info` (and `/server_info`): the engine's
+    sizing and schedule under SGLang's names, equal to what the engine and
+    /metrics report; behind the API key like every route but the probes'."""
+    import stepserve
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(srv.url + "/get_server_info", timeout=10).status_code == 401
+    got = httpx.get(srv.url + "/get_server_info", headers=auth, timeout=10).json()
+    assert httpx.get(srv.url + "/server_info", headers=auth, timeout=10).json() == got
+    models = httpx.get(srv.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]
+    blocks = re.search(r'cache_config_info\{block_size="1",num_gpu_blocks="(\d+)"\}',
+                       httpx.get(srv.url + "/metrics", timeout=10).text)
+    assert got["max_total_num_tokens"] == 16384 == int(blocks.group(1))  # the fixture's kv_slots
+    assert got["max_running_requests"] == 64 and got["page_size"] == 1
+    assert got["context_length"] == models["max_model_len"] and got["vocab_size"] == models["vocab_size"]
+    assert got["served_model_name"] == MODEL and got["model_path"] == models["root"] == llama_ckpt
+    assert got["chunked_prefill_size"] == got["max_batched_tokens"] == 2048  # the engine's default step budget
+    # the overlap schedule where the engine runs on CUDA (without speculation), the plain one on a CPU
+    on_cuda = got["device"].startswith("cuda")
+    assert got["overlap_schedule"] is on_cuda and got["disable_overlap_schedule"] is not on_cuda
+    assert got["speculative_algorithm"] is None and got["speculative"] == "none"
+    assert got["attention_backend"] and got["version"] == stepserve.__version__
+
+
 UNSUPPORTED = [
     ("chat", "functions", [{"name": "f", "parameters": {}}]),
     ("chat", "function_call", "auto"),

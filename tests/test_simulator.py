@@ -743,6 +743,26 @@ def test_overlap_schedule_is_the_roofline_default_without_speculation():
                   [speculation_policy("fixed:2", latency_model=CONST_1MS)])
 
 
+@pytest.mark.parametrize("recorded", [True, False, None])
+def test_overlap_schedule_follows_the_engine_a_measured_profile_recorded(tmp_path, recorded):
+    """A measured profile records whether the engine or server it measured ran
+    the overlap schedule (`profile --url` reads it off /get_server_info);
+    `auto` simulates the same schedule, and plain where the profile does not
+    say (a server without that route, an older profile)."""
+    import json
+
+    engine = {"kv_slots": 20000, "max_context": 512, "vocab_size": 384}
+    if recorded is not None:
+        engine["overlap_schedule"] = recorded
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"kind": "stepserve-latency-profile", "source": "measured-http",
+                                "latency": {"form": "linear", "coef": [2e-3, 1e-4, 1e-7, 1e-5]}, "engine": engine}))
+    assert _sim_config(str(path)).overlap_schedule is bool(recorded)
+    assert _sim_config(str(path), overlap_schedule="on").overlap_schedule is True
+    assert _sim_config(str(path), overlap_schedule="off").overlap_schedule is False
+    assert _sim_config(str(path), speculative="ngram", acceptance="0.8").overlap_schedule is False
+
+
 def test_no_serving_costs_leaves_every_serving_cost_out(tmp_path):
     """`--no-serving-costs`: the profile's entry, delivery, wake-up and
     busy-loop costs all at 0, the steps as the profile has them."""

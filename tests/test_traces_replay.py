@@ -32,6 +32,7 @@ def served(llama_ckpt, tmp_path_factory):
         proc = subprocess.Popen(
             [sys.executable, "-m", "stepserve.cli", "serve", "--model", llama_ckpt, "--port", str(port),
              "--host", "127.0.0.1", "--log-level", "warning", "--step-log", str(step_log),
+             "--max-running", "48", "--max-batched-tokens", "1024",  # not the defaults: the profile reads the server's
              "--enable-prompt-tokens-details"],  # the replay's report counts prefix-cache hits from usage
             stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
@@ -135,6 +136,13 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert ("decode streams could not be timed" in captured.err) == (streams["untimed"] > 0)
     assert prof["engine"]["max_context"] == 512 and prof["engine"]["kv_slots"] > 0
     assert "request_overhead_s" not in prof["engine"]
+    # the engine as the server runs it (its /get_server_info), not as this command's default flags say
+    eng = prof["engine"]
+    assert (eng["max_running"], eng["max_batched_tokens"], eng["overlap_schedule"]) == (48, 1024, False)
+    assert eng["kv_slots_from"] == "the server's /get_server_info"
+    blocks = re.search(r'cache_config_info\{block_size="1",num_gpu_blocks="(\d+)"\}', httpx.get(server + "/metrics").text)
+    assert eng["kv_slots"] == int(blocks.group(1))
+    assert "the server runs max_running = 48 (--max-running here: 256)" in captured.err
     cal = prof["calibration"]
     assert cal["busy_steps"] >= 10 and cal["samples"]["delivery"] >= 1 and cal["samples"]["entry"] >= 1
     # the server kept the probes' KV: their hits ran one-row steps after idling, and the wake-up is read there

@@ -11,8 +11,9 @@
 # checkpoint (a decode point at 64 rows, an idle engine given prompts, a request
 # joining a decoding batch, with torch profiles of the last two); then
 # `validate` on TRACE with what is left of GPU_CHECK_SECONDS. Logs go to
-# GPU_CHECK_LOGS (/tmp/gpu-logs), packed at the end into $OUT/logs.tgz (one
-# file: $OUT keeps the rest of its 8 for validate's reports).
+# GPU_CHECK_LOGS (/tmp/gpu-logs), packed at the end with the server's step log
+# into $OUT/logs.tgz (one file: $OUT keeps the rest of its 8 for validate's
+# reports).
 #
 # fetch: flashinfer, and the server's and the tests' packages that the GPU
 # image lacks (fastapi, uvicorn, openai, llguidance and their needs: ~10 MB),
@@ -111,7 +112,9 @@ if [ "$MODE" = brief ]; then
     GPU_VALIDATE_PLOT="$LOGS/validate.png" GPU_VALIDATE_RATES="${GPU_VALIDATE_RATES:-16,32,64,128,256}" \
     GPU_PROFILE_ARGS="${GPU_PROFILE_ARGS:---rounds 3}" timeout "$(left 525)" "$0" validate "$TRACE"
   echo "== brief done at $(( $(date +%s) - T0 )) s"
-  tar -czf "$OUT/logs.tgz" -C "$LOGS" . && echo "== logs in \$OUT/logs.tgz"
+  # the server's step log too: `validate --step-log` against the stored runs then works on any machine
+  [ -f /tmp/steps.jsonl ] && cp /tmp/steps.jsonl "$LOGS/"
+  tar -czf "$OUT/logs.tgz" -C "$LOGS" . && echo "== logs in \$OUT/logs.tgz ($(du -h "$OUT/logs.tgz" | cut -f1))"
   exit
 fi
 if [ "$MODE" = validate ]; then

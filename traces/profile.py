@@ -70,8 +70,9 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep-seed", type=int, default=0)
     g.add_argument("--out", default="profile.json")
     g.add_argument("--url", default=None,
-                   help="profile a running server over HTTP instead (client-observed step times; the engine "
-                        "flags must then describe that server: --max-batched-tokens, --kv-memory-gb, ...)")
+                   help="profile a running server over HTTP instead (client-observed step times; its KV pool, "
+                        "batch limits and schedule are read off its /get_server_info, or, where it has no such "
+                        "route, the engine flags must describe it: --max-batched-tokens, --kv-memory-gb, ...)")
     g.add_argument("--api-key", default=None)
     g.add_argument("--step-log", default=None, metavar="PATH",
                    help="with --url: the server's step log (`stepserve serve --step-log PATH`, same machine); the "
@@ -428,7 +429,8 @@ def run_profile(args) -> int:
         device={"kind": str(eng.device), "cpu_threads": torch.get_num_threads(), "platform": platform.platform()},
         model={"path": model_dir, "dtype": str(eng.dtype), "vocab_size": eng.model_config.vocab_size},
         engine={"kv_slots": eng.kv_capacity, "max_running": args.max_running, "max_batched_tokens": max_batched,
-                "max_context": max_len, "vocab_size": eng.model_config.vocab_size},
+                "max_context": max_len, "vocab_size": eng.model_config.vocab_size,
+                "overlap_schedule": eng.overlap_schedule},
         sweep={"batch_sizes": bss, "context_lens": ctxs, "chunk_sizes": chunks, "repeats": args.repeats,
                "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0},
     )
@@ -470,6 +472,38 @@ def _server_engine_sizing(args, max_len: int) -> tuple[int, str]:
     return slots, f"--kv-memory-gb {gb} of the model's KV ({per_tok} bytes/token)"
 
 
+def served_sizing(args, max_len: int) -> dict:
+    """The served engine's KV pool, batch limits and schedule: as the server
+    reports them (`GET /get_server_info`, under SGLang's names, which an
+    SGLang server answers too), else as the engine flags given here say
+    (they must then describe the server; its overlap schedule is unknown)."""
+    from stepserve.traces.replay import served_engine
+
+    got = served_engine(args.url, args.api_key)
+    if got is None:
+        slots, how = _server_engine_sizing(args, max_len)
+        return {"kv_slots": slots, "kv_slots_from": how, "max_running": args.max_running,
+                "max_batched_tokens": args.max_batched_tokens, "overlap_schedule": None}
+
+    def positive(key, flag_value):
+        v = got.get(key)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else flag_value
+
+    sizing = {"kv_slots": positive("max_total_num_tokens", None), "kv_slots_from": "the server's /get_server_info",
+              "max_running": positive("max_running_requests", args.max_running),
+              "max_batched_tokens": positive("chunked_prefill_size", args.max_batched_tokens),
+              "overlap_schedule": (not got["disable_overlap_schedule"]
+                                   if isinstance(got.get("disable_overlap_schedule"), bool) else None)}
+    if sizing["kv_slots"] is None:
+        sizing["kv_slots"], sizing["kv_slots_from"] = _server_engine_sizing(args, max_len)
+    for key, flag, value in (("max_running", "--max-running", args.max_running),
+                             ("max_batched_tokens", "--max-batched-tokens", args.max_batched_tokens)):
+        if sizing[key] != value:
+            print(f"profile: the server runs {key} = {sizing[key]} ({flag} here: {value}); profiling the server's",
+                  file=sys.stderr)
+    return sizing
+
+
 def _run_http(args) -> int:
     import asyncio
 
@@ -484,7 +518,8 @@ def _run_http(args) -> int:
     vocab = info.vocab_size or 256
     bss, ctxs = _ints(args.batch_sizes), _ints(args.context_lens)
     ctxs = sorted({min(c, max_len // 2) for c in ctxs if c >= 1})
-    max_batched = args.max_batched_tokens  # the server's own must match (the serve flag of the same name)
+    sizing = served_sizing(args, max_len)
+    max_batched = sizing["max_batched_tokens"]
     # and two long prompts (half and nearly all of the context): long prompts and
     # long cached prefixes put the attention term's cost there, beyond the grid
     plens = sorted({c for c in _ints(args.chunk_sizes) + ctxs + [max_len // 2, max_len - 2]
@@ -521,13 +556,11 @@ def _run_http(args) -> int:
 
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
         calibration = calibrate(lines, sweep.probes, epoch0, sweep_end, args.form)
-    slots, how = _server_engine_sizing(args, max_len)
     return _write_profile(
         args, points, source="measured-http", target="client-observed step time",
         device={"kind": "server at " + args.url, "platform": platform.platform()},
         model={"served": info.model, "vocab_size": info.vocab_size},
-        engine={"kv_slots": slots, "kv_slots_from": how, "max_running": args.max_running,
-                "max_batched_tokens": max_batched, "max_context": max_len, "vocab_size": vocab},
+        engine={**sizing, "max_context": max_len, "vocab_size": vocab},
         sweep={"batch_sizes": bss, "context_lens": ctxs, "prefill_lens": plens, "repeats": args.repeats,
                "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0,
                "decode_streams": dict(sweep.decode_streams)},

@@ -67,6 +67,19 @@ def server_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> 
     return ServerInfo(card["id"], card.get("max_model_len"), card.get("vocab_size"))
 
 
+def served_engine(url: str, api_key: str | None = None, timeout: float = 30.0) -> dict | None:
+    """The server's `GET /get_server_info` (SGLang's route, which stepserve
+    serves too): its engine's sizing and schedule; None where the server has
+    no such route (vLLM)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    r = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=timeout)
+    if r.status_code in (404, 405):
+        return None
+    r.raise_for_status()
+    got = r.json()
+    return got if isinstance(got, dict) else None
+
+
 def wait_ready(url: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     last = None

@@ -41,8 +41,9 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
                    help="steps only: leave out the profile's request entry, token delivery, wake-up and busy-loop costs")
     g.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"],
                    help="the engine's overlap schedule: each step's host part (a roofline profile's per-step "
-                        "overhead) runs beside the device's part of the step before (auto: on for a roofline "
-                        "profile without speculation, as the engine does on CUDA)")
+                        "overhead) runs beside the device's part of the step before, and its tokens are applied "
+                        "after the next step is launched (auto: without speculation, as the profile recorded the "
+                        "engine or server it measured; on for a roofline profile, as the engine does on CUDA)")
     add_sim_speculative_args(g)
 
 
@@ -183,10 +184,18 @@ def sim_config(args, prof):
     if overlap == "on" and args.speculative != "none":
         raise SystemExit("stepserve: --overlap-schedule on cannot be combined with --speculative (as in the engine)")
     cfg = dataclasses.replace(cfg, overlap_schedule=overlap == "on" or (
-        overlap == "auto" and prof.source == "roofline" and args.speculative == "none"))
+        overlap == "auto" and args.speculative == "none" and profile_overlaps(prof)))
     if cfg.kv_slots is None:
         raise SystemExit("the profile records no KV pool size: pass --kv-slots")
     return cfg
+
+
+def profile_overlaps(prof) -> bool:
+    """Whether the engine a profile models runs the overlap schedule: as the
+    profile recorded it of the engine or server it measured; a roofline
+    profile models the engine on CUDA, which overlaps."""
+    recorded = prof.engine.get("overlap_schedule")
+    return recorded if isinstance(recorded, bool) else prof.source == "roofline"
 
 
 def simulate_one(args, prof, cfg, trace, slo, specs, sinfo) -> dict:

@@ -151,10 +151,13 @@ def _hash_parts(seeds: Tensor, counters: Tensor, n: int, stream: int, offset: in
     five words, and each column's mixed word, both rotated (int64 [R], [n]).
     Last murmur3 block: h = rotl(h_row ^ k_j, 13) * 5 + N; rotl distributes
     over xor, so both rotations are done on the small vectors."""
-    device = seeds.device
-    h_row = _rotl(_row_state(seeds, counters.to(device, non_blocking=True), stream), 13)
-    cols = torch.arange(offset, offset + n, dtype=torch.int64, device=device).bitwise_and_(_M32)
-    return h_row, _rotl(_k_mix(cols), 13)
+    cols = torch.arange(offset, offset + n, dtype=torch.int64, device=seeds.device).bitwise_and_(_M32)
+    return _row_hash(seeds, counters, stream), _rotl(_k_mix(cols), 13)
+
+
+def _row_hash(seeds: Tensor, counters: Tensor, stream: int) -> Tensor:
+    """`_hash_parts`' row part: each row's murmur3 state after its five words, rotated (int64 [R])."""
+    return _rotl(_row_state(seeds, counters.to(seeds.device, non_blocking=True), stream), 13)
 
 
 def uniform(seeds: Tensor, counters: Tensor, n: int, stream: int = 0, offset: int = 0) -> Tensor:
@@ -848,6 +851,13 @@ class Sampler:
 
     def _gumbel_argmax(self, s: Tensor, seeds: Tensor, counters: Tensor) -> Tensor:
         n, V = s.shape
+        if s.is_cuda:  # one Triton kernel (`triton_sampling`): the same uniforms, no [n, V] temporaries
+            from . import triton_sampling
+
+            if triton_sampling.available(s):
+                got = triton_sampling.gumbel_argmax(s, _row_hash(seeds, counters, STREAM_SAMPLE))
+                if got is not None:
+                    return got
         native = _native(s.device, n * V) if s.dtype == torch.float32 else None
         if native is not None:  # one native pass: the same uniforms, log as musl's (within 1 ulp of torch's)
             h_row, k_col = _hash_parts(seeds, counters, V, STREAM_SAMPLE)

@@ -98,7 +98,7 @@ if [ "$MODE" = brief ]; then
   [ -f "/tmp/$SHAPE/config.json" ] || (python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --make "$SHAPE" --make-only \
     > "$LOGS/make.log" 2>&1 &)
   # 1. the GPU tests (they build most of flashinfer's kernels on a fresh machine)
-  timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_path.py > "$LOGS/tests.log" 2>&1
+  timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_path.py tests/test_triton_sampling.py > "$LOGS/tests.log" 2>&1
   tail -15 "$LOGS/tests.log"
   echo "== tests done at $(( $(date +%s) - T0 )) s"
   # 2. where the host's time goes: a decode point at 64 rows, an idle engine given prompts, a request joining
@@ -159,7 +159,7 @@ PYTHONPATH=/tmp/site python3 -c "import torch, transformers, flashinfer; print(t
 if [ ! -f /tmp/l8b/config.json ]; then
   (python3 tools/bench_gpu.py --model /tmp/l8b --make llama3-8b --make-only > "$OUT/make.log" 2>&1) &
 fi
-timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/test_gpu_path.py 2>&1 | tail -25
+timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider tests/test_gpu_path.py tests/test_triton_sampling.py 2>&1 | tail -25
 echo "== tests done at $(( $(date +%s) - T0 )) s"
 wait
 sweep() {  # sweep TREE BATCHES NAME [bench_gpu.py options]

@@ -51,6 +51,7 @@ from .sampling_params import SamplingParams
 
 __all__ = [
     "uniform",
+    "gumbel_argmax",
     "derive_seed",
     "RowInput",
     "SamplingBatch",
@@ -622,6 +623,36 @@ class SamplingBatch:
 # ----------------------------------------------------------------------------
 
 
+def gumbel_argmax(s: Tensor, seeds: Tensor, counters: Tensor, stream: int = STREAM_SAMPLE,
+                  max_chunk_elems: int = 1 << 24) -> Tensor:
+    """Per row of the scores `s` [R, V], the first column maximising
+    s - log(-log u), u = uniform(seeds, counters, V, stream): a draw from
+    softmax(s) keyed on each row's (seed, counter) alone (int64 [R]). On CUDA
+    one Triton kernel (`triton_sampling`), on the CPU one native pass (the
+    same uniforms; the logs musl's, within an ulp of torch's), else torch ops
+    in chunks of `max_chunk_elems` // V rows (the [rows, V] temporaries)."""
+    n, V = s.shape
+    if s.is_cuda:
+        from . import triton_sampling
+
+        if triton_sampling.available(s):
+            got = triton_sampling.gumbel_argmax(s, _row_hash(seeds, counters, stream))
+            if got is not None:
+                return got
+    native = _native(s.device, n * V) if s.dtype == torch.float32 else None
+    if native is not None:
+        h_row, k_col = _hash_parts(seeds, counters, V, stream)
+        return native.gumbel_argmax(s if s.stride(1) == 1 else s.contiguous(), h_row, k_col)
+    step = max(1, max_chunk_elems // max(V, 1))
+    outs = []
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        w = uniform(seeds[start:end], counters[start:end], V, stream)
+        w.log_().neg_().log_()  # -w is Gumbel(0, 1) = -log(-log u)
+        outs.append(argmax_rows(torch.sub(s[start:end], w)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def argmax_rows(x: Tensor) -> Tensor:
     """Row-wise argmax of a 2-D tensor; ties and NaNs resolve as in torch (the
     first maximum, a NaN counting as the maximum). On CPU in float32 numpy's
@@ -850,23 +881,4 @@ class Sampler:
         return tokens.index_copy_(0, rr, rand_tokens)
 
     def _gumbel_argmax(self, s: Tensor, seeds: Tensor, counters: Tensor) -> Tensor:
-        n, V = s.shape
-        if s.is_cuda:  # one Triton kernel (`triton_sampling`): the same uniforms, no [n, V] temporaries
-            from . import triton_sampling
-
-            if triton_sampling.available(s):
-                got = triton_sampling.gumbel_argmax(s, _row_hash(seeds, counters, STREAM_SAMPLE))
-                if got is not None:
-                    return got
-        native = _native(s.device, n * V) if s.dtype == torch.float32 else None
-        if native is not None:  # one native pass: the same uniforms, log as musl's (within 1 ulp of torch's)
-            h_row, k_col = _hash_parts(seeds, counters, V, STREAM_SAMPLE)
-            return native.gumbel_argmax(s if s.stride(1) == 1 else s.contiguous(), h_row, k_col)
-        step = max(1, self.max_chunk_elems // max(V, 1))
-        outs = []
-        for start in range(0, n, step):
-            end = min(n, start + step)
-            w = uniform(seeds[start:end], counters[start:end], V, STREAM_SAMPLE)
-            w.log_().neg_().log_()  # -w is Gumbel(0, 1) = -log(-log u)
-            outs.append(argmax_rows(torch.sub(s[start:end], w)))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return gumbel_argmax(s, seeds, counters, STREAM_SAMPLE, self.max_chunk_elems)

@@ -73,6 +73,7 @@ from stepserve.engine.sampler import (
     apply_logit_processors,
     apply_sampling_transforms,
     argmax_rows,
+    gumbel_argmax,
     row_input,
     uniform,
 )
@@ -507,9 +508,8 @@ class DraftModelProposer:
         if std:
             idx = torch.tensor(std, dtype=torch.long, device=x.device)
             s = _transformed(x.index_select(0, idx), batch, idx)
-            u = uniform(batch.seeds.index_select(0, idx), batch.counters.index_select(0, idx), s.shape[1],
-                        STREAM_DRAFT)
-            tokens.index_copy_(0, idx, argmax_rows(s - u.log_().neg_().log_()))
+            draws = gumbel_argmax(s, batch.seeds.index_select(0, idx), batch.counters.index_select(0, idx), STREAM_DRAFT)
+            tokens.index_copy_(0, idx, draws)
             p = torch.softmax(s, dim=-1)
             for j, i in enumerate(std):
                 q[i] = p[j]
@@ -678,8 +678,7 @@ def verify_rows(rows: list[ScheduledRow], logits: torch.Tensor, vocab_size: int)
         qd = q.gather(1, dd).squeeze(1)
         u = uniform(seeds, counters, 1, STREAM_ACCEPT)[:, 0]
         ok = has & rejection_test(u, pd, qd)
-        g_res = uniform(seeds, counters, V, STREAM_RESIDUAL).log_().neg_().log_()
-        res_tok = argmax_rows((p - q).clamp_(min=0).log() - g_res)
+        res_tok = gumbel_argmax((p - q).clamp_(min=0).log_(), seeds, counters, STREAM_RESIDUAL)
         accept.index_copy_(0, idx, ok)
         # a rejected draft's position takes the residual's draw; a row's last position keeps plain decoding's
         fix.index_copy_(0, idx, torch.where(has, res_tok, fix.index_select(0, idx)))

@@ -1,6 +1,6 @@
 """The sampler's Gumbel-max draw as one Triton kernel (CUDA).
 
-`Sampler._gumbel_argmax` picks, per random row, the first column j that
+`sampler.gumbel_argmax` picks, per random row, the first column j that
 maximises ``s[r, j] - log(-log(u[r, j]))``, ``u`` the counter-based uniforms
 of `sampler.uniform`. In torch ops that is about 30 passes over a [rows,
 vocab] tensor (the murmur3 finaliser in int64, two logs, the subtraction,

@@ -15,9 +15,18 @@ class Admission:
         self.in_flight = 0
         self.draining = False  # set on SIGTERM: no new work
 
-    def acquire(self, k: int = 1) -> "Ticket":
-        """Takes k slots now or raises 429 (503 while shutting down). Runs on the
-        event loop thread, so the check-and-add needs no lock."""
+    def check_fits(self, k: int, param: str = "prompt") -> None:
+        """A request that needs more slots at once than the server ever grants
+        can never be admitted: 400 naming `param`, not a 429 to retry in vain."""
+        if k > self.limit:
+            raise APIError(400, f"This request needs {k} engine requests at once; the server admits at most "
+                                f"{self.limit} (--max-running plus --max-queued-requests)", param=param)
+
+    def acquire(self, k: int = 1, param: str = "prompt") -> "Ticket":
+        """Takes k slots now or raises 429 (503 while shutting down; 400 where
+        k could never fit, `check_fits`). Runs on the event loop thread, so the
+        check-and-add needs no lock."""
+        self.check_fits(k, param)
         if self.draining:
             raise APIError(503, "The server is shutting down", "server_error", code="server_shutting_down",
                            headers={"Retry-After": str(self.retry_after_s)})

@@ -153,6 +153,7 @@ async def _beam_completion(req: CompletionRequest, request: Request, client: Eng
     check_stream_options(req)
     prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
     caps = [client.max_tokens(len(ids), req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens") for ids, _ in prompts]
+    client.admission.check_fits(len(prompts) * req.n, "n")  # each round runs every prompt's n beams at once
     rid = new_id("cmpl")
     created = int(time.time())
     results = await asyncio.gather(*(

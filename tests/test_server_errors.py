@@ -250,6 +250,28 @@ def test_429_when_the_queue_is_full_and_nothing_accepted_is_lost(srv, client):
     assert client.completions.create(model=MODEL, prompt="after", max_tokens=2).choices
 
 
+def test_a_request_that_could_never_be_admitted_is_a_400_not_a_429(srv, client):
+    """More engine requests at once than the server ever admits (prompts of
+    one request; beam search's width per prompt): a 400 naming the field,
+    on an idle server, where a 429 would have the client retry in vain."""
+    adm = srv.app.state.client.admission
+    old_limit = adm.limit
+    adm.limit = 3  # as if started with --max-running 1 --max-queued-requests 2
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=["a", "b", "c", "d"], max_tokens=2)
+        assert e.value.body["param"] == "prompt" and "at most 3" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=4, extra_body={"use_beam_search": True})
+        assert e.value.body["param"] == "n"
+        # as many as fit: served
+        assert len(client.completions.create(model=MODEL, prompt=["a", "b", "c"], max_tokens=2).choices) == 3
+        assert len(client.completions.create(model=MODEL, prompt="a", max_tokens=2, n=3,
+                                             extra_body={"use_beam_search": True}).choices) == 3
+    finally:
+        adm.limit = old_limit
+
+
 def test_too_long_texts_are_refused_before_tokenizing(srv, http, monkeypatch):
     """A text longer than max_model_len tokens of the longest token could
     hold gets 400 context_length_exceeded without being tokenized (or, for

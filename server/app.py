@@ -116,7 +116,7 @@ def create_app(async_engine, settings: ServerSettings,
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str):
-        responses.delete(response_id)
+        await responses.delete(response_id)
         return SafeJSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     @app.post("/generate")

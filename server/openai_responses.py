@@ -116,9 +116,18 @@ class ResponseStore:
             raise APIError(404, f"Response with id '{rid}' not found.", "invalid_request_error", param, "not_found")
         return item
 
-    def delete(self, rid: str) -> None:
+    async def delete(self, rid: str) -> None:
+        """Forgets a response; one still generating in the background is
+        stopped first (as `cancel` does), so that its task cannot store it
+        again and its engine request does not run on for no one."""
         self.get(rid)
-        del self._items[rid]
+        task = self.running.pop(rid, None)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._items.pop(rid, None)
+        self.background.discard(rid)
 
 
 def _text_of(content, where: str) -> str:
@@ -321,6 +330,7 @@ async def create_response(req: ResponsesRequest, request: Request, client: Engin
             try:
                 gen = await client.start(request, [job.ids], [job.params], rid, 1, job.names,
                                          slo=(req.slo_ttft, req.slo_tpot), watch=False)
+                store.put(response("in_progress", [], None), [])  # admitted: generating
                 await gen.collect(watch=False)
                 final()
             except asyncio.CancelledError:  # cancel: collect's own cleanup aborted the engine request

@@ -560,9 +560,10 @@ def test_responses_json_schema_and_function_calls(tclient):
 
 
 def test_responses_in_the_background(tsrv, tclient):
-    """background: answered at once ("queued"), finished in the store, polled
-    with GET; cancel stops one still running (the engine is held meanwhile),
-    and leaves a finished or synchronous one alone."""
+    """background: answered at once ("queued"), "in_progress" once admitted,
+    finished in the store, polled with GET; cancel stops one still running
+    (the engine is held meanwhile), and leaves a finished or synchronous one
+    alone; delete stops one still running, which then stays gone."""
     import time
 
     client = tclient
@@ -570,7 +571,7 @@ def test_responses_in_the_background(tsrv, tclient):
     assert r.status == "queued"
     for _ in range(200):
         r = client.responses.retrieve(r.id)
-        if r.status != "queued":
+        if r.status not in ("queued", "in_progress"):
             break
         time.sleep(0.05)
     assert r.status in ("completed", "incomplete") and r.output_text
@@ -590,6 +591,31 @@ def test_responses_in_the_background(tsrv, tclient):
     assert tsrv.metrics()["stepserve:num_requests_running"] == 0
     assert client.responses.retrieve(held.id).status == "cancelled"
     assert client.responses.cancel(r.id).status == r.status  # finished: unchanged
+    # admitted, it is in progress until it ends
+    seen = set()
+    slow = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=200,
+                                   background=True, extra_body={"ignore_eos": True})
+    for _ in range(1000):
+        seen.add(client.responses.retrieve(slow.id).status)
+        if seen & {"completed", "incomplete"}:
+            break
+        time.sleep(0.01)
+    assert "in_progress" in seen and seen <= {"queued", "in_progress", "completed", "incomplete"}
+    # deleted while it runs: stopped (its engine request aborted) and gone for good
+    tsrv.engine.pause()
+    try:
+        gone = client.responses.create(model=MODEL, input="Tell me a long story", max_output_tokens=500,
+                                       background=True)
+        client.responses.delete(gone.id)
+    finally:
+        tsrv.engine.resume()
+    for _ in range(100):
+        if tsrv.metrics()["stepserve:num_requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert tsrv.metrics()["stepserve:num_requests_running"] == 0
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(gone.id)
     sync = client.responses.create(model=MODEL, input="x", max_output_tokens=2)
     with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response."):
         client.responses.cancel(sync.id)

@@ -137,8 +137,10 @@ class StructuredOutputs(_Model):
 
     def constraint(self) -> tuple[str, object]:
         """(engine.grammar kind, spec)."""
+        # given is not None: an empty schema {} (any JSON) and an empty regex are constraints too
         given = [(k, v) for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice),
-                                     ("lark", self.grammar), ("json_object", self.json_object)) if v]
+                                     ("lark", self.grammar), ("json_object", self.json_object or None))
+                 if v is not None]
         if len(given) != 1:
             raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
         kind, spec = given[0]

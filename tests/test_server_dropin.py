@@ -417,11 +417,28 @@ def test_structured_outputs(client, route, field, value, check):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "structured_outputs"),  # {} is a schema: two constraints
 ])
 def test_bad_structured_outputs_are_400s(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_body=body)
     assert e.value.body["param"] == param
+
+
+@pytest.mark.parametrize("body", [
+    {"guided_json": {}}, {"structured_outputs": {"json": {}}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "any", "schema": {}}}},
+])
+def test_the_empty_schema_constrains_to_any_json(client, body):
+    """The empty JSON schema {} means any JSON value: a constraint like any
+    other (it was taken for no constraint, and one form for a bad request)."""
+    for seed in range(3):
+        c = client.completions.create(model=MODEL, prompt="Speak", max_tokens=60, temperature=1.0, seed=seed,
+                                      extra_body=body).choices[0]
+        if c.finish_reason == "stop":
+            json.loads(c.text)
+        else:  # cut by max_tokens: a JSON value so far, as the constraint allowed it
+            assert c.text.strip()[:1] in set('{["-0123456789tfn'), c.text
 
 
 @pytest.mark.parametrize("field,value", [

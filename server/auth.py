@@ -17,7 +17,7 @@ OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 class APIKeyMiddleware:
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS:
@@ -27,7 +27,9 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 got = value
                 break
-        if not hmac.compare_digest(got, self.expected):
+        # the scheme is case-insensitive (RFC 7235: "bearer KEY" is as good), the key is not
+        scheme, _, key = got.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.expected):
             msg = "Incorrect API key provided" if got else "Missing API key: send 'Authorization: Bearer <key>'"
             resp = SafeJSONResponse(error_body(msg, "invalid_request_error", None, "invalid_api_key"),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})

@@ -207,6 +207,11 @@ def test_auth(srv):
             assert_error(resp, 401, code="invalid_api_key")
     for path in ("/health", "/version", "/metrics"):  # open, as in vLLM: probes and scrapers send no key
         assert httpx.get(srv.url + path).status_code == 200
+    # the scheme's case is free (RFC 7235), the key's is not
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert httpx.get(srv.url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}).status_code == 200
+    assert_error(httpx.get(srv.url + "/v1/models", headers={"Authorization": f"Bearer {KEY.upper()}"}), 401,
+                 code="invalid_api_key")
     bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()

@@ -30,8 +30,8 @@ from starlette.requests import Request
 
 from stepserve.server.errors import APIError, SafeJSONResponse, bad_request, describe_errors
 from stepserve.server.openai_chat import ChoiceTools, prepare_chat
-from stepserve.server.protocol import (INT64_MAX, INT64_MIN, MAX_INT, ChatCompletionRequest, JsonObject, Seconds,
-                                       Text, _Model)
+from stepserve.server.protocol import (INT64_MAX, INT64_MIN, MAX_INT, UNSUPPORTED_FIELDS, ChatCompletionRequest,
+                                       JsonObject, Seconds, Text, _Model, _SamplingFields)
 from stepserve.server.serving import EngineClient
 
 log = logging.getLogger("stepserve.server")
@@ -40,8 +40,21 @@ log = logging.getLogger("stepserve.server")
 UNSUPPORTED = {
     "conversation": "conversations", "prompt": "reusable prompts",
     "max_tool_calls": "max_tool_calls", "top_logprobs": "logprobs", "include": "include",
+    # the chat and completions routes' names for what a response names otherwise, or has not
+    "max_tokens": "max_tokens here (use max_output_tokens)",
+    "max_completion_tokens": "max_completion_tokens here (use max_output_tokens)",
+    "response_format": "response_format here (use text.format)",
+    "n": "several outputs in one response", "best_of": "best_of", "use_beam_search": "beam search",
+    "logprobs": "logprobs", "prompt_logprobs": "prompt logprobs", "echo": "echo", "suffix": "suffix",
+    "stream_options": "stream_options here",
 }
-HARMLESS = {"include": ([],)}
+HARMLESS = {"include": ([],), "n": (1,), "best_of": (1,), "use_beam_search": (False,), "logprobs": (False,),
+            "echo": (False,)}
+# The chat route's sampling extensions (vLLM's, SGLang's: top_k, stop, penalties, constraints, ...): a
+# response takes them too, passed on to the chat request it is (`to_chat`), whose checks and refusals apply
+PASSED_ON = frozenset(_SamplingFields.model_fields) - {
+    "model", "n", "temperature", "top_p", "seed", "user", "stream", "stream_options", "response_format",
+    "slo_ttft", "slo_tpot"} | frozenset(UNSUPPORTED_FIELDS["chat"])
 
 
 class ResponsesRequest(_Model):
@@ -180,10 +193,11 @@ def to_chat(req: ResponsesRequest, history: list[dict]) -> ChatCompletionRequest
     stored conversation of `previous_response_id`)."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + history \
         + input_messages(req.input)
-    body: dict = {"model": req.model, "messages": messages, "stream": req.stream, "seed": req.seed,
-                  "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-                  "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
-                  "slo_ttft": req.slo_ttft, "slo_tpot": req.slo_tpot}
+    body: dict = {k: v for k, v in (req.model_extra or {}).items() if k in PASSED_ON}
+    body.update({"model": req.model, "messages": messages, "stream": req.stream, "seed": req.seed,
+                 "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+                 "top_p": req.top_p, "parallel_tool_calls": req.parallel_tool_calls,
+                 "slo_ttft": req.slo_ttft, "slo_tpot": req.slo_tpot})
     fmt = (req.text or {}).get("format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None

@@ -99,11 +99,23 @@ _UNSUPPORTED_BOTH = {
     "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
     "skip_special_tokens": "skip_special_tokens on this route",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",
+    "typical_p": "typical_p sampling",
 }
 UNSUPPORTED_FIELDS = {
-    "completions": _UNSUPPORTED_BOTH,
+    "completions": {
+        **_UNSUPPORTED_BOTH,
+        # the chat route's (or SGLang's native) names for what this route names otherwise
+        "max_completion_tokens": "max_completion_tokens on this route (use max_tokens)",
+        "max_new_tokens": "max_new_tokens on this route (use max_tokens)",
+        "top_logprobs": "top_logprobs on this route (use logprobs, a count)",
+        "tools": "tools on this route (use /v1/chat/completions)",
+        "tool_choice": "tool_choice on this route (use /v1/chat/completions)",
+    },
     "chat": {
         **_UNSUPPORTED_BOTH,
+        "max_new_tokens": "max_new_tokens on this route (use max_completion_tokens)",
+        "best_of": "best_of on chat",
+        "suffix": "suffix on chat",
         "use_beam_search": "beam search on chat (it runs on /v1/completions)",
         "length_penalty": "beam search on chat (it runs on /v1/completions)",
         "functions": "the legacy functions field (use tools)",
@@ -123,6 +135,7 @@ HARMLESS_VALUES = {
     "function_call": ("none",), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
     "modalities": (["text"],), "bad_words": ([],), "length_penalty": (1.0,),
+    "typical_p": (1.0,), "best_of": (1,), "tools": ([],), "tool_choice": ("none",),
 }
 
 

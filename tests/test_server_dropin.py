@@ -152,6 +152,15 @@ UNSUPPORTED = [
     ("completions", "return_tokens_as_token_ids", True),
     ("chat", "use_beam_search", True),
     ("completions", "bad_words", ["x"]),
+    # the other route's (or SGLang's native) names: a client that sends them means them
+    ("completions", "max_completion_tokens", 3),
+    ("completions", "max_new_tokens", 3),
+    ("completions", "top_logprobs", 3),
+    ("completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+    ("completions", "typical_p", 0.5),
+    ("chat", "max_new_tokens", 3),
+    ("chat", "best_of", 3),
+    ("chat", "suffix", "x"),
 ]
 
 
@@ -638,6 +647,39 @@ def test_responses_in_the_background(tsrv, tclient):
         client.responses.cancel(sync.id)
     with pytest.raises(openai.BadRequestError, match="background can only be used when `store` is true"):
         client.responses.create(model=MODEL, input="x", background=True, store=False)
+
+
+def test_responses_take_the_chat_routes_sampling_extensions(tclient):
+    """vLLM's and SGLang's sampling fields (top_k, stop, logit_bias, min_tokens,
+    constraints, ...) act on a response as on a chat completion; the chat and
+    completions names of what a response names otherwise (max_tokens, n,
+    response_format, logprobs) are a 400 naming the field, never ignored."""
+    def create(**extra):
+        return tclient.responses.create(model=MODEL, input="Tell me of the kings", max_output_tokens=12,
+                                        temperature=1.0, extra_body=extra)
+
+    def chat(**extra):
+        return tclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Tell me of the kings"}],
+                                               max_completion_tokens=12, temperature=1.0, extra_body=extra)
+
+    # the same draw as the chat request it is: top_k 1 (greedy), a seed with min_p, stops, a bias, ignore_eos
+    for extra in ({"top_k": 1}, {"min_p": 0.2, "seed": 5}, {"stop": ["e"], "seed": 3},
+                  {"logit_bias": {"5": 100}, "seed": 1}, {"ignore_eos": True, "min_tokens": 12, "seed": 2}):
+        r, c = create(**extra), chat(**extra)
+        assert r.output_text == c.choices[0].message.content, extra
+        assert r.usage.output_tokens == c.usage.completion_tokens
+    assert "e" not in create(stop=["e"], seed=3).output_text
+    assert create(ignore_eos=True, min_tokens=12, seed=2).usage.output_tokens == 12
+    assert create(guided_choice=["yea", "nay"], seed=4).output_text in ("yea", "nay")
+    assert create(n=1, logprobs=False).output_text  # what their absence means: accepted
+    for field, value, hint in (("max_tokens", 3, "max_output_tokens"), ("max_completion_tokens", 3, "max_output_tokens"),
+                               ("n", 3, None), ("logprobs", True, None),
+                               ("response_format", {"type": "json_object"}, "text.format"),
+                               ("bad_words", ["x"], None), ("top_k", "one", None)):
+        with pytest.raises(openai.BadRequestError) as e:
+            create(**{field: value})
+        assert e.value.body["param"] == field, (field, e.value.body)
+        assert hint is None or hint in e.value.body["message"]
 
 
 @pytest.mark.parametrize("kw,param", [

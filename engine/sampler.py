@@ -236,6 +236,9 @@ class RowInput:
     prompt_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_ids_to_mask: Sequence[int] = ()
+    # an output constraint (a grammar) already masked this row's logits: where `stop_ids_to_mask` would
+    # leave none of its tokens, the constraint's stand (`apply_logit_processors`)
+    constrained: bool = False
     # the sequence sampled (with `token_ids`, `prompt_len`, `seq_id` and `finished`), where a
     # `PenaltyCounts` keeps its penalties' counts from step to step instead of `output_ids`/`prompt_ids`
     seq: object = None
@@ -250,13 +253,16 @@ def row_input(seq, ahead: Sequence[int] = (), counts: bool = False) -> RowInput:
     params = seq.sampling
     n_out = seq.num_output + len(ahead)
     mask = ()
+    constrained = False
     if n_out < seq.min_tokens:
         mask = tuple(seq.stop_token_ids) + (() if seq.ignore_eos else tuple(seq.eos_token_ids))
+        constrained = getattr(seq, "logits_processor", None) is not None
     output = ()
     prompt = ()
     if params.needs_penalties:
         if not ahead and counts:
-            return RowInput(params=params, seed=seq.seed, counter=n_out, stop_ids_to_mask=mask, seq=seq)
+            return RowInput(params=params, seed=seq.seed, counter=n_out, stop_ids_to_mask=mask,
+                            constrained=constrained, seq=seq)
         output = seq.output_ids + list(ahead) if ahead else seq.output_ids
         if params.repetition_penalty != 1.0:
             prompt = seq.token_ids[: seq.prompt_len]
@@ -267,6 +273,7 @@ def row_input(seq, ahead: Sequence[int] = (), counts: bool = False) -> RowInput:
         prompt_ids=prompt,
         output_ids=output,
         stop_ids_to_mask=mask,
+        constrained=constrained,
     )
 
 
@@ -468,6 +475,7 @@ class SamplingBatch:
     any_masked: bool = False
     mask_rows: Optional[Tensor] = None
     mask_tokens: Optional[Tensor] = None
+    masked_constrained: Optional[Tensor] = None  # rows both masked and constrained (`RowInput.constrained`)
     # logprobs
     max_num_logprobs: Optional[int] = None  # None: nobody asked; else max over rows
 
@@ -611,6 +619,9 @@ class SamplingBatch:
             batch.any_masked = True
             batch.mask_rows = torch.tensor(m_rows, dtype=torch.int64).to(device, non_blocking=True)
             batch.mask_tokens = torch.tensor(m_toks, dtype=torch.int64).to(device, non_blocking=True)
+            held = [i for i, r in enumerate(rows) if r.constrained and len(r.stop_ids_to_mask)]
+            if held:
+                batch.masked_constrained = torch.tensor(held, dtype=torch.int64).to(device, non_blocking=True)
 
         # ---- logprobs
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
@@ -673,7 +684,13 @@ def apply_logit_processors(logits: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.any_logit_bias:
         x.index_put_((batch.bias_rows, batch.bias_tokens), batch.bias_values, accumulate=True)
     if batch.any_masked:
+        held = batch.masked_constrained  # a constraint outranks min_tokens: where the mask leaves none of its
+        before = x.index_select(0, held) if held is not None else None  # tokens, they stay (on the device)
         x.index_put_((batch.mask_rows, batch.mask_tokens), torch.tensor(-math.inf, device=x.device))
+        if held is not None:
+            sub = x.index_select(0, held)
+            dead = ~(sub > -math.inf).any(dim=1, keepdim=True)
+            x.index_copy_(0, held, torch.where(dead, before, sub))
     if batch.any_penalties:
         rows = batch.penalty_rows
         sub = x if rows is None else x.index_select(0, rows)

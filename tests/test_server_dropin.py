@@ -472,6 +472,27 @@ def test_a_constraint_that_gives_up_mid_output_is_an_error_not_a_stop(srv, clien
     srv.assert_kv_clean()
 
 
+def test_a_constraint_outranks_the_masks_before_it(srv, client):
+    """min_tokens masks the stop tokens (EOS, stop_token_ids) until it is met.
+    Where a constraint allows nothing else -- a choice already complete, JSON
+    whose opening brace is a stop token id -- its own tokens stay: never a
+    token it refuses (choosing among nothing drew token 0, which the grammar
+    then failed as 'too complex')."""
+    (brace,) = srv.engine.tokenizer.encode("{", add_special_tokens=False)
+    for stream in (False, True):
+        kw = dict(model=MODEL, prompt="x", max_tokens=24, temperature=0.0)
+        got = client.completions.create(stream=stream, **kw, extra_body={
+            "response_format": {"type": "json_object"}, "stop_token_ids": [brace], "min_tokens": 3})
+        text = "".join(c.choices[0].text for c in got) if stream else got.choices[0].text
+        assert text.startswith("{"), text
+        got = client.completions.create(stream=stream, **kw, extra_body={"guided_choice": ["yea"], "min_tokens": 6})
+        chunks = list(got) if stream else [got]
+        assert "".join(c.choices[0].text for c in chunks) == "yea"
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    srv.wait_idle()
+    srv.assert_kv_clean()
+
+
 def test_truncate_prompt_tokens(client):
     long = "In the beginning God created the heaven and the earth. " * 4
     full = client.completions.create(model=MODEL, prompt=long, max_tokens=1)

@@ -58,7 +58,7 @@ PASSED_ON = frozenset(_SamplingFields.model_fields) - {
 
 
 class ResponsesRequest(_Model):
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, allow_inf_nan=False)
 
     model: Optional[Text] = None
     input: Union[Text, Annotated[list[JsonObject], Field(min_length=1, max_length=4096)]]

@@ -63,7 +63,7 @@ Seconds = Annotated[float, Field(gt=0.0, le=1e6)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -176,7 +176,7 @@ class _SamplingFields(_Model):
     Unknown fields are kept (`model_extra`) so that the routes can refuse the
     ones in UNSUPPORTED_FIELDS."""
 
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, allow_inf_nan=False)
 
     model: Optional[Text] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -345,7 +345,7 @@ class _NativeModel(_Model):
     unknown one (a typo, another server's name such as SGLang's
     `max_new_tokens`) is a 400 naming it, not silently dropped."""
 
-    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
 class NativeSamplingParams(_NativeModel):

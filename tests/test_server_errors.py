@@ -148,6 +148,20 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(srv, http, client):
     srv.assert_kv_clean()
 
 
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 2, "temperature": NaN}', "temperature"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', "top_p"),
+    ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": -Infinity}}', "logit_bias"),
+    ("/v1/responses", '{"input": "x", "temperature": NaN}', "temperature"),
+    ("/generate", '{"text": "x", "sampling_params": {"min_p": NaN}}', "sampling_params.min_p"),
+])
+def test_nan_and_infinity_are_not_numbers_here(http, route, body, param):
+    """Python's JSON reads NaN and Infinity; every float field refuses them as
+    what they are (not "should be less than or equal to 2")."""
+    err = assert_error(http.post(route, content=body, headers={"content-type": "application/json"}), 400, param)
+    assert "finite" in err["message"], err
+
+
 def test_malformed_bodies(http):
     for raw in (b"{", b"not json", b'{"model": "x",}', b"[1, 2]", b'"just a string"', b"", b"\xff\xfe\xfd",
                 b'{"prompt": "\xff\xfe"}'):

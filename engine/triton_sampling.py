@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 BLOCK = 1024  # columns per iteration of a program
 CHUNK = 16384  # columns per program (a multiple of BLOCK): a 128k vocabulary makes 8 programs a row
 NUM_WARPS = 8
+ENABLED = True  # False: the torch ops serve (`tools/bench_gpu.py --sampler-kernels on,off` compares them)
 _kernel = None  # the jitted kernel, once built
 _failed = False  # a build or launch failed: the torch ops serve from then on
 
@@ -52,7 +53,7 @@ def _build():
 def available(t: Tensor) -> bool:
     """Whether the kernel may serve `t`: a CUDA tensor (any tensor under the
     interpreter), Triton importable, and no earlier failure."""
-    if _failed or not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+    if not ENABLED or _failed or not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     try:
         import triton  # noqa: F401

@@ -156,7 +156,8 @@ def graph_gpu_ms(graphs, batch: int, reps: int = 20) -> float:
     return s.elapsed_time(e) / reps
 
 
-def decode_point(args, batch: int, eager: bool, bandwidth: float, overlap: str = "auto") -> dict:
+def decode_point(args, batch: int, eager: bool, bandwidth: float, overlap: str = "auto",
+                 temperature: float = 0.0) -> dict:
     from stepserve.engine.sampling_params import SamplingParams
 
     eng = engine(args, max_running=batch, enforce_eager=eager, overlap_schedule=overlap)
@@ -173,8 +174,9 @@ def decode_point(args, batch: int, eager: bool, bandwidth: float, overlap: str =
     g = torch.Generator().manual_seed(batch)
     vocab = eng.model_config.vocab_size
     # enough tokens that every row decodes through the timed and the profiled steps
-    p = SamplingParams(max_tokens=args.steps + 32, temperature=0.0, ignore_eos=True)
-    for _ in range(batch):
+    for i in range(batch):  # greedy, or sampled at `temperature` with a seed per row
+        p = SamplingParams(max_tokens=args.steps + 32, temperature=temperature, ignore_eos=True,
+                           seed=i if temperature > 0 else None)
         eng.add_request(torch.randint(16, vocab, (args.context,), generator=g).tolist(), p)
     while eng.scheduler.waiting or any(s.pending > 1 for s in eng.scheduler.running):
         eng.step()
@@ -210,7 +212,7 @@ def decode_point(args, batch: int, eager: bool, bandwidth: float, overlap: str =
     kv = ctx * eng.model_config.kv_bytes_per_token(eng.dtype)
     wbytes = weight_bytes_per_step(eng.model, batch)
     roof = (wbytes + kv) / bandwidth
-    out = {"batch": batch, "rows_median": rows, "context_tokens_median": ctx, "mode": "eager" if eager else "graphs",
+    out = {"batch": batch, "temperature": temperature, "rows_median": rows, "context_tokens_median": ctx, "mode": "eager" if eager else "graphs",
            "backend": eng.attention_backend, "overlap_schedule": eng.overlap_schedule,
            "step_ms_median": step * 1e3, "step_ms_p90": sorted(times)[int(0.9 * (len(times) - 1))] * 1e3,
            "tok_per_s": batch / step, "weight_gb": wbytes / 1e9, "kv_gb": kv / 1e9,
@@ -360,6 +362,10 @@ def main() -> int:
     p.add_argument("--tensor-core-backends", default=None,
                    help="comma list of TENSOR_CORE_BACKEND values (auto, fa2, fa3): the tensor-core decode's kernels, "
                         "each batch size with each")
+    p.add_argument("--temperatures", default="0",
+                   help="comma list: each batch size decodes greedy (0) and sampled at each temperature given")
+    p.add_argument("--sampler-kernels", default="on",
+                   help="comma list of on/off: sampled rows drawn by the Triton kernel or by torch ops (an A/B)")
     p.add_argument("--prefill-prompts", type=int, default=64, help="prompts of the prefill measurement (0: skip)")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -387,7 +393,7 @@ def main() -> int:
                        check=True)
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
-    from stepserve.engine import attention_flashinfer
+    from stepserve.engine import attention_flashinfer, triton_sampling
 
     groups = [int(x) for x in args.tensor_core_groups.split(",")] if args.tensor_core_groups else [None]
     tc_backends = args.tensor_core_backends.split(",") if args.tensor_core_backends else [None]
@@ -395,18 +401,24 @@ def main() -> int:
     default_tc_backend = attention_flashinfer.TENSOR_CORE_BACKEND
     points = []
     for b in [int(x) for x in args.batches.split(",")]:
-        for eager, group, tcb, ov in [(e, g, t, o) for e in ([False, True] if args.compare_eager else [False])
-                                      for g in groups for t in tc_backends for o in args.overlap_schedules.split(",")]:
+        temps = [float(x) for x in args.temperatures.split(",")]
+        kernels = args.sampler_kernels.split(",")
+        for eager, group, tcb, ov, temp, kern in [
+                (e, g, t, o, tt, k) for e in ([False, True] if args.compare_eager else [False]) for g in groups
+                for t in tc_backends for o in args.overlap_schedules.split(",") for tt in temps
+                for k in (kernels if tt > 0 else kernels[:1])]:
             if group is not None:
                 attention_flashinfer.TENSOR_CORE_MIN_GROUP = group
             if tcb is not None:
                 attention_flashinfer.TENSOR_CORE_BACKEND = tcb
-            pt = decode_point(args, b, eager, bw, ov)
+            triton_sampling.ENABLED = kern == "on"
+            pt = decode_point(args, b, eager, bw, ov, temp)
             pt["tensor_core_min_group"] = attention_flashinfer.TENSOR_CORE_MIN_GROUP
             pt["tensor_core_backend"] = attention_flashinfer.TENSOR_CORE_BACKEND
+            pt["sampler_kernel"] = triton_sampling.ENABLED and temp > 0
             points.append(pt)
             print(f"decode batch {b:4d} {pt['mode']:6s} {pt['backend']} tc>={pt['tensor_core_min_group']} "
-                  f"({pt['tensor_core_backend']}) "
+                  f"({pt['tensor_core_backend']}) T={temp:g}{' kernel' if pt['sampler_kernel'] else ''} "
                   f"overlap {'on' if pt['overlap_schedule'] else 'off'}: "
                   f"{pt['step_ms_median']:7.2f} ms/step "
                   f"{pt['tok_per_s']:9.1f} tok/s  roofline {pt['roofline_ms']:6.2f} ms ({pt['x_roofline']:.2f}x)  "
@@ -419,6 +431,7 @@ def main() -> int:
                       f"{pt['context_tokens_median']} tokens", flush=True)
     attention_flashinfer.TENSOR_CORE_MIN_GROUP = default_group
     attention_flashinfer.TENSOR_CORE_BACKEND = default_tc_backend
+    triton_sampling.ENABLED = True
     pre = prefill_point(args) if args.prefill_prompts else None
     if pre:
         print(f"prefill {pre['prompts']} x {pre['context']} tokens: {pre['tok_per_s']:.0f} tok/s", flush=True)

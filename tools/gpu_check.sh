@@ -7,10 +7,10 @@
 #   tools/gpu_check.sh validate TRACE    # on the GPU machine: the simulator against the server there
 #   tools/gpu_check.sh brief TRACE       # on the GPU machine: what matters most, in a short time (below)
 #
-# brief: the GPU tests; then tools/bench_gpu.py on the GPU_VALIDATE_SHAPE
-# checkpoint (a decode point at 64 rows, an idle engine given prompts, a request
-# joining a decoding batch, with torch profiles of the last two); then
-# `validate` on TRACE with what is left of GPU_CHECK_SECONDS. Logs go to
+# brief: the GPU tests; then tools/bench_gpu.py on a random Llama-3-8B
+# checkpoint (the decode step at 64 rows, greedy and sampled with the sampler's
+# Triton kernel on and off, and a torch profile); then `validate` on TRACE on
+# the GPU_VALIDATE_SHAPE checkpoint with what is left of GPU_CHECK_SECONDS. Logs go to
 # GPU_CHECK_LOGS (/tmp/gpu-logs), packed at the end with the server's step log
 # into $OUT/logs.tgz (one file: $OUT keeps the rest of its 8 for validate's
 # reports).
@@ -97,16 +97,20 @@ if [ "$MODE" = brief ]; then
   SHAPE=${GPU_VALIDATE_SHAPE:-qwen2.5-1.5b}
   [ -f "/tmp/$SHAPE/config.json" ] || (python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --make "$SHAPE" --make-only \
     > "$LOGS/make.log" 2>&1 &)
+  [ -f /tmp/l8b/config.json ] || (python3 tools/bench_gpu.py --model /tmp/l8b --make llama3-8b --make-only \
+    > "$LOGS/make8b.log" 2>&1 &)
   # 1. the GPU tests (they build most of flashinfer's kernels on a fresh machine)
   timeout "$(left 230)" pytest -q -m gpu -p no:cacheprovider -rfE tests/test_gpu_path.py tests/test_triton_sampling.py > "$LOGS/tests.log" 2>&1
   tail -15 "$LOGS/tests.log"
   echo "== tests done at $(( $(date +%s) - T0 )) s"
-  # 2. where the host's time goes: a decode point at 64 rows, an idle engine given prompts, a request joining
-  # a decoding batch, with torch profiles of the last two
-  for _ in $(seq 30); do [ -f "/tmp/$SHAPE/config.json" ] && break; sleep 1; done
-  timeout "$(left 300)" python3 tools/bench_gpu.py --model "/tmp/$SHAPE" --batches 64 --overlap-schedules on \
-    --prefill-prompts 8 --profile-entry --out "$LOGS/entry.json" 2>&1 | grep -v Warning
-  echo "== entry profile done at $(( $(date +%s) - T0 )) s"
+  # 2. the 8B decode step at 64 rows against its floor, greedy and sampled (the sampler's Triton kernel on and
+  # off), with a torch profile of where its GPU time goes (the tables into the logs)
+  for _ in $(seq 60); do [ -f /tmp/l8b/config.json ] && break; sleep 1; done
+  timeout "$(left 340)" python3 tools/bench_gpu.py --model /tmp/l8b --batches 64 --overlap-schedules on \
+    --temperatures 0,1 --sampler-kernels on,off --profile-batches 64 --prefill-prompts 0 --entry-rows 0 \
+    --steps 16 --kv-memory-gb 40 --out "$LOGS/decode8b.json" > "$LOGS/decode8b.log" 2>&1
+  grep -E "^decode|graph GPU|copy bandwidth|Error" "$LOGS/decode8b.log"
+  echo "== 8B decode done at $(( $(date +%s) - T0 )) s"
   # 3. the simulator against the server (issue 14), with what is left; each real run lands in $OUT/replays
   GPU_CHECK_WHEELS= GPU_CHECK_JIT=/nonexistent GPU_CHECK_SAVE_JIT=0 GPU_CHECK_LOGS="$LOGS" \
     GPU_VALIDATE_PLOT="$LOGS/validate.png" GPU_VALIDATE_RATES="${GPU_VALIDATE_RATES:-16,32,64,128,256}" \

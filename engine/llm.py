@@ -51,8 +51,13 @@ class LLM:
             for r in reqs:
                 self.engine.abort_request(r.request_id)
             raise
-        while self.engine.has_unfinished():
-            self.engine.step()
+        try:
+            while self.engine.has_unfinished():
+                self.engine.step()
+        except BaseException:  # (a KeyboardInterrupt, a logits processor that raised) none of them runs on later
+            for r in reqs:
+                self.engine.abort_request(r.request_id)
+            raise
         return [r.output(delta=False) for r in reqs]
 
     def reset_prefix_cache(self) -> bool:

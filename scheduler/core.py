@@ -271,10 +271,14 @@ class EngineCore:
             return None
         features = plan_features(plan)
         t1 = clock()
-        out = self.runner.run(plan, features)
-        t2 = clock()
-        hooks.ran(plan, out)
-        got = sched.update(plan, out.token_ids)
+        try:
+            out = self.runner.run(plan, features)
+            t2 = clock()
+            hooks.ran(plan, out)
+            got = sched.update(plan, out.token_ids)
+        except BaseException:  # (a processor that raised, a KeyboardInterrupt) the step's slots go back
+            sched.unwind(plan)
+            raise
         self._apply(plan, out, got)
         t3 = clock()
         self._record(plan, features, out, wall_s=t3 - t0, forward_s=t2 - t1 - out.prep_s,
@@ -330,18 +334,24 @@ class EngineCore:
         # a row whose sampling reads its sequence's output (a grammar) waits for N's tokens: N+1's forward is
         # launched, N finished, then N+1 sampled
         defer = prev is not None and any(self.needs_tokens(s) for _, s in plan.samples)
-        if defer:
-            launched = self.runner.launch(plan, features, prev.launched, sample=False)
-        else:
-            launched = self.runner.launch(plan, features, prev.launched if prev is not None else None)
-        sched.launched = plan
-        t_launched = clock()
-        if prev is not None:
-            self.overlapped_steps += 1
-            self._finish(prev, successor_host_s=t_launched - t0)
-        if defer:
-            self.runner.sample(launched)
-        placed = sched.advance(plan)
+        try:
+            if defer:
+                launched = self.runner.launch(plan, features, prev.launched, sample=False)
+            else:
+                launched = self.runner.launch(plan, features, prev.launched if prev is not None else None)
+            sched.launched = plan
+            t_launched = clock()
+            if prev is not None:
+                self.overlapped_steps += 1
+                self._finish(prev, successor_host_s=t_launched - t0)
+            if defer:
+                self.runner.sample(launched)
+            placed = sched.advance(plan)
+        except BaseException:  # as in `step`; the step in flight is given up too (its rows hold placeholders,
+            sched.launched = None  # which an abort drops)
+            self._inflight = None
+            sched.unwind(plan)
+            raise
         sched.launched = None
         self._inflight = _InFlight(plan, features, launched, placed, t0, t1 - t0, t_launched - t0)
         if self.check_every and self.step_id % self.check_every == 0:

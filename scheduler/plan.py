@@ -52,6 +52,7 @@ class StepPlan:
     # (j, P): the j-th decode step after a step of P prompt tokens; j = 0 where it runs prompt tokens
     # itself, P of them (`latency_model.SincePrompt`; set at commit)
     after_prompt: tuple[int, int] = (0, 0)
+    advanced: bool = False  # `Scheduler.advance` counted its slots as computed (before: `unwind` frees them)
 
     @property
     def empty(self) -> bool:

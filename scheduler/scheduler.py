@@ -121,6 +121,17 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
 
+    def unwind(self, plan: StepPlan) -> None:
+        """A step that failed after its slots were allocated (`_commit`) and
+        before `advance` counted them (an exception in the forward pass or a
+        logits processor, a KeyboardInterrupt): its slots go back to the
+        allocator, so that aborting its sequences leaks none. A step already
+        advanced owns its slots through its sequences: nothing to do."""
+        if plan.advanced or plan.slots is None:
+            return
+        plan.advanced = True  # once
+        self.kv.allocator.free(plan.slots)
+
     def _drop_launched(self, seq: Seq) -> None:
         """Frees the slots of `seq`'s row in the launched step (overlap
         schedule: it ended while that step ran, before `advance` counted
@@ -293,6 +304,7 @@ class Scheduler:
         caching = self.cfg.prefix_caching
         nd, nv = plan.num_decode, plan.num_verify
         FINISHED = SeqStatus.FINISHED
+        plan.advanced = True
         for r in plan.rows[:nd] + plan.rows[nd + nv :] if nv else plan.rows:
             seq = r.seq
             if seq.status is FINISHED:  # ended while the step ran (overlap; `_end` freed the step's slots)

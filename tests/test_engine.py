@@ -218,6 +218,37 @@ def test_validation_errors_leave_engine_serving(llm):
     assert_idle(eng)
 
 
+@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_step_that_raises_leaves_no_request_and_no_slot_behind(llama_ckpt, overlap, error):
+    """A step that raises part-way -- a logits processor's error, a Ctrl-C in
+    the forward pass -- after its KV slots were allocated: `generate` raises,
+    its requests are aborted (none runs on, unreturned, in the next call), the
+    step's slots go back (the invariant check after every step would find a
+    leak), and the next call is served."""
+    llm = LLM(llama_ckpt, check_invariants=True, overlap_schedule=overlap)
+
+    def factory():
+        calls = []
+
+        def proc(output_ids, logits):
+            calls.append(1)
+            if len(calls) == 4:
+                raise error("from a logits processor")
+        return proc
+
+    prompts = [ids(llm, "In the beginning"), ids(llm, "And God said"), ids(llm, "Let there be")]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logits_processor_factory=factory),
+              SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)]
+    with pytest.raises(error, match="from a logits processor"):
+        llm.generate(prompts, params)
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+    assert_idle(llm.engine)
+    out = llm.generate(prompts[1:], SamplingParams(max_tokens=5, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [5, 5]
+    assert_idle(llm.engine)
+
+
 def test_out_of_vocab_token_ids_refused_at_entry(llm):
     """Token ids are range-checked once, as a request enters (the sampler does
     not check them again each step): an id >= vocab_size is a ValueError naming

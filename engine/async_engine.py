@@ -275,6 +275,8 @@ class AsyncEngine:
         """
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, not {type(params).__name__}")
         if request_id is None:
             request_id = f"areq-{next(self._req_ids)}"
         elif request_id in self._streams:

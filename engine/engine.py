@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import operator
 import os
 import random
 import time
@@ -42,6 +43,10 @@ from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from stepserve.scheduler.speculation import CPU_QUIET, CPU_SETTLE, SETTLE, SpecLengthSpec
 
 log = logging.getLogger("stepserve.engine")
+
+
+MAX_KV_SLOTS = (1 << 31) - 2  # slot ids (and flashinfer's page ids) are int32; one slot is the padding slot
+MAX_CPU_THREADS = 1024
 
 
 @dataclass
@@ -92,7 +97,13 @@ class EngineConfig:
     speculative_token_map: str | None = None
 
     def __post_init__(self):
+        if not isinstance(self.branch_policy, str):
+            raise ValueError(f"branch_policy must be a string (eager, off, cap:N or taper[:...]), got "
+                             f"{self.branch_policy!r}")
         BranchAdmissionSpec.parse(self.branch_policy)
+        for p in self.policies:
+            if not all(callable(getattr(p, m, None)) for m in ("plan", "observe")):
+                raise ValueError(f"policies: {p!r} is not a step policy (it needs plan and observe methods)")
         if self.speculative not in PROPOSERS:
             raise ValueError(f"speculative must be one of {', '.join(PROPOSERS)}, not {self.speculative!r}")
         if self.draft_model is not None and self.speculative != "draft":
@@ -106,10 +117,29 @@ class EngineConfig:
         for name in ("prefix_caching", "enforce_eager", "check_invariants"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("max_running", "max_batched_tokens", "kv_slots", "max_model_len"):
+        for name in ("max_running", "max_batched_tokens", "kv_slots", "max_model_len", "cpu_threads"):
             v = getattr(self, name, None)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.kv_slots is not None and self.kv_slots > MAX_KV_SLOTS:
+            raise ValueError(f"kv_slots must be at most {MAX_KV_SLOTS} (slot ids are 32-bit), got {self.kv_slots}")
+        if self.cpu_threads is not None and self.cpu_threads > MAX_CPU_THREADS:  # (torch crashes far beyond)
+            raise ValueError(f"cpu_threads must be at most {MAX_CPU_THREADS}, got {self.cpu_threads}")
+        try:
+            if isinstance(self.seed, bool):
+                raise TypeError
+            self.seed = operator.index(self.seed)
+        except TypeError:
+            raise ValueError(f"seed must be an integer, got {self.seed!r}") from None
+        if self.device != "auto":
+            try:
+                dev = torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}") from None
+            if dev.type not in ("cpu", "cuda"):
+                raise ValueError(f"device must be auto, cpu or cuda[:N], not {self.device!r}")
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"device {self.device!r}: this torch sees no CUDA device")
         if self.overlap_schedule not in ("auto", "on", "off"):
             raise ValueError(f"overlap_schedule must be auto, on or off, not {self.overlap_schedule!r}")
         if self.mixed_step_graphs not in ("auto", "on", "off"):
@@ -122,8 +152,8 @@ class EngineConfig:
                              f"({', '.join(ATTENTION_BACKENDS)})")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_memory_gb is not None and not self.kv_memory_gb > 0:
-            raise ValueError(f"kv_memory_gb must be positive, got {self.kv_memory_gb}")
+        if self.kv_memory_gb is not None and not 0 < self.kv_memory_gb < float("inf"):
+            raise ValueError(f"kv_memory_gb must be a positive finite number, got {self.kv_memory_gb}")
         for name in ("slo_ttft_s", "slo_tpot_s"):
             v = getattr(self, name)
             if v is not None and not v > 0:
@@ -236,6 +266,8 @@ def _needs_tokens(seq) -> bool:
 def _token_ids(tokens) -> list[int]:
     """Token ids as plain ints: Python or NumPy ints, or a 1-D integer tensor;
     a float or a bool is refused, not truncated."""
+    if isinstance(tokens, (bytes, bytearray)):  # a Sequence[int] too: not a text, nor meant as ids
+        raise RequestError("a prompt is a str or a sequence of token ids, not bytes (decode it first)", "prompt")
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise RequestError(f"prompt token ids must be a 1-D integer tensor, got {tokens.dtype} of shape "
@@ -344,8 +376,6 @@ class Engine:
         self.config = config
         host_memory.tune()  # freed activations stay mapped for the next step (`host_memory`)
         if config.cpu_threads is not None:
-            if config.cpu_threads < 1:
-                raise ValueError(f"cpu_threads must be at least 1, got {config.cpu_threads}")
             torch.set_num_threads(config.cpu_threads)
         model_dir = config.model or DEFAULT_MODEL
         self.device = config.resolved_device()
@@ -404,7 +434,13 @@ class Engine:
             if kv_slots < self.max_model_len // 8:
                 raise ValueError(f"only {kv_bytes / (1 << 30):.2f} GiB is left for the KV cache ({kv_slots} tokens) "
                                  "after the weights; raise gpu_memory_utilization or give kv_memory_gb")
-        self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, self.device)
+        try:
+            self.kv_pool = TokenKVPool(kv_slots + 1, mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype,
+                                       self.device)
+        except (RuntimeError, MemoryError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+            raise ValueError(f"a KV cache of {kv_slots} tokens ({kv_slots * per_tok / (1 << 30):.2f} GiB) does not "
+                             f"fit in the {self.device} memory: give fewer kv_slots or less kv_memory_gb "
+                             f"({str(e).splitlines()[0]})") from None
         log.info("KV cache: %d tokens (%.2f GiB) on %s", kv_slots, kv_slots * per_tok / (1 << 30), self.device)
         # the slot allocator, the req->token table and the radix tree live on the host whatever the device:
         # the scheduler's bookkeeping launches no device work, and the backends send what a step reads

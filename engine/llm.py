@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+import torch
+
 from stepserve.engine.engine import Engine, EngineConfig
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
@@ -16,8 +19,13 @@ class LLM:
         """`LLM(model_dir, max_running=..., ...)`, or `LLM(config=EngineConfig(...))`."""
         if config is None:
             config = EngineConfig(model=model, **engine_kwargs)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, not {type(config).__name__}")
         elif model is not None or engine_kwargs:
             raise ValueError("pass either config or model/engine options, not both")
+        if config.step_log is not None:  # written by the serving loop only: it would stay empty here
+            raise ValueError("step_log is written by the serving loop (AsyncEngine, `stepserve serve --step-log`), "
+                             "not by LLM")
         self.engine = Engine(config)
 
     @property
@@ -34,11 +42,15 @@ class LLM:
         `stages` makes every prompt a fork/join request with these later
         stages (`Engine.add_request`); its outputs are every branch of every
         stage, `index` in order and `stage` saying which."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (torch.Tensor, np.ndarray)):  # one prompt of ids (1-D), or one per row (2-D)
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        elif isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         params = SamplingParams() if sampling_params is None else sampling_params
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError("sampling_params must be a SamplingParams or a list of them, one per prompt")
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         # validate everything before queueing anything, so a bad prompt in the
@@ -72,6 +84,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        for conv in convs:
+            for i, m in enumerate(conv):
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or (
+                        "content" not in m and "tool_calls" not in m):
+                    raise ValueError(f"messages[{i}]: a message is a dict with a role and its content, got {m!r}")
         prompts = [self.apply_chat_template(c) for c in convs]
         return self.generate(prompts, sampling_params)
 

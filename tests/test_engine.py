@@ -249,6 +249,46 @@ def test_a_step_that_raises_leaves_no_request_and_no_slot_behind(llama_ckpt, ove
     assert_idle(llm.engine)
 
 
+@pytest.mark.parametrize("kw,says", [
+    (dict(cpu_threads=100000), "cpu_threads must be at most"),  # torch's set_num_threads crashed (SIGSEGV)
+    (dict(cpu_threads=1.5), "cpu_threads must be a positive integer"),
+    (dict(kv_slots=10**13), "kv_slots must be at most"),
+    (dict(kv_memory_gb=float("inf")), "kv_memory_gb must be a positive finite"),
+    (dict(device="foo"), "device must be auto, cpu or cuda"),
+    (dict(seed="abc"), "seed must be an integer"),
+    (dict(branch_policy=None), "branch_policy must be a string"),
+    (dict(policies=["noop"]), "is not a step policy"),
+])
+def test_engine_options_out_of_range_or_of_the_wrong_kind_are_refused_by_name(kw, says):
+    """Each was a crash, a foreign exception or a silent acceptance (found by fuzzing)."""
+    with pytest.raises(ValueError, match=says):
+        EngineConfig(**kw)
+
+
+def test_generate_takes_ids_of_any_integer_kind_and_refuses_what_is_not_a_prompt(llm):
+    """A 1-D tensor or array of ids is one prompt, a 2-D one a prompt per row,
+    a list of NumPy ints one prompt; bytes, parameters that are not
+    SamplingParams, a message without content and a step log that LLM would
+    never write are refused by name."""
+    import numpy as np
+
+    p = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], p)[0].outputs[0].token_ids
+    for prompt in (torch.tensor([5, 6, 7]), np.array([5, 6, 7]), [np.int64(5), np.int64(6), np.int64(7)]):
+        out = llm.generate(prompt, p)
+        assert len(out) == 1 and out[0].outputs[0].token_ids == want
+    assert [o.outputs[0].token_ids for o in llm.generate(np.array([[5, 6, 7], [5, 6, 7]]), p)] == [want, want]
+    with pytest.raises(ValueError, match="not bytes"):
+        llm.generate([b"abc"], p)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams"):
+        llm.generate(["hi"], {"max_tokens": 3})
+    with pytest.raises(ValueError, match="a message is a dict with a role and its content"):
+        llm.chat([{"role": "user"}])
+    with pytest.raises(ValueError, match="step_log is written by the serving loop"):
+        LLM(llm.engine.model_dir, step_log="steps.jsonl")
+    assert_idle(llm.engine)
+
+
 def test_out_of_vocab_token_ids_refused_at_entry(llm):
     """Token ids are range-checked once, as a request enters (the sampler does
     not check them again each step): an id >= vocab_size is a ValueError naming

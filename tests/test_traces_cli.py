@@ -113,6 +113,16 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     (["generate", "--max-running", "0", "hello"], "max_running must be a positive integer"),
     (["generate", "--spec-length", "fixed:2", "hello"], "spec_length is given but speculative is 'none'"),
     (["generate", "--max-model-len", "5000", "hello"], "max_model_len 5000 is more than the model's context (1024"),
+    # (each of these was a traceback, a crash or a hang: found by fuzzing)
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--rates", "1,nan"], "--rates: give positive finite"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--rates", "1,inf"], "--rates: give positive finite"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--rates", "1,2", "--rate", "5"],
+     "give --rate or --rates, not both"),
+    (["generate", "--cpu-threads", "100000", "hello"], "cpu_threads must be at most 1024"),
+    (["generate", "--kv-slots", "10000000000000", "hello"], "kv_slots must be at most"),
+    (["generate", "--kv-memory-gb", "inf", "hello"], "kv_memory_gb must be a positive finite number"),
+    (["generate", "--device", "foo", "hello"], "device must be auto, cpu or cuda"),
+    (["bench", "offline", "--input-len-min", "100", "--input-len-max", "10"], "--input-len-min (100) is above"),
 ])
 def test_a_user_mistake_is_one_line_not_a_traceback(argv, says, monkeypatch):
     """A bad value, a missing file or an unreachable server ends the command
@@ -147,6 +157,16 @@ def test_serve_refuses_a_port_out_of_range(capsys):
     (["profile", "--holdout", "1.5"], "--holdout: must lie strictly between 0 and 1"),
     (["validate", "--trace", TRACE, "--repeats", "0"], "--repeats: must be at least 1"),
     (["validate", "--trace", TRACE, "--speed-window", "0"], "--speed-window: must be a"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--start", "nan"], "--start: must be a finite"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--duration", "0"], "--duration: must be a"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--kv-slots", "0"], "--kv-slots: must be at least 1"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--check-every", "-1"],
+     "--check-every: must be at least 0"),
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--max-context", "1"], "--max-context: must be at least 2"),
+    (["replay", "--trace", TRACE, "--request-timeout", "0"], "--request-timeout: must be a"),
+    (["replay", "--trace", TRACE, "--warmup", "-1"], "--warmup: must be at least 0"),
+    (["bench", "offline", "--num-prompts", "0"], "--num-prompts: must be at least 1"),
+    (["bench", "offline", "--repeats", "0"], "--repeats: must be at least 1"),
 ])
 def test_option_values_out_of_range_are_refused_by_name(argv, says, capsys):
     """A count, time or share out of its range is an argparse error naming

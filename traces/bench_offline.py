@@ -27,20 +27,21 @@ import statistics
 import sys
 import time
 
+from stepserve.traces.options import positive_int
 from stepserve.traces.report import command_line, versions, write_report
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
-    g.add_argument("--num-prompts", type=int, default=128)
-    g.add_argument("--concurrency", type=int, default=64)
-    g.add_argument("--input-len-min", type=int, default=16)
-    g.add_argument("--input-len-max", type=int, default=96)
-    g.add_argument("--output-len", type=int, default=64, help="(mean) output tokens per request")
+    g.add_argument("--num-prompts", type=positive_int, default=128)
+    g.add_argument("--concurrency", type=positive_int, default=64)
+    g.add_argument("--input-len-min", type=positive_int, default=16)
+    g.add_argument("--input-len-max", type=positive_int, default=96)
+    g.add_argument("--output-len", type=positive_int, default=64, help="(mean) output tokens per request")
     g.add_argument("--workloads", default="fixed,mixed", help="comma list of fixed, mixed")
-    g.add_argument("--repeats", type=int, default=3)
-    g.add_argument("--overhead-rows", type=int, default=256)
-    g.add_argument("--overhead-steps", type=int, default=40)
+    g.add_argument("--repeats", type=positive_int, default=3)
+    g.add_argument("--overhead-rows", type=positive_int, default=256)
+    g.add_argument("--overhead-steps", type=positive_int, default=40)
     g.add_argument("--skip-hf", action="store_true", help="measure stepserve only")
     g.add_argument("--skip-hf-continuous", action="store_true",
                    help="leave out transformers' generate_batch (slow on large models)")
@@ -197,6 +198,8 @@ def run(args) -> int:
     from stepserve.cli import engine_config
     from stepserve.engine.defaults import DEFAULT_MODEL
 
+    if args.input_len_min > args.input_len_max:
+        raise ValueError(f"--input-len-min ({args.input_len_min}) is above --input-len-max ({args.input_len_max})")
     cfg = engine_config(args)
     model_dir = cfg.model or DEFAULT_MODEL
     ours = StepserveRunner(cfg, args.concurrency)

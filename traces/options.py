@@ -26,6 +26,25 @@ def positive_float(text: str) -> float:
     return v
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number of at least 0 (an offset)."""
+    v = float(text)
+    if not (v >= 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"must be a finite number of at least 0, not {text}")
+    return v
+
+
+def int_at_least(least: int):
+    """argparse type: an integer of at least `least`."""
+    def parse(text: str) -> int:
+        v = int(text)
+        if v < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {v}")
+        return v
+    parse.__name__ = f"integer of at least {least}"
+    return parse
+
+
 def open_fraction(text: str) -> float:
     """argparse type: a share strictly between 0 and 1."""
     v = float(text)
@@ -46,7 +65,7 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
                    help="keep at most N requests in flight: one arriving beyond that is sent when one completes, "
                         "and its latencies count from then (vLLM's benchmark option; with a --rate far above what the "
                         "server sustains, a closed loop at N)")
-    g.add_argument("--vocab-size", type=int, default=None,
+    g.add_argument("--vocab-size", type=int_at_least(17), default=None,
                    help="prompt token ids come from [16, VOCAB) (default: the server's vocab_size, or the profile's "
                         "model vocabulary; else 256)")
 
@@ -59,10 +78,11 @@ def add_trace_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--output-scale", type=positive_float, default=None, help="output lengths only (overrides --length-scale)")
     s.add_argument("--max-input", type=positive_int, default=None, help="cap on prompt tokens (keeps the start)")
     s.add_argument("--max-output", type=positive_int, default=None, help="cap on output tokens")
-    s.add_argument("--max-context", type=positive_int, default=None,
+    s.add_argument("--max-context", type=int_at_least(2), default=None,
                    help="cap on prompt + output (default: the server's / the profile's context length)")
-    s.add_argument("--start", type=float, default=0.0, help="window start, seconds after the trace's first request")
-    s.add_argument("--duration", type=float, default=None, help="window length in trace seconds")
+    s.add_argument("--start", type=non_negative_float, default=0.0,
+                   help="window start, seconds after the trace's first request")
+    s.add_argument("--duration", type=positive_float, default=None, help="window length in trace seconds")
     s.add_argument("--limit", type=positive_int, default=None, help="at most this many requests")
 
     o = p.add_argument_group("SLOs and output")
@@ -100,9 +120,14 @@ def slo_from_args(args) -> SLO:
 
 def rates_from_args(args) -> list[float | None]:
     if args.rates:
-        rates = sorted(float(x) for x in args.rates.split(",") if x.strip())
-        if not rates or any(r <= 0 for r in rates):
-            raise SystemExit("--rates: give positive numbers, e.g. 1,2,4,8")
+        if getattr(args, "rate", None) is not None:
+            raise SystemExit("stepserve: give --rate or --rates, not both")
+        try:
+            rates = sorted(float(x) for x in args.rates.split(",") if x.strip())
+        except ValueError:
+            rates = []
+        if not rates or not all(0 < r < math.inf for r in rates):  # (NaN fails the test too)
+            raise SystemExit("stepserve: --rates: give positive finite numbers, e.g. 1,2,4,8")
         return rates
     return [args.rate]
 

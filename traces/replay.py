@@ -222,8 +222,9 @@ class Replayer:
             spec = RequestSpec(f"warmup-{k}", 0.0, 4, (Segment(f"warmup:{k}", 16),))
             rec = RequestRecord(spec.request_id, 0.0, spec.prompt_len)
             await self._one(spec, rec, time.perf_counter())
-            if rec.error:
-                raise RuntimeError(f"warm-up request failed: {rec.error}")
+            if rec.error:  # (a wrong --served-model, --vocab-size or key: the user's to mend, in one line)
+                await self.close()
+                raise ValueError(f"the server failed the warm-up request: {rec.error}")
 
     async def flush_cache(self) -> dict:
         """Empties the server's prefix cache, so that this run finds none of an

@@ -8,7 +8,7 @@ import sys
 import time
 
 from stepserve.traces.options import (
-    add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
+    add_trace_args, int_at_least, plot_path, positive_float, rates_from_args, scaling_from_args, slo_from_args,
 )
 
 
@@ -17,8 +17,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     g.add_argument("--served-model", default=None, help="model name to send (default: the server's)")
     g.add_argument("--api-key", default=None)
-    g.add_argument("--warmup", type=int, default=1, help="untimed requests before the run")
-    g.add_argument("--request-timeout", type=float, default=3600.0)
+    g.add_argument("--warmup", type=int_at_least(0), default=1, help="untimed requests before the run")
+    g.add_argument("--request-timeout", type=positive_float, default=3600.0, help="seconds a request may take")
     g.add_argument("--flush-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="empty the server's prefix cache before each run (POST /flush_cache, or vLLM's "
                         "/reset_prefix_cache), so that no run finds an earlier run's or invocation's prompts "

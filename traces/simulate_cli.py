@@ -8,7 +8,7 @@ import sys
 
 from stepserve.cli import add_branch_policy_arg
 from stepserve.traces.options import (
-    add_trace_args, plot_path, rates_from_args, scaling_from_args, slo_from_args,
+    add_trace_args, int_at_least, plot_path, positive_int, rates_from_args, scaling_from_args, slo_from_args,
 )
 
 
@@ -27,14 +27,15 @@ def add_sim_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", action="append", default=[],
                    help="another step policy by name (repeatable; applied in the order given, after branch "
                         "admission): noop, branch:SPEC")
-    g.add_argument("--max-running", type=int, default=None, help="default: the profile's")
-    g.add_argument("--max-batched-tokens", type=int, default=None, help="default: the profile's")
-    g.add_argument("--kv-slots", type=int, default=None, help="KV pool in tokens (default: the profile's)")
+    g.add_argument("--max-running", type=positive_int, default=None, help="default: the profile's")
+    g.add_argument("--max-batched-tokens", type=positive_int, default=None, help="default: the profile's")
+    g.add_argument("--kv-slots", type=positive_int, default=None, help="KV pool in tokens (default: the profile's)")
     g.add_argument("--admission", default="fcfs", choices=["fcfs", "lpm"])
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--online-refit", action="store_true",
                    help="also run the online latency-model refit as an observer (reports its drift)")
-    g.add_argument("--check-every", type=int, default=0, help="KV integrity check every N steps (slow)")
+    g.add_argument("--check-every", type=int_at_least(0), default=0,
+                   help="KV integrity check every N steps (slow; 0: never)")
     g.add_argument("--no-step-noise", action="store_true",
                    help="predicted step times exactly (default: scattered like the profile's measured steps, seeded)")
     g.add_argument("--no-serving-costs", action="store_true",

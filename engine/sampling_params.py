@@ -198,6 +198,8 @@ class SamplingParams:
 
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not -(1 << 63) <= self.seed < (1 << 63):  # (a seed is an int64, as on the HTTP routes: beyond,
+                raise RequestError(f"seed must be a 64-bit signed integer, got {self.seed}", "seed")  # two met)
 
         if not isinstance(self.stop, list):
             raise _err("stop", "must be a string, a list of strings or None", self.stop)

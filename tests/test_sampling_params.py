@@ -68,6 +68,8 @@ def test_defaults_are_valid_and_match_vllm():
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"seed": "42"}, "seed"),
         ({"seed": 1.0}, "seed"),
+        ({"seed": 2**63}, "seed"),  # a 64-bit signed seed, as on the HTTP routes (5 + 2**64 drew as 5 did)
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"skip_special_tokens": None}, "skip_special_tokens"),
         ({"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
@@ -103,8 +105,9 @@ def test_boundary_values_are_accepted():
         frequency_penalty=2,
         logprobs=20,
         logit_bias={0: -100, 5: 100},
-        seed=-(2**70),
+        seed=-(2**63),
     )
+    SamplingParams(seed=2**63 - 1)
     SamplingParams(max_tokens=1, logprobs=0, top_p=1e-9, min_p=0.0)
 
 

@@ -41,12 +41,20 @@ from stepserve.traces.report import command_line, versions, write_report
 from stepserve.traces.request_spec import RequestSpec, Segment
 
 
+def _rate(text: str) -> float:
+    """argparse type: a rate above 0 (inf: every request at once)."""
+    v = float(text)
+    if not v > 0:  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a number above 0 (or inf), not {text}")
+    return v
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("benchmark")
     g.add_argument("--url", default=None, help="an already running server (then no offline comparison)")
     g.add_argument("--num-prompts", type=int, default=128)
     g.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at most")
-    g.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
+    g.add_argument("--request-rate", type=_rate, default=math.inf, help="Poisson arrivals per second (inf: all at once)")
     g.add_argument("--input-len-min", type=int, default=16)
     g.add_argument("--input-len-max", type=int, default=96)
     g.add_argument("--output-len", type=int, default=64)

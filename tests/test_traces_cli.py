@@ -123,6 +123,8 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     (["generate", "--kv-memory-gb", "inf", "hello"], "kv_memory_gb must be a positive finite number"),
     (["generate", "--device", "foo", "hello"], "device must be auto, cpu or cuda"),
     (["bench", "offline", "--input-len-min", "100", "--input-len-max", "10"], "--input-len-min (100) is above"),
+    (["replay", "--compare", "tests/fake_flashinfer.py"], ""),  # not JSON
+    (["replay", "--compare", "pyproject.toml", "--trace", TRACE], "--trace does not apply"),
 ])
 def test_a_user_mistake_is_one_line_not_a_traceback(argv, says, monkeypatch):
     """A bad value, a missing file or an unreachable server ends the command

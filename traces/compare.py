@@ -42,7 +42,10 @@ def load_reports(paths: list[str]) -> list[dict]:
     out = []
     for p in paths:
         with open(p) as f:
-            out.append(json.load(f))
+            rep = json.load(f)
+        if not isinstance(rep, dict) or "mode" not in rep or "num_requests" not in rep:
+            raise ValueError(f"{p}: not a report of stepserve replay, simulate or validate (no mode, num_requests)")
+        out.append(rep)
     return out
 
 

@@ -37,6 +37,9 @@ def run_replay(args) -> int:
     if args.compare:
         from stepserve.traces.compare import run_compare
 
+        if args.trace:
+            raise SystemExit("stepserve: replay --compare prints saved reports; --trace does not apply to it")
+
         return run_compare(args.compare, args.plot or ("compare.png" if args.plot == "" else None),
                            slo=slo_from_args(args))
     if not args.trace:

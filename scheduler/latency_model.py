@@ -847,15 +847,30 @@ class Profile:
 
 
 def profile_from_dict(d: dict, name: str = "") -> Profile:
+    """`name`: where `d` came from (a file), for the messages and as the
+    profile's name where `d` has none. A profile that is not one -- a JSON list,
+    a latency model without its form -- is a ValueError naming the part."""
+    where = f"{name}: " if name else ""
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}not a stepserve latency profile (a JSON {type(d).__name__}, not an object)")
     if d.get("kind") != PROFILE_KIND:
-        raise ValueError(f"not a stepserve latency profile (kind={d.get('kind')!r})")
-    lat = d["latency"]
-    if lat["form"] == "roofline":
-        from stepserve.scheduler.roofline import RooflineLatencyModel
+        raise ValueError(f"{where}not a stepserve latency profile (kind={d.get('kind')!r})")
+    lat = d.get("latency")
+    if not isinstance(lat, dict) or not isinstance(lat.get("form"), str):
+        raise ValueError(f"{where}the profile's latency must be an object with a form, got {lat!r:.80}")
+    if not isinstance(d.get("engine", {}), dict):
+        raise ValueError(f"{where}the profile's engine must be an object, got {d['engine']!r:.80}")
+    if lat["form"] != "roofline" and not isinstance(lat.get("coef"), list):
+        raise ValueError(f"{where}the profile's latency form {lat['form']!r} needs a list of coef")
+    try:
+        if lat["form"] == "roofline":
+            from stepserve.scheduler.roofline import RooflineLatencyModel
 
-        model = RooflineLatencyModel.from_dict(lat)
-    else:
-        model = LinearLatencyModel.from_dict(lat)
+            model = RooflineLatencyModel.from_dict(lat)
+        else:
+            model = LinearLatencyModel.from_dict(lat)
+    except (TypeError, ValueError) as e:  # a coefficient that is not a number, an unknown form, ...
+        raise ValueError(f"{where}the profile's latency: {e}") from None
     return Profile(name=d.get("name") or name, source=d.get("source", "measured"), model=model,
                    engine=dict(d.get("engine", {})), data=d)
 
@@ -864,7 +879,11 @@ def load_profile(spec: str) -> Profile:
     """A profile JSON path, or a built-in roofline profile `DEVICE[xN]:MODEL`."""
     if os.path.isfile(spec):
         with open(spec) as f:
-            return profile_from_dict(json.load(f), name=spec)
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{spec}: not JSON ({e})") from None
+        return profile_from_dict(d, name=spec)
     from stepserve.scheduler.roofline import is_builtin_name, roofline_profile
 
     if is_builtin_name(spec):

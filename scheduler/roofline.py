@@ -167,21 +167,28 @@ class RooflineLatencyModel:
 _NAME = re.compile(r"^(?P<dev>[a-z0-9]+?)(?:x(?P<n>\d+))?:(?P<model>[a-z0-9.\-]+)$")
 
 
-def parse_name(name: str) -> tuple[str, int, str]:
+def _match(name: str):
     m = _NAME.match(name.strip().lower())
-    if not m or m.group("dev") not in DEVICES or m.group("model") not in MODELS:
+    return m if m and m.group("dev") in DEVICES and m.group("model") in MODELS else None
+
+
+def parse_name(name: str) -> tuple[str, int, str]:
+    m = _match(name)
+    if not m:
         raise ValueError(
             f"bad roofline profile name {name!r}: want DEVICE[xN]:MODEL with DEVICE in "
             f"{', '.join(DEVICES)} and MODEL in {', '.join(MODELS)} (e.g. h100x8:qwen3-32b)")
-    return m.group("dev"), int(m.group("n") or 1), m.group("model")
+    n = int(m.group("n") or 1)
+    if n < 1:  # every per-device share divides by it
+        raise ValueError(f"bad roofline profile name {name!r}: the device count N of DEVICExN must be at least 1")
+    return m.group("dev"), n, m.group("model")
 
 
 def is_builtin_name(name: str) -> bool:
-    try:
-        parse_name(name)
-        return True
-    except ValueError:
-        return False
+    """Whether `name` names a built-in device and model (`load_profile` takes it
+    as one); a device count below 1 is then refused by `parse_name` as such,
+    not reported as a missing file."""
+    return _match(name) is not None
 
 
 def builtin_names() -> list[str]:

@@ -124,6 +124,8 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     (["generate", "--device", "foo", "hello"], "device must be auto, cpu or cuda"),
     (["bench", "offline", "--input-len-min", "100", "--input-len-max", "10"], "--input-len-min (100) is above"),
     (["replay", "--compare", "tests/fake_flashinfer.py"], ""),  # not JSON
+    (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--start", "100000"],
+     "no request of the trace falls in the window"),
     (["replay", "--compare", "pyproject.toml", "--trace", TRACE], "--trace does not apply"),
 ])
 def test_a_user_mistake_is_one_line_not_a_traceback(argv, says, monkeypatch):

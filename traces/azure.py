@@ -13,11 +13,16 @@ import csv
 import os
 from datetime import datetime
 
-from stepserve.traces.request_spec import RequestSpec, Segment
+from stepserve.traces.request_spec import RequestSpec, Segment, count_field
+
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 def _parse_ts(s: str) -> datetime:
-    return datetime.strptime(s.strip()[:26], "%Y-%m-%d %H:%M:%S.%f")
+    try:
+        return datetime.strptime(s.strip()[:26], "%Y-%m-%d %H:%M:%S.%f")
+    except ValueError:
+        raise ValueError(f"TIMESTAMP {s!r:.40} is not a time like 2023-11-16 18:15:46.6805900") from None
 
 
 def load_azure(path: str) -> list[RequestSpec]:
@@ -26,15 +31,25 @@ def load_azure(path: str) -> list[RequestSpec]:
     t0 = None
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
-        missing = {"TIMESTAMP", "ContextTokens", "GeneratedTokens"} - set(reader.fieldnames or ())
+        missing = set(COLUMNS) - set(reader.fieldnames or ())
         if missing:
             raise ValueError(f"{path}: not an Azure 2023 trace (missing columns {sorted(missing)})")
         for i, row in enumerate(reader):
-            ts = _parse_ts(row["TIMESTAMP"])
+            try:
+                # DictReader files a long row's extra cells under None, a short row's absent ones as None
+                if None in row:
+                    raise ValueError(f"the row has more fields than the header's {len(reader.fieldnames)}")
+                absent = [k for k in COLUMNS if row[k] is None]
+                if absent:
+                    raise ValueError(f"{', '.join(absent)} {'is' if len(absent) == 1 else 'are'} missing "
+                                     "(the row has fewer fields than the header)")
+                ts = _parse_ts(row["TIMESTAMP"])
+                plen = count_field(row["ContextTokens"], "ContextTokens")
+                olen = count_field(row["GeneratedTokens"], "GeneratedTokens")
+            except ValueError as e:
+                raise ValueError(f"{path}, line {reader.line_num}: {e}") from None
             if t0 is None:
                 t0 = ts
-            plen = int(row["ContextTokens"])
-            olen = int(row["GeneratedTokens"])
             specs.append(RequestSpec(
                 request_id=f"{name}-{i}",
                 arrival_s=(ts - t0).total_seconds(),

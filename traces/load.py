@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from stepserve.traces.report import output_path
-from stepserve.traces.request_spec import RequestSpec
+from stepserve.traces.request_spec import RequestSpec, json_lines
 
 
 @dataclass
@@ -44,12 +44,14 @@ def load_trace(source: str) -> Trace:
 
 
 def _load(source: str) -> Trace:
-    if source.startswith("synthetic"):
+    # Only the exact prefix selects a spec: a file named synthetic_trace.jsonl is a file.
+    if source.startswith("synthetic:"):
         from stepserve.traces.synthetic import SyntheticConfig, generate
 
         return Trace(generate(SyntheticConfig.parse(source)), "synthetic", source)
     if not os.path.isfile(source):
-        raise FileNotFoundError(f"trace not found: {source}")
+        hint = " (a synthetic spec starts with 'synthetic:')" if source.startswith("synthetic") else ""
+        raise FileNotFoundError(f"trace not found: {source}{hint}")
     with open(source) as f:
         head = f.readline()
     if head.startswith("TIMESTAMP"):
@@ -62,12 +64,20 @@ def _load(source: str) -> Trace:
 
         return Trace(load_mooncake(source), "mooncake", source)
     if first is not None and "segments" in first:
-        with open(source) as f:
-            specs = [RequestSpec.from_json(json.loads(line)) for line in f if line.strip()]
-        return Trace(specs, "stepserve", source)
+        return Trace(_load_stepserve(source), "stepserve", source)
     raise ValueError(
         f"{source}: unknown trace format (expected an Azure 2023 CSV, a Mooncake JSONL with hash_ids, "
         "a stepserve JSONL with segments, or synthetic:key=value,...)")
+
+
+def _load_stepserve(path: str) -> list[RequestSpec]:
+    specs = []
+    for lineno, d in json_lines(path):
+        try:
+            specs.append(RequestSpec.from_json(d))
+        except ValueError as e:
+            raise ValueError(f"{path}, line {lineno}: {e}") from None
+    return specs
 
 
 def save_trace(specs: list[RequestSpec], path: str) -> None:

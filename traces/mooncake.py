@@ -10,10 +10,9 @@ block in full (segments with one key are prefixes of each other).
 
 from __future__ import annotations
 
-import json
 import os
 
-from stepserve.traces.request_spec import RequestSpec, Segment
+from stepserve.traces.request_spec import RequestSpec, Segment, count_field, json_lines, require, time_field
 
 BLOCK_TOKENS = 512
 
@@ -32,19 +31,32 @@ def _segments(hash_ids: list[int], input_length: int, block: int, own_key: str) 
     return tuple(segs)
 
 
+def _hash_ids(v) -> list[int]:
+    # a string would be iterated as characters, each read as a block id
+    if not isinstance(v, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in v):
+        raise ValueError(f"hash_ids must be a list of integer block ids, got {v!r:.80}")
+    return v
+
+
 def load_mooncake(path: str, block_tokens: int = BLOCK_TOKENS) -> list[RequestSpec]:
     name = os.path.splitext(os.path.basename(path))[0]
     specs = []
-    with open(path) as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            d = json.loads(line)
-            segs = _segments(list(d.get("hash_ids", [])), int(d["input_length"]), block_tokens, f"{name}:{i}")
-            specs.append(RequestSpec(
-                request_id=f"{name}-{i}",
-                arrival_s=float(d["timestamp"]) / 1000.0,
-                output_len=max(1, int(d["output_length"])),
-                segments=segs if segs else (Segment(f"{name}:{i}", 1),),
-            ))
+    for lineno, d in json_lines(path):
+        i = lineno - 1  # ids count every line, as they always have
+        try:
+            require(d, "timestamp", "input_length", "output_length")
+            hash_ids = _hash_ids(d.get("hash_ids", []))
+            input_length = count_field(d["input_length"], "input_length")
+            # A zero-length prompt or output cannot be served; 1 is the nearest request that can.
+            output_len = max(1, count_field(d["output_length"], "output_length"))
+            arrival_s = time_field(d["timestamp"], "timestamp") / 1000.0
+        except ValueError as e:
+            raise ValueError(f"{path}, line {lineno}: {e}") from None
+        segs = _segments(hash_ids, input_length, block_tokens, f"{name}:{i}")
+        specs.append(RequestSpec(
+            request_id=f"{name}-{i}",
+            arrival_s=arrival_s,
+            output_len=output_len,
+            segments=segs if segs else (Segment(f"{name}:{i}", 1),),
+        ))
     return specs

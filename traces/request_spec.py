@@ -12,7 +12,10 @@ for real and the same trace simulated see the same prompts.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -64,16 +67,126 @@ class RequestSpec:
 
     @classmethod
     def from_json(cls, d: dict) -> "RequestSpec":
+        """The inverse of `to_json`. A field that is missing or out of range
+        is a ValueError naming it (the loader adds the file and line): a
+        request the run cannot serve as written is refused, not served as
+        something else or left out of the window as a NaN arrival would be."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a request must be a JSON object, got {type(d).__name__}")
+        require(d, "request_id", "arrival_s", "output_len", "segments")
+        segs = d["segments"]
+        if not isinstance(segs, list) or not segs:
+            # an empty prompt has nothing to prefill: the run would count the request as failed
+            raise ValueError(f"segments must be a non-empty list of [key, length] pairs, got {segs!r:.80}")
+        n = count_field(d.get("n", 1), "n", least=1)
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta must be an object, got {meta!r:.80}")
+        stages = d.get("stages", [])
+        if not isinstance(stages, list):
+            raise ValueError(f"stages must be a list of stages, got {stages!r:.80}")
+        if stages and n != 1:
+            raise ValueError(f"n must be 1 for a fork/join request (stages): its branches are its stages', got {n}")
         return cls(
             request_id=str(d["request_id"]),
-            arrival_s=float(d["arrival_s"]),
-            output_len=int(d["output_len"]),
-            segments=tuple(Segment(str(k), int(n)) for k, n in d["segments"]),
-            n=int(d.get("n", 1)),
-            meta=dict(d.get("meta", {})),
-            stages=tuple(tuple((None if seg is None else Segment(str(seg[0]), int(seg[1])), int(out))
-                               for seg, out in st) for st in d.get("stages", ())),
+            arrival_s=time_field(d["arrival_s"], "arrival_s"),
+            output_len=count_field(d["output_len"], "output_len", least=1),
+            segments=tuple(_segment(g, f"segments[{i}]", least=1) for i, g in enumerate(segs)),
+            n=n,
+            meta=dict(meta),
+            stages=tuple(_stage(st, k) for k, st in enumerate(stages)),
         )
+
+
+def _segment(g, where: str, least: int) -> Segment:
+    if not isinstance(g, (list, tuple)) or len(g) != 2:
+        raise ValueError(f"{where} must be a [key, length] pair, got {g!r:.80}")
+    return Segment(str(g[0]), count_field(g[1], f"{where} length", least))
+
+
+def _stage(st, k: int) -> tuple[tuple[Segment | None, int], ...]:
+    """Stage `k` of `stages`: branches of [suffix segment or null, output tokens].
+    A suffix may be empty (a branch with no prompt of its own); an output may not
+    (the engine refuses a branch of 0 tokens, and the request would fail)."""
+    where = f"stages[{k}]"
+    if not isinstance(st, list) or not st:
+        raise ValueError(f"{where} must be a non-empty list of [suffix, output tokens] branches, got {st!r:.80}")
+    out = []
+    for b, br in enumerate(st):
+        if not isinstance(br, (list, tuple)) or len(br) != 2:
+            raise ValueError(f"{where}[{b}] must be a [suffix, output tokens] pair, got {br!r:.80}")
+        seg, tokens = br
+        out.append((None if seg is None else _segment(seg, f"{where}[{b}] suffix", least=0),
+                    count_field(tokens, f"{where}[{b}] output tokens", least=1)))
+    return tuple(out)
+
+
+# -- the checks every trace loader shares: each names the field, the loader
+# adds the file and line (`json_lines`, or the CSV reader's line number) --------
+
+
+def require(d: dict, *keys: str) -> None:
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing")
+
+
+def count_field(v, name: str, least: int = 0) -> int:
+    """A token count (or other whole number) of a trace record -- a JSON number
+    or a CSV cell -- of at least `least`. A fraction, a bool or a word is refused,
+    not truncated or read as some other number."""
+    x = v
+    if isinstance(x, str):
+        try:
+            x = int(x.strip())
+        except ValueError:
+            try:
+                x = float(x.strip())
+            except ValueError:
+                pass
+    if isinstance(x, float) and x.is_integer():
+        x = int(x)
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise ValueError(f"{name} must be an integer, got {v!r:.80}")
+    if x < least:
+        raise ValueError(f"{name} must be at least {least}, got {x}")
+    return x
+
+
+def time_field(v, name: str) -> float:
+    """A time of a trace record: a finite number. A NaN or an infinite arrival
+    falls outside every window of the run, so the request would vanish."""
+    x = v
+    if isinstance(x, str):
+        try:
+            x = float(x.strip())
+        except ValueError:
+            pass
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r:.80}")
+    try:
+        x = float(x)
+    except OverflowError:  # an integer past a float's range
+        x = math.inf
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {v!r:.80}")
+    return x
+
+
+def json_lines(path: str) -> Iterator[tuple[int, dict]]:
+    """(line number from 1, object) for each non-blank line of a JSONL file; a
+    line that is not JSON, or not a JSON object, is a ValueError naming the file and line."""
+    with open(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}, line {lineno}: not JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(d, dict):
+                raise ValueError(f"{path}, line {lineno}: a request must be a JSON object, got {type(d).__name__}")
+            yield lineno, d
 
 
 def _key_seed(key: str, seed: int) -> int:

@@ -65,7 +65,8 @@ def mean_rate(specs: list[RequestSpec]) -> float | None:
 
 
 def _scale_len(n: int, s: float) -> int:
-    return n if s == 1.0 else max(1, round(n * s))
+    # a scaled length keeps at least one token; an empty one (a fork branch with no suffix) stays empty
+    return n if s == 1.0 or n == 0 else max(1, round(n * s))
 
 
 def _cap(n: int, cap: int | None) -> int:
@@ -89,6 +90,10 @@ def apply_scaling(specs: list[RequestSpec], sc: Scaling) -> tuple[list[RequestSp
     t0 = (specs[0].arrival_s if specs else 0.0) + sc.start_s
     end = t0 + sc.duration_s if sc.duration_s is not None else float("inf")
     win = [s for s in specs if t0 <= s.arrival_s < end]
+    if specs and not win:  # a run of nothing reports nothing: the window is the user's to mend
+        raise ValueError(f"no request of the trace falls in the window (--start {sc.start_s:g} s"
+                         + (f", --duration {sc.duration_s:g} s" if sc.duration_s is not None else "")
+                         + f"; the trace spans {specs[-1].arrival_s - specs[0].arrival_s:g} s)")
     n_window = len(win)
     if sc.limit is not None:
         win = win[: sc.limit]

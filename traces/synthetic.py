@@ -65,7 +65,8 @@ class LengthDist:
             raise ValueError(f"bad length distribution {s!r}: a positive mean and a spread of 0 or more")
         return cls(kind, a, b)
 
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+    def sample(self, rng: np.random.Generator, n: int, least: int = 1) -> np.ndarray:
+        """`least`: as in `parse`; a draw below it (a normal's tail) is raised to it."""
         k, a, b = self.kind, self.a, self.b
         if k == "fixed":
             x = np.full(n, a)
@@ -78,7 +79,7 @@ class LengthDist:
             x = rng.lognormal(math.log(a) - b * b / 2, b, size=n)
         else:
             x = rng.exponential(a, size=n)
-        return np.maximum(1, np.rint(x)).astype(np.int64)
+        return np.maximum(least, np.rint(x)).astype(np.int64)
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.a:g}" + (f":{self.b:g}" if self.kind in ("uniform", "normal", "lognormal") else "")
@@ -106,29 +107,48 @@ class SyntheticConfig:
     join_output: str = ""  # tokens a join generates (default: as `output`)
     seed: int = 0
 
+    # the shortest length each distribution may draw: a fork branch may have no suffix of its
+    # own (the engine takes an empty one), every prompt and output has a token
+    LEAST = {"input": 1, "output": 1, "fork_suffix": 0, "fork_output": 1, "join_output": 1}
+
     def __post_init__(self):
+        # Each message names its option: numpy's own ('scale < 0', 'high <= 0') does not.
         if self.arrival not in ("poisson", "gamma", "constant"):
             raise ValueError(f"arrival must be poisson, gamma or constant, not {self.arrival!r}")
-        if not (self.rate > 0 and self.burstiness > 0 and math.isfinite(self.rate) and math.isfinite(self.burstiness)
-                and self.num >= 1 and self.turns >= 1):
-            raise ValueError("num, rate, burstiness and turns must be positive")
+        for k in ("rate", "burstiness"):
+            v = getattr(self, k)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{k} must be positive, got {v}")
+        # branches and fork_* are checked though no request may use them: a 0 there is a mistake
+        for k in ("num", "turns", "branches", "fork_stages", "fork_branches"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be at least 1, got {getattr(self, k)}")
+        for k in ("prefix_groups", "prefix_len", "seed"):
+            if getattr(self, k) < 0:
+                raise ValueError(f"{k} must be 0 or more, got {getattr(self, k)}")
+        # a NaN or infinite gap puts later turns outside every window of the run: they would vanish
+        if not (self.turn_gap_s >= 0 and math.isfinite(self.turn_gap_s)):
+            raise ValueError(f"turn_gap_s must be a finite number of seconds, 0 or more, got {self.turn_gap_s}")
         if self.prefix_groups and self.prefix_len < 1:
             raise ValueError("prefix_groups needs prefix_len >= 1")
-        LengthDist.parse(self.input, least=1)
-        LengthDist.parse(self.output, least=1)
-        for d, least in ((self.fork_suffix, 0), (self.fork_output, 1), (self.join_output, 1)):
+        for k, least in self.LEAST.items():
+            d = getattr(self, k)
             if d:
-                LengthDist.parse(d, least)
+                try:
+                    LengthDist.parse(d, least)
+                except ValueError as e:
+                    raise ValueError(f"{k}: {e}") from None
+            elif k not in ("fork_output", "join_output"):  # those two default to `output`
+                raise ValueError(f"{k} needs a length distribution")
         if not (0 <= self.branch_fraction <= 1 and 0 <= self.fork_fraction <= 1
                 and self.branch_fraction + self.fork_fraction <= 1):
             raise ValueError("branch_fraction and fork_fraction must lie in [0, 1], and so must their sum")
-        if self.fork_fraction and (self.fork_stages < 1 or self.fork_branches < 1):
-            raise ValueError("fork_stages and fork_branches must be at least 1")
 
     @classmethod
     def parse(cls, spec: str) -> "SyntheticConfig":
-        """'synthetic:key=value,...' (or just the part after the colon)."""
-        body = spec.split(":", 1)[1] if spec.startswith("synthetic") else spec
+        """'synthetic:key=value,...' (or just the part after the colon). A key given
+        twice is refused (which one was meant?), and so is a value of the wrong type."""
+        body = spec[len("synthetic:"):] if spec.startswith("synthetic:") else spec
         kw = {}
         types = {f.name: f.type for f in dataclasses.fields(cls)}
         for item in filter(None, body.split(",")):
@@ -138,8 +158,14 @@ class SyntheticConfig:
             k = k.strip()
             if k not in types:
                 raise ValueError(f"unknown synthetic option {k!r}; known: {', '.join(types)}")
+            if k in kw:
+                raise ValueError(f"synthetic option {k!r} is given twice")
             t = types[k]
-            kw[k] = int(v) if t in ("int", int) else float(v) if t in ("float", float) else v
+            try:
+                kw[k] = int(v) if t in ("int", int) else float(v) if t in ("float", float) else v
+            except ValueError:
+                want = "an integer" if t in ("int", int) else "a number"
+                raise ValueError(f"synthetic option {k} must be {want}, got {v!r}") from None
         return cls(**kw)
 
 
@@ -153,12 +179,12 @@ def _gaps(cfg: SyntheticConfig, rng: np.random.Generator, n: int, rate: float) -
 
 
 def _fork_stages(cfg: SyntheticConfig, rng: np.random.Generator, tag: str) -> tuple:
-    suffix_d = LengthDist.parse(cfg.fork_suffix)
+    suffix_d = LengthDist.parse(cfg.fork_suffix, cfg.LEAST["fork_suffix"])
     branch_d = LengthDist.parse(cfg.fork_output or cfg.output)
     join_d = LengthDist.parse(cfg.join_output or cfg.output)
     stages = []
     for j in range(cfg.fork_stages):
-        suf = suffix_d.sample(rng, cfg.fork_branches)
+        suf = suffix_d.sample(rng, cfg.fork_branches, least=cfg.LEAST["fork_suffix"])
         out = branch_d.sample(rng, cfg.fork_branches)
         stages.append(tuple((Segment(f"{tag}:s{j}:b{b}", int(suf[b])), int(out[b]))
                             for b in range(cfg.fork_branches)))

@@ -192,7 +192,20 @@ def is_builtin_name(name: str) -> bool:
 
 
 def builtin_names() -> list[str]:
-    return [f"{d}{'' if n == 1 else f'x{n}'}:{m}" for d in DEVICES for n in (1, 2, 4, 8) for m in MODELS]
+    """The built-in profiles whose model fits its devices (with the default
+    assumptions): `simulate --list-profiles` (a 70B model on one H100 would
+    only ever answer "does not fit")."""
+    a = RooflineAssumptions()
+    names = []
+    for d in DEVICES:
+        for n in (1, 2, 4, 8):
+            for m in MODELS:
+                try:
+                    kv_slots(DEVICES[d], n, MODELS[m], a)
+                except ValueError:
+                    continue
+                names.append(f"{d}{'' if n == 1 else f'x{n}'}:{m}")
+    return names
 
 
 def roofline_model(dev: Device, n: int, shape: ModelShape, a: RooflineAssumptions) -> RooflineLatencyModel:

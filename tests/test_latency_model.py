@@ -188,6 +188,10 @@ def test_roofline_names_and_fit_checks():
     assert prof["engine"]["kv_slots"] == kv_slots(DEVICES["a10"], 8, MODELS["llama2-70b"], RooflineAssumptions())
     assert prof["engine"]["max_context"] == 4096 and prof["source"] == "roofline"
     assert "h200x4:qwen3-8b" in builtin_names()
+    # the list (`simulate --list-profiles`) names only profiles that fit: each builds
+    assert "l4:llama3-70b" not in builtin_names() and "a10x8:llama2-70b" in builtin_names()
+    for name in builtin_names():
+        assert roofline_profile(name)["engine"]["kv_slots"] > 0
 
 
 def test_load_profile_file_and_errors(tmp_path):

@@ -333,6 +333,9 @@ def load_tokenizer(path: str):
     that starts an engine or a server front end)."""
     from transformers import AutoTokenizer
 
+    if not os.path.isdir(path):  # (nothing is downloaded: Hugging Face's message would be about repo ids)
+        raise ValueError(f"tokenizer: {path!r} is not a directory (stepserve loads tokenizers from local "
+                         "directories)")
     config = _plain_model_config(path)
     if config is None:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)

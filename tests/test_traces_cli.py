@@ -122,6 +122,7 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     (["generate", "--kv-slots", "10000000000000", "hello"], "kv_slots must be at most"),
     (["generate", "--kv-memory-gb", "inf", "hello"], "kv_memory_gb must be a positive finite number"),
     (["generate", "--device", "foo", "hello"], "device must be auto, cpu or cuda"),
+    (["generate", "--tokenizer", "/nonexistent", "hello"], "'/nonexistent' is not a directory"),
     (["bench", "offline", "--input-len-min", "100", "--input-len-max", "10"], "--input-len-min (100) is above"),
     (["replay", "--compare", "tests/fake_flashinfer.py"], ""),  # not JSON
     (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--start", "100000"],

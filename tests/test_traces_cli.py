@@ -125,6 +125,8 @@ def test_write_report_creates_folders(tmp_path, monkeypatch, name):
     (["generate", "--tokenizer", "/nonexistent", "hello"], "'/nonexistent' is not a directory"),
     (["bench", "offline", "--input-len-min", "100", "--input-len-max", "10"], "--input-len-min (100) is above"),
     (["replay", "--compare", "tests/fake_flashinfer.py"], ""),  # not JSON
+    (["validate", "--trace", TRACE, "--replays", "pyproject.toml", "--profile", "h100:llama3-8b", "--rates", "1,2",
+      "--slo-ttft", "0.1", "--slo-tpot", "0.01"], "--replays pyproject.toml: a file, not a folder"),
     (["simulate", "--trace", TRACE, "--profile", "h100:llama3-8b", "--start", "100000"],
      "no request of the trace falls in the window"),
     (["replay", "--compare", "pyproject.toml", "--trace", TRACE], "--trace does not apply"),

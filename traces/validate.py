@@ -595,6 +595,8 @@ class ReplayStore:
         self.folder, self.trace = folder, trace
         self.n_rates, self.repeats = n_rates, repeats
         if folder:
+            if os.path.exists(folder) and not os.path.isdir(folder):
+                raise ValueError(f"--replays {folder}: a file, not a folder (it keeps one report per real run)")
             os.makedirs(folder, exist_ok=True)
 
     def path(self, i: int, rep: int) -> str:

@@ -14,13 +14,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.latency_model import SincePrompt
 from stepserve.scheduler.plan import ScheduledRow, StepPlan
 from stepserve.scheduler.policy import EngineView, StepPolicy
 from stepserve.scheduler.sequence import Seq, SeqStatus
+
+if TYPE_CHECKING:  # (annotations only, as in plan.py)
+    import torch
 
 
 @dataclass
@@ -125,23 +128,31 @@ class Scheduler:
         """A step that failed after its slots were allocated (`_commit`) and
         before `advance` counted them (an exception in the forward pass or a
         logits processor, a KeyboardInterrupt): its slots go back to the
-        allocator, so that aborting its sequences leaks none. A step already
-        advanced owns its slots through its sequences: nothing to do."""
+        allocator, so that aborting its sequences leaks none -- but a row
+        whose sequence ended meanwhile (overlap schedule: `_end` dropped its
+        launched row), whose slots are free already. A step already advanced
+        owns its slots through its sequences: nothing to do."""
         if plan.advanced or plan.slots is None:
             return
         plan.advanced = True  # once
-        self.kv.allocator.free(plan.slots)
+        for i, r in enumerate(plan.rows):
+            if r.seq.status is not SeqStatus.FINISHED:  # (one that ended meanwhile had them freed by `_end`)
+                self.kv.allocator.free(self._row_slots(plan, i))
 
     def _drop_launched(self, seq: Seq) -> None:
         """Frees the slots of `seq`'s row in the launched step (overlap
         schedule: it ended while that step ran, before `advance` counted
         them); `advance` then skips the row and `resolve` its token."""
         plan = self.launched
-        nd = plan.num_decode
         for i, r in enumerate(plan.rows):
             if r.seq is seq:
-                self.kv.allocator.free(plan.slots[i : i + 1] if i < nd else r.slots[: r.num_new])
+                self.kv.allocator.free(self._row_slots(plan, i))
                 return
+
+    @staticmethod
+    def _row_slots(plan: StepPlan, i: int) -> torch.Tensor:
+        """The slots `_commit` gave row i of `plan` for its new tokens."""
+        return plan.slots[i : i + 1] if i < plan.num_decode else plan.rows[i].slots[: plan.rows[i].num_new]
 
     # -- planning ------------------------------------------------------------
     def schedule(self) -> StepPlan:

@@ -249,6 +249,34 @@ def test_a_step_that_raises_leaves_no_request_and_no_slot_behind(llama_ckpt, ove
     assert_idle(llm.engine)
 
 
+def test_a_step_that_raises_after_a_row_ended_frees_the_rest_once(llama_ckpt):
+    """The overlap schedule: a row whose token in flight a stop token ends
+    has its next row's slots freed as the step before finishes; a processor
+    that then raises in the same iteration unwinds the step's other rows
+    only (freeing every row's slots freed that one twice: the check after
+    the step finds a slot in the free list twice). The other request stops
+    at each of its first greedy tokens in turn, so that one of them ends in
+    the iteration of the raise."""
+    llm = LLM(llama_ckpt, check_invariants=True, overlap_schedule="on")
+    other = ids(llm, "And God said")
+    greedy = llm.generate([other], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
+    for stop in greedy.token_ids[:6]:
+        def factory():
+            calls = []
+
+            def proc(output_ids, logits):
+                calls.append(1)
+                if len(calls) == 4:
+                    raise RuntimeError("from a logits processor")
+            return proc
+
+        with pytest.raises(RuntimeError, match="from a logits processor"):
+            llm.generate([ids(llm, "In the beginning"), other],
+                         [SamplingParams(max_tokens=12, ignore_eos=True, logits_processor_factory=factory),
+                          SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop])])
+        assert_idle(llm.engine)
+
+
 @pytest.mark.parametrize("kw,says", [
     (dict(cpu_threads=100000), "cpu_threads must be at most"),  # torch's set_num_threads crashed (SIGSEGV)
     (dict(cpu_threads=1.5), "cpu_threads must be a positive integer"),

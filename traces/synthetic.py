@@ -42,10 +42,12 @@ class LengthDist:
     kind: str  # fixed | uniform | normal | lognormal | exponential
     a: float
     b: float = 0.0
+    least: int = 1  # the shortest length it draws (a draw below, a normal's tail, is raised to it)
 
     @classmethod
-    def parse(cls, s: str, least: int = 0) -> "LengthDist":
-        """`least`: the shortest length that makes sense (1 for an output)."""
+    def parse(cls, s: str, least: int = 1) -> "LengthDist":
+        """`least`: the shortest length that makes sense (1 for a prompt or an
+        output, 0 for a fork branch's suffix)."""
         parts = s.split(":")
         kind = parts[0]
         want = {"fixed": 1, "uniform": 2, "normal": 2, "lognormal": 2, "exponential": 1}
@@ -63,10 +65,9 @@ class LengthDist:
                              + (", LO <= HI" if kind == "uniform" else ""))
         if kind in ("normal", "lognormal") and b < 0 or kind in ("lognormal", "exponential") and a <= 0:
             raise ValueError(f"bad length distribution {s!r}: a positive mean and a spread of 0 or more")
-        return cls(kind, a, b)
+        return cls(kind, a, b, least)
 
-    def sample(self, rng: np.random.Generator, n: int, least: int = 1) -> np.ndarray:
-        """`least`: as in `parse`; a draw below it (a normal's tail) is raised to it."""
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         k, a, b = self.kind, self.a, self.b
         if k == "fixed":
             x = np.full(n, a)
@@ -79,7 +80,7 @@ class LengthDist:
             x = rng.lognormal(math.log(a) - b * b / 2, b, size=n)
         else:
             x = rng.exponential(a, size=n)
-        return np.maximum(least, np.rint(x)).astype(np.int64)
+        return np.maximum(self.least, np.rint(x)).astype(np.int64)
 
     def __str__(self) -> str:
         return f"{self.kind}:{self.a:g}" + (f":{self.b:g}" if self.kind in ("uniform", "normal", "lognormal") else "")
@@ -131,11 +132,10 @@ class SyntheticConfig:
             raise ValueError(f"turn_gap_s must be a finite number of seconds, 0 or more, got {self.turn_gap_s}")
         if self.prefix_groups and self.prefix_len < 1:
             raise ValueError("prefix_groups needs prefix_len >= 1")
-        for k, least in self.LEAST.items():
-            d = getattr(self, k)
-            if d:
+        for k in self.LEAST:
+            if getattr(self, k):
                 try:
-                    LengthDist.parse(d, least)
+                    self.dist(k)
                 except ValueError as e:
                     raise ValueError(f"{k}: {e}") from None
             elif k not in ("fork_output", "join_output"):  # those two default to `output`
@@ -143,6 +143,11 @@ class SyntheticConfig:
         if not (0 <= self.branch_fraction <= 1 and 0 <= self.fork_fraction <= 1
                 and self.branch_fraction + self.fork_fraction <= 1):
             raise ValueError("branch_fraction and fork_fraction must lie in [0, 1], and so must their sum")
+
+    def dist(self, key: str) -> LengthDist:
+        """The length distribution option `key` names (fork_output and
+        join_output: `output`'s where not given), with its shortest length."""
+        return LengthDist.parse(getattr(self, key) or self.output, self.LEAST[key])
 
     @classmethod
     def parse(cls, spec: str) -> "SyntheticConfig":
@@ -179,12 +184,10 @@ def _gaps(cfg: SyntheticConfig, rng: np.random.Generator, n: int, rate: float) -
 
 
 def _fork_stages(cfg: SyntheticConfig, rng: np.random.Generator, tag: str) -> tuple:
-    suffix_d = LengthDist.parse(cfg.fork_suffix, cfg.LEAST["fork_suffix"])
-    branch_d = LengthDist.parse(cfg.fork_output or cfg.output)
-    join_d = LengthDist.parse(cfg.join_output or cfg.output)
+    suffix_d, branch_d, join_d = cfg.dist("fork_suffix"), cfg.dist("fork_output"), cfg.dist("join_output")
     stages = []
     for j in range(cfg.fork_stages):
-        suf = suffix_d.sample(rng, cfg.fork_branches, least=cfg.LEAST["fork_suffix"])
+        suf = suffix_d.sample(rng, cfg.fork_branches)
         out = branch_d.sample(rng, cfg.fork_branches)
         stages.append(tuple((Segment(f"{tag}:s{j}:b{b}", int(suf[b])), int(out[b]))
                             for b in range(cfg.fork_branches)))
@@ -195,7 +198,7 @@ def _fork_stages(cfg: SyntheticConfig, rng: np.random.Generator, tag: str) -> tu
 def generate(cfg: SyntheticConfig) -> list[RequestSpec]:
     rng = np.random.default_rng(cfg.seed)
     tag = f"syn{cfg.seed}"
-    in_d, out_d = LengthDist.parse(cfg.input), LengthDist.parse(cfg.output)
+    in_d, out_d = cfg.dist("input"), cfg.dist("output")
     n_conv = math.ceil(cfg.num / cfg.turns)
     # conversations start at rate/turns so that all turns together arrive at ~rate
     starts = np.cumsum(_gaps(cfg, rng, n_conv, cfg.rate / cfg.turns))

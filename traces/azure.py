@@ -13,7 +13,7 @@ import csv
 import os
 from datetime import datetime
 
-from stepserve.traces.request_spec import RequestSpec, Segment, count_field
+from stepserve.traces.request_spec import RequestSpec, Segment, count_field, record_at
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -35,7 +35,7 @@ def load_azure(path: str) -> list[RequestSpec]:
         if missing:
             raise ValueError(f"{path}: not an Azure 2023 trace (missing columns {sorted(missing)})")
         for i, row in enumerate(reader):
-            try:
+            with record_at(path, reader.line_num):
                 # DictReader files a long row's extra cells under None, a short row's absent ones as None
                 if None in row:
                     raise ValueError(f"the row has more fields than the header's {len(reader.fieldnames)}")
@@ -46,8 +46,6 @@ def load_azure(path: str) -> list[RequestSpec]:
                 ts = _parse_ts(row["TIMESTAMP"])
                 plen = count_field(row["ContextTokens"], "ContextTokens")
                 olen = count_field(row["GeneratedTokens"], "GeneratedTokens")
-            except ValueError as e:
-                raise ValueError(f"{path}, line {reader.line_num}: {e}") from None
             if t0 is None:
                 t0 = ts
             specs.append(RequestSpec(

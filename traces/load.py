@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 
 from stepserve.traces.report import output_path
-from stepserve.traces.request_spec import RequestSpec, json_lines
+from stepserve.traces.request_spec import RequestSpec, json_lines, record_at
 
 
 @dataclass
@@ -73,10 +73,8 @@ def _load(source: str) -> Trace:
 def _load_stepserve(path: str) -> list[RequestSpec]:
     specs = []
     for lineno, d in json_lines(path):
-        try:
+        with record_at(path, lineno):
             specs.append(RequestSpec.from_json(d))
-        except ValueError as e:
-            raise ValueError(f"{path}, line {lineno}: {e}") from None
     return specs
 
 

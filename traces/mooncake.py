@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from stepserve.traces.request_spec import RequestSpec, Segment, count_field, json_lines, require, time_field
+from stepserve.traces.request_spec import RequestSpec, Segment, count_field, json_lines, record_at, require, time_field
 
 BLOCK_TOKENS = 512
 
@@ -43,15 +43,13 @@ def load_mooncake(path: str, block_tokens: int = BLOCK_TOKENS) -> list[RequestSp
     specs = []
     for lineno, d in json_lines(path):
         i = lineno - 1  # ids count every line, as they always have
-        try:
+        with record_at(path, lineno):
             require(d, "timestamp", "input_length", "output_length")
             hash_ids = _hash_ids(d.get("hash_ids", []))
             input_length = count_field(d["input_length"], "input_length")
             # A zero-length prompt or output cannot be served; 1 is the nearest request that can.
             output_len = max(1, count_field(d["output_length"], "output_length"))
             arrival_s = time_field(d["timestamp"], "timestamp") / 1000.0
-        except ValueError as e:
-            raise ValueError(f"{path}, line {lineno}: {e}") from None
         segs = _segments(hash_ids, input_length, block_tokens, f"{name}:{i}")
         specs.append(RequestSpec(
             request_id=f"{name}-{i}",

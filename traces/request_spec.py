@@ -16,6 +16,7 @@ import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -173,6 +174,16 @@ def time_field(v, name: str) -> float:
     return x
 
 
+@contextmanager
+def record_at(path: str, line: int) -> Iterator[None]:
+    """A ValueError raised inside, about one record of a trace file, comes out
+    naming the file and the line: '<path>, line N: <message>'."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{path}, line {line}: {e}") from None
+
+
 def json_lines(path: str) -> Iterator[tuple[int, dict]]:
     """(line number from 1, object) for each non-blank line of a JSONL file; a
     line that is not JSON, or not a JSON object, is a ValueError naming the file and line."""
@@ -180,12 +191,13 @@ def json_lines(path: str) -> Iterator[tuple[int, dict]]:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                d = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}, line {lineno}: not JSON ({e.msg}, column {e.colno})") from None
-            if not isinstance(d, dict):
-                raise ValueError(f"{path}, line {lineno}: a request must be a JSON object, got {type(d).__name__}")
+            with record_at(path, lineno):
+                try:
+                    d = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"not JSON ({e.msg}, column {e.colno})") from None
+                if not isinstance(d, dict):
+                    raise ValueError(f"a request must be a JSON object, got {type(d).__name__}")
             yield lineno, d
 
 

@@ -646,7 +646,7 @@ def gumbel_argmax(s: Tensor, seeds: Tensor, counters: Tensor, stream: int = STRE
     if s.is_cuda:
         from . import triton_sampling
 
-        if triton_sampling.available(s):
+        if triton_sampling.available(s):  # (before the row hashes: torch ops the fallback would not use)
             got = triton_sampling.gumbel_argmax(s, _row_hash(seeds, counters, stream))
             if got is not None:
                 return got

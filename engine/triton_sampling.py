@@ -28,6 +28,7 @@ tensors, which is how the tests check it without a GPU.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -42,6 +43,7 @@ NUM_WARPS = 8
 ENABLED = True  # False: the torch ops serve (`tools/bench_gpu.py --sampler-kernels on,off` compares them)
 _kernel = None  # the jitted kernel, once built
 _failed = False  # a build or launch failed: the torch ops serve from then on
+_importable: bool | None = None  # whether Triton is installed (None: not asked yet)
 
 
 def _build():
@@ -53,13 +55,12 @@ def _build():
 def available(t: Tensor) -> bool:
     """Whether the kernel may serve `t`: a CUDA tensor (any tensor under the
     interpreter), Triton importable, and no earlier failure."""
+    global _importable
     if not ENABLED or _failed or not (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    if _importable is None:  # once: a failed import searches the path again each time (every sampled step)
+        _importable = importlib.util.find_spec("triton") is not None
+    return _importable
 
 
 def gumbel_argmax(s: Tensor, h_row: Tensor, chunk: int = CHUNK) -> Tensor | None:

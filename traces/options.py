@@ -10,14 +10,6 @@ from stepserve.traces.metrics import SLO
 from stepserve.traces.scaling import Scaling
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {v}")
-    return v
-
-
 def positive_float(text: str) -> float:
     """argparse type: a finite number above 0 (a time, a rate, a scale)."""
     v = float(text)
@@ -43,6 +35,10 @@ def int_at_least(least: int):
         return v
     parse.__name__ = f"integer of at least {least}"
     return parse
+
+
+positive_int = int_at_least(1)  # argparse type: an integer of at least 1
+positive_int.__name__ = "positive_int"  # (argparse's "invalid positive_int value" as before)
 
 
 def open_fraction(text: str) -> float:

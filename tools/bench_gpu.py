@@ -109,12 +109,6 @@ def engine(args, **kw):
                                kv_memory_gb=args.kv_memory_gb, max_batched_tokens=args.max_batched_tokens, **kw))
 
 
-def free(eng) -> None:
-    del eng
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 class HostTimes:
     """Host seconds spent in wrapped callables, a list per name."""
 
@@ -221,7 +215,6 @@ def decode_point(args, batch: int, eager: bool, bandwidth: float, overlap: str =
            **{k.replace("_s", "_ms_median"): v for k, v in parts.items()}, **breakdown}
     for r in list(eng.requests):
         eng.abort_request(r)
-    free(eng)
     return out
 
 
@@ -243,7 +236,6 @@ def prefill_point(args) -> dict:
         res.append(time.perf_counter() - t0)
         eng.scheduler.kv.tree.evict(eng.scheduler.kv.tree.evictable_size())
     n = args.prefill_prompts * args.context
-    free(eng)
     return {"prompts": args.prefill_prompts, "context": args.context, "max_batched_tokens": args.max_batched_tokens,
             "seconds": res[-1], "tok_per_s": n / res[-1]}
 
@@ -342,7 +334,6 @@ def entry_point(args, mixed: str = "auto") -> dict:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     for r in busy:
         eng.abort_request(r.request_id)
-    free(eng)
     return out
 
 

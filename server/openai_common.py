@@ -16,9 +16,15 @@ from stepserve.server.protocol import HARMLESS_VALUES, UNSUPPORTED_FIELDS, Const
 def refuse_unsupported(req: _SamplingFields, route: str) -> None:
     """A 400 naming the first field of `req` that stepserve does not implement
     and that would change the result (`UNSUPPORTED_FIELDS`)."""
-    table = UNSUPPORTED_FIELDS[route]
-    for name, value in (req.model_extra or {}).items():
-        if name in table and value is not None and value not in HARMLESS_VALUES.get(name, ()):
+    refuse_fields(req.model_extra, UNSUPPORTED_FIELDS[route], HARMLESS_VALUES)
+
+
+def refuse_fields(extra: dict | None, table: dict[str, str], harmless: dict[str, tuple]) -> None:
+    """A 400 naming the first of a request's unknown fields (`extra`) that
+    `table` lists (what it would need), unless its value is one of
+    `harmless`'s for it (what its absence means)."""
+    for name, value in (extra or {}).items():
+        if name in table and value is not None and value not in harmless.get(name, ()):
             raise bad_request(f"'{name}' is not supported by this server ({table[name]} is not implemented)", name)
 
 

@@ -30,6 +30,7 @@ from starlette.requests import Request
 
 from stepserve.server.errors import APIError, SafeJSONResponse, bad_request, describe_errors
 from stepserve.server.openai_chat import ChoiceTools, prepare_chat
+from stepserve.server.openai_common import refuse_fields
 from stepserve.server.protocol import (INT64_MAX, INT64_MIN, MAX_INT, UNSUPPORTED_FIELDS, ChatCompletionRequest,
                                        JsonObject, Seconds, Text, _Model, _SamplingFields)
 from stepserve.server.serving import EngineClient
@@ -247,10 +248,7 @@ def _item_id(prefix: str) -> str:
 
 
 async def create_response(req: ResponsesRequest, request: Request, client: EngineClient, store: ResponseStore):
-    for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED and value is not None and value not in HARMLESS.get(name, ()):
-            raise bad_request(f"'{name}' is not supported by this server ({UNSUPPORTED[name]} is not implemented)",
-                              name)
+    refuse_fields(req.model_extra, UNSUPPORTED, HARMLESS)
     if req.truncation != "disabled":
         raise bad_request("truncation 'auto' is not supported", "truncation")
     if req.background and not req.store:

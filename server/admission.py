@@ -22,11 +22,11 @@ class Admission:
             raise APIError(400, f"This request needs {k} engine requests at once; the server admits at most "
                                 f"{self.limit} (--max-running plus --max-queued-requests)", param=param)
 
-    def acquire(self, k: int = 1, param: str = "prompt") -> "Ticket":
+    def acquire(self, k: int = 1) -> "Ticket":
         """Takes k slots now or raises 429 (503 while shutting down; 400 where
         k could never fit, `check_fits`). Runs on the event loop thread, so the
         check-and-add needs no lock."""
-        self.check_fits(k, param)
+        self.check_fits(k)  # (k: the request's prompts)
         if self.draining:
             raise APIError(503, "The server is shutting down", "server_error", code="server_shutting_down",
                            headers={"Retry-After": str(self.retry_after_s)})

@@ -59,8 +59,12 @@ class ReplayConfig:
     flush_cache: bool = False  # empty the server's prefix cache before the run (after the warm-up)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def server_info(url: str, api_key: str | None = None, timeout: float = 30.0) -> ServerInfo:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     r = httpx.get(url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout)
     r.raise_for_status()
     card = r.json()["data"][0]
@@ -71,7 +75,7 @@ def served_engine(url: str, api_key: str | None = None, timeout: float = 30.0) -
     """The server's `GET /get_server_info` (SGLang's route, which stepserve
     serves too): its engine's sizing and schedule; None where the server has
     no such route (vLLM)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     r = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=timeout)
     if r.status_code in (404, 405):
         return None
@@ -125,7 +129,7 @@ class Replayer:
         self.builder = PromptBuilder(cfg.vocab_size or info.vocab_size or DEFAULT_VOCAB, cfg.seed)
         self.url = cfg.url.rstrip("/") + "/v1/completions"
         self.native_url = cfg.url.rstrip("/") + "/generate"  # fork/join requests (`stages`)
-        self.headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        self.headers = auth_headers(cfg.api_key)
         self._session = None
         self.flushed: dict | None = None  # the server's answer to the cache flush, when one was asked for
 

@@ -218,6 +218,19 @@ def test_validation_errors_leave_engine_serving(llm):
     assert_idle(eng)
 
 
+def raising_on_call(n: int, error: type[BaseException]):
+    """A logits processor factory whose processor raises `error` on its n-th call."""
+    def factory():
+        calls = []
+
+        def proc(output_ids, logits):
+            calls.append(1)
+            if len(calls) == n:
+                raise error("from a logits processor")
+        return proc
+    return factory
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 def test_a_step_that_raises_leaves_no_request_and_no_slot_behind(llama_ckpt, overlap, error):
@@ -227,18 +240,8 @@ def test_a_step_that_raises_leaves_no_request_and_no_slot_behind(llama_ckpt, ove
     step's slots go back (the invariant check after every step would find a
     leak), and the next call is served."""
     llm = LLM(llama_ckpt, check_invariants=True, overlap_schedule=overlap)
-
-    def factory():
-        calls = []
-
-        def proc(output_ids, logits):
-            calls.append(1)
-            if len(calls) == 4:
-                raise error("from a logits processor")
-        return proc
-
     prompts = [ids(llm, "In the beginning"), ids(llm, "And God said"), ids(llm, "Let there be")]
-    params = [SamplingParams(max_tokens=12, ignore_eos=True, logits_processor_factory=factory),
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logits_processor_factory=raising_on_call(4, error)),
               SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=40, ignore_eos=True)]
     with pytest.raises(error, match="from a logits processor"):
         llm.generate(prompts, params)
@@ -261,18 +264,10 @@ def test_a_step_that_raises_after_a_row_ended_frees_the_rest_once(llama_ckpt):
     other = ids(llm, "And God said")
     greedy = llm.generate([other], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))[0].outputs[0]
     for stop in greedy.token_ids[:6]:
-        def factory():
-            calls = []
-
-            def proc(output_ids, logits):
-                calls.append(1)
-                if len(calls) == 4:
-                    raise RuntimeError("from a logits processor")
-            return proc
-
         with pytest.raises(RuntimeError, match="from a logits processor"):
             llm.generate([ids(llm, "In the beginning"), other],
-                         [SamplingParams(max_tokens=12, ignore_eos=True, logits_processor_factory=factory),
+                         [SamplingParams(max_tokens=12, ignore_eos=True,
+                                         logits_processor_factory=raising_on_call(4, RuntimeError)),
                           SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop])])
         assert_idle(llm.engine)
 

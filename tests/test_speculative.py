@@ -1872,7 +1872,9 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
     with nothing remembered makes: priced per row, pooled, and with E[k]
     from a replayed history (random agreeing prefixes here, replayed every
     step). Each verification counts here (`decide_every=1`; by default a
-    drafting batch's records count in epochs of 4, tested below)."""
+    drafting batch's records count in epochs of 4, tested below). A
+    choice of plain decoding kept for the same rows (`_Steady`) is checked
+    the same way."""
     import copy
 
     rng = np.random.default_rng(7 if per_row == "replayed" else per_row)
@@ -1898,7 +1900,7 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
         plan = StepPlan(rows=[ScheduledRow(s, s.num_tokens - 1, 1, True) for s in seqs])
         current = {id(s) for s in seqs if s.spec_last == pol.steps}  # drafted last step: no catch-up
         fresh, fresh_plan = copy.deepcopy((pol, plan))
-        fresh._memo = []
+        fresh._memo, fresh._steady = [], None
         plan = pol.plan(plan, view)
         fresh.plan(fresh_plan, view)
         assert [r.draft_len for r in plan.rows] == [r.draft_len for r in fresh_plan.rows], i
@@ -1922,8 +1924,70 @@ def test_a_remembered_choice_is_the_choice_made_afresh(per_row):
             r.seq.token_ids.extend([0] * (1 + r.num_accepted))
     assert compared == 1500 and 0 < drafted < 1500
     assert pol.costs.switch  # a price of starting to draft was measured, and priced in
+    if per_row != "replayed":  # (a replayed history drafts on nearly every step here)
+        assert pol.steady_steps > 100  # steps that kept plain decoding through `_Steady`, checked as the rest
     if per_row == "replayed":
         assert pol.replayed.ready and pol.replayed.version > 10
+
+
+def test_a_kept_plain_choice_yields_to_what_moves_it():
+    """A choice of plain decoding kept for the same rows (`_Steady`) is made
+    afresh as soon as what it was priced from moves: new prices that make
+    drafting win (a pair's, a probe's), new acceptance, or more tokens left
+    to the rows (a fork/join stage that goes on). Until then it holds, step
+    after step."""
+    def drive(pol, seqs, steps):
+        ks = []
+        for _ in range(steps):
+            plan = pol.plan(StepPlan(rows=[ScheduledRow(s, s.num_tokens - 1, 1, True) for s in seqs]), view)
+            ks.append(max(r.draft_len for r in plan.rows))
+            for r in plan.rows:
+                r.num_accepted = r.draft_len
+                if r.draft_len:
+                    r.draft = [0] * r.draft_len
+            wall = 1e-3 * (1 + 0.3 * ks[-1])
+            pol.observe(plan, StepRecord(pol.steps, len(seqs), plan.num_decode, 100 * len(seqs),
+                                         plan.num_new_tokens, wall, wall, 0.0))
+            for r in plan.rows:
+                r.seq.token_ids.extend([0] * (1 + r.num_accepted))
+        return ks
+
+    view = EngineView(0.0, 4, 0, 10_000, 10_000, 4096, 2048)
+    bucket = row_bucket(2)
+    for moved in ("prices", "acceptance", "tokens left"):
+        pol = SpecLengthPolicy("adaptive:kmax=4,per_row=0", explore_every=1000)
+        # (tokens left: drafting is cheap once started, but starting costs 30 steps, which 40 tokens left
+        # to a row do not pay off, and 440 do)
+        for k in range(1, 5):
+            for _ in range(TRUSTED):
+                pol.costs.add(bucket, k, 1.0 + k * (0.02 if moved == "tokens left" else 1.0))
+        if moved == "tokens left":
+            for _ in range(3):
+                pol.costs.add_switch(bucket, 31.0)
+        if moved == "acceptance":
+            pol.acceptance.update([4] * 40, [0] * 40)  # nothing accepted yet
+        pol._started.add(bucket)
+        seqs = [_spec_seq(speculative=True, num_output=1, remaining_tokens=40 if moved == "tokens left" else 400,
+                          num_tokens=101) for _ in range(2)]
+        assert drive(pol, seqs, 20) == [0] * 20
+        kept = pol.steady_steps
+        assert kept >= 18  # (with 40 tokens left, one step chose afresh when they fell to 31: R 32 -> 16)
+        if moved == "prices":
+            for k in range(1, 5):
+                for _ in range(2 * TRUSTED):
+                    pol.costs.add(bucket, k, 1.0 + 0.02 * k)
+        elif moved == "acceptance":
+            pol.acceptance.update([4] * 200, [4] * 200)
+            pol._records += 1  # (as `observe` counts a verification)
+            pol.costs.add(bucket, 1, 1.0)  # and drafting is cheap
+            for k in range(1, 5):
+                for _ in range(2 * TRUSTED):
+                    pol.costs.add(bucket, k, 1.0 + 0.02 * k)
+        else:
+            for s in seqs:
+                s.max_tokens += 400  # the next stage's tokens
+        assert drive(pol, seqs, 1)[0] > 0, moved
+        assert pol.steady_steps == kept
 
 
 def _drive_requests(pol, cost, alpha: float, steps: int, seed: int = 0, left: int = 64, spikes: float = 0.2,

@@ -769,10 +769,12 @@ class _Steady:
         seqs = self.seqs
         if len(rows) != len(seqs) or versions != self.versions:
             return False
+        left = 0
         for r, s in zip(rows, seqs):
             if r.seq is not s:
                 return False
-        return _tokens_left(seqs) == self.left
+            left += s.remaining_tokens
+        return _per_row_left(left, len(seqs)) == self.left
 
 
 def _tokens_left(seqs) -> int:

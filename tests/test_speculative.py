@@ -1958,9 +1958,11 @@ def test_a_kept_plain_choice_yields_to_what_moves_it():
         pol = SpecLengthPolicy("adaptive:kmax=4,per_row=0", explore_every=1000)
         # (tokens left: drafting is cheap once started, but starting costs 30 steps, which 40 tokens left
         # to a row do not pay off, and 440 do)
+        # (acceptance: drafting costs little, but nothing has been accepted yet)
+        per_draft = {"prices": 1.0, "acceptance": 0.1, "tokens left": 0.02}[moved]
         for k in range(1, 5):
             for _ in range(TRUSTED):
-                pol.costs.add(bucket, k, 1.0 + k * (0.02 if moved == "tokens left" else 1.0))
+                pol.costs.add(bucket, k, 1.0 + k * per_draft)
         if moved == "tokens left":
             for _ in range(3):
                 pol.costs.add_switch(bucket, 31.0)
@@ -1979,10 +1981,6 @@ def test_a_kept_plain_choice_yields_to_what_moves_it():
         elif moved == "acceptance":
             pol.acceptance.update([4] * 200, [4] * 200)
             pol._records += 1  # (as `observe` counts a verification)
-            pol.costs.add(bucket, 1, 1.0)  # and drafting is cheap
-            for k in range(1, 5):
-                for _ in range(2 * TRUSTED):
-                    pol.costs.add(bucket, k, 1.0 + 0.02 * k)
         else:
             for s in seqs:
                 s.max_tokens += 400  # the next stage's tokens

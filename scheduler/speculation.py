@@ -754,35 +754,22 @@ class _Steady:
     (`SpecLengthPolicy._versions`) and the same R of the price of starting
     to draft (`_switch_price`: tokens left per row, rounded down to a power
     of two). Such a step's choice, made afresh, is the remembered one
-    (`_decision_key`, `_recall`) twice over; this asks for it with one pass
-    over the rows instead of building both keys. (At batch 1 on a 2-core
-    AVX2 EPYC the policy's plan took 21 us of a 0.58 ms plain step.)"""
+    (`_decision_key`, `_recall`) twice over; this asks for it with one list
+    comparison, on the sequences and tokens left that `plan` gathers in its
+    pass over the rows. (At batch 1 on a 2-core AVX2 EPYC the policy's plan
+    took 21 us of a 0.58 ms plain step; a loop of its own over the rows,
+    reading `Seq.remaining_tokens`, took 25 us of the plan's 57 at batch 16.)"""
 
     __slots__ = ("seqs", "versions", "left")
 
-    def __init__(self, rows, versions: tuple):
-        self.seqs = [r.seq for r in rows]
+    def __init__(self, seqs: list, left: int, versions: tuple):
+        self.seqs = seqs  # (the step's own list, which nothing changes after)
         self.versions = versions
-        self.left = _tokens_left(self.seqs)
+        self.left = _per_row_left(left, len(seqs))
 
-    def holds(self, rows, versions: tuple) -> bool:
-        seqs = self.seqs
-        if len(rows) != len(seqs) or versions != self.versions:
-            return False
-        left = 0
-        for r, s in zip(rows, seqs):
-            if r.seq is not s:
-                return False
-            left += s.remaining_tokens
-        return _per_row_left(left, len(seqs)) == self.left
-
-
-def _tokens_left(seqs) -> int:
-    """R of `SpecLengthPolicy._switch_price` for these rows (`_per_row_left`)."""
-    left = 0
-    for seq in seqs:
-        left += seq.remaining_tokens
-    return _per_row_left(left, len(seqs))
+    def holds(self, seqs: list, left: int, versions: tuple) -> bool:
+        # (`Seq` compares by identity: the list comparison is a pass in C)
+        return versions == self.versions and seqs == self.seqs and _per_row_left(left, len(seqs)) == self.left
 
 
 def _per_row_left(left: int, n: int) -> int:
@@ -1056,14 +1043,18 @@ class SpecLengthPolicy:
     def plan(self, plan: StepPlan, view: EngineView) -> StepPlan:
         if self.spec.mode == "none":
             return plan
-        rows = []
+        rows, seqs, left = [], [], 0
         for r in plan.rows:  # decoding rows with an output token and room for a draft (the `Seq` properties
-            # inlined: every step, over every row; at batch 64 they took 21 us of 28)
+            # inlined: every step, over every row; at batch 64 they took 21 us of 28), their sequences
+            # and the tokens left to them (`_Steady`)
             seq = r.seq
             if r.num_new == 1 and r.sample and seq.speculative and not seq.fork_children:
                 out = len(seq.token_ids) - seq.prompt_len
-                if out > 0 and seq.max_tokens - out >= 2:
+                more = seq.max_tokens - out
+                if out > 0 and more >= 2:
                     rows.append(r)
+                    seqs.append(seq)
+                    left += more
         self.steps += 1
         self._last_alike = self._asked[2]
         self._asked = (0, [], None)
@@ -1078,7 +1069,7 @@ class SpecLengthPolicy:
         else:
             if self.replay is not None and self.steps % self.replay_every == 0:
                 self._replay_rows = rows  # replayed after the step (`observe`), outside the step's time
-            k, caps = self._choose(plan, rows, view)
+            k, caps = self._choose(plan, rows, view, seqs, left)
         self.last_k = k
         self._last_rows = (len(rows), len(plan.rows))
         self.k_hist[k] = self.k_hist.get(k, 0) + 1
@@ -1121,14 +1112,20 @@ class SpecLengthPolicy:
             self.verify_steps += 1
         return plan
 
-    def _choose(self, plan: StepPlan, rows, view: EngineView) -> tuple[int, list[int] | None]:
+    def _choose(self, plan: StepPlan, rows, view: EngineView, seqs: list | None = None,
+                left: int | None = None) -> tuple[int, list[int] | None]:
         """The adaptive k for this step: the k that maximises expected tokens
         per second, with the cost of k drafts per row from `DraftCostTable`.
         A batch-size range with fewer than two draft lengths measured runs
         exploration pairs (`_Pair`: a step at k and one at 0 measured) at k = 1 and k = min(4, kmax) first; after, one step in
         `explore_every` starts a pair at a length next to the range's last
         choice (or at it; at 1 and 2 next to 0), in turn, so the costs keep following the machine
-        and the batch where it matters, k = 0 included."""
+        and the batch where it matters, k = 0 included. `seqs` and `left`:
+        the rows' sequences and the sum of their tokens left, as `plan`
+        gathers them (worked out here where not given)."""
+        if seqs is None:
+            seqs = [r.seq for r in rows]
+            left = sum(s.remaining_tokens for s in seqs)
         kmax = self.spec.kmax
         n = len(rows)
         pure = n == len(plan.rows)  # every row decodes and may draft: what a pair measures
@@ -1139,7 +1136,7 @@ class SpecLengthPolicy:
             # nothing moved since and no exploration turn (`_Steady`); any other step chooses afresh
             self._steady = None
             if (pure and pair is None and self._probe is None and not self.last_k
-                    and self.steps % self.explore_every and steady.holds(rows, self._versions())):
+                    and self.steps % self.explore_every and steady.holds(seqs, left, self._versions())):
                 self._steady = steady
                 self.steady_steps += 1
                 return 0, None
@@ -1243,7 +1240,7 @@ class SpecLengthPolicy:
                 k, caps = again
         k, caps = self._chosen(plan, bucket, n, base, k, caps)
         if not k and memo is not None and not self.last_k and bucket in self._started and self._pair is None:
-            self._steady = _Steady(rows, self._versions())
+            self._steady = _Steady(seqs, left, self._versions())
         return k, caps
 
     def _versions(self) -> tuple:

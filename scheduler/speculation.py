@@ -1230,7 +1230,7 @@ class SpecLengthPolicy:
         if k and pure:
             # rows that did not draft last step pay the draft model's catch-up first (`_switch_price`):
             # looked at only when drafting wins without it, so a batch that stays at k = 0 never does
-            switch = self._switch_price(rows, bucket)
+            switch = self._switch_price(rows, bucket, left)
             if switch[0]:
                 key = (memo, switch)
                 again = self._recall(key)
@@ -1452,10 +1452,11 @@ class SpecLengthPolicy:
         enough of them (a deterministic proposer), else the verifications."""
         return self.replayed if self.replayed.ready else self.acceptance
 
-    def _switch_price(self, rows, bucket: int) -> tuple[float, int]:
-        """What starting to draft costs these rows: (S, R), S steps at k = 0,
-        paid once (0.0: nothing to pay, the rows drafted the step before),
-        and R tokens left per row (`_switch_added`).
+    def _switch_price(self, rows, bucket: int, left: int) -> tuple[float, int]:
+        """What starting to draft costs these rows, with `left` tokens left
+        to them in all: (S, R), S steps at k = 0, paid once (0.0: nothing to
+        pay, the rows drafted the step before), and R tokens left per row
+        (`_switch_added`).
 
         Rows that did not draft last step make a draft model catch up first
         on every token since they last did: `DraftCostTable.add_switch`
@@ -1467,11 +1468,8 @@ class SpecLengthPolicy:
             return 0.0, 1
         last = self.steps - 1
         u = 0
-        left = 0
         for r in rows:
-            seq = r.seq
-            u += seq.spec_last != last
-            left += seq.remaining_tokens
+            u += r.seq.spec_last != last
         if not u:
             return 0.0, 1
         n = len(rows)

@@ -8,12 +8,14 @@ without AVX512-BW/VL/DQ or AVX-NE-CONVERT: an AMD EPYC with AVX2 alone raises
 compiled for. Nothing is assumed from the CPU's model: each feature is asked
 of torch or tried on a tiny input, and a path that fails falls back.
 
-`STEPSERVE_CPU_ISA=avx2` makes this machine behave as the least x86-64 CPU
-the engine supports (AVX2, no AVX-512, no AMX): no bf16 products, no prepacked bf16
-linears, kernels compiled for x86-64-v3. The test suite runs its CPU-path
-tests a second time that way (with torch's own `ATEN_CPU_CAPABILITY=avx2` and
-oneDNN's `ONEDNN_MAX_CPU_ISA=AVX2`), so a green run on an AMX machine also
-covers an AVX2-only one.
+`STEPSERVE_CPU_ISA=avx2` makes this machine behave as an AVX2-only CPU (no
+AVX-512, no AMX): no bf16 products, no prepacked bf16 linears, kernels
+compiled for x86-64-v3. `STEPSERVE_CPU_ISA=baseline` goes down to the first
+x86-64 CPUs (SSE2, no AVX; a virtual machine's generic CPU model may show no
+more): the same, with kernels compiled for plain x86-64, so they take their
+portable loops. The test suite runs its CPU-path tests again under each cap
+(with torch's own `ATEN_CPU_CAPABILITY` and oneDNN's `ONEDNN_MAX_CPU_ISA`
+capped alike), so a green run on an AMX machine also covers the other two.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import torch
 log = logging.getLogger("stepserve.cpu_features")
 
 ISA_ENV = "STEPSERVE_CPU_ISA"
-_ISAS = ("native", "avx2")
+_ISAS = ("native", "avx2", "baseline")
 
 
 def isa_cap() -> str:
-    """`native` (use whatever the CPU has) or `avx2` (behave as an AVX2-only CPU)."""
+    """`native` (use whatever the CPU has), `avx2` (behave as an AVX2-only CPU)
+    or `baseline` (behave as the first x86-64 CPUs: SSE2, no AVX)."""
     cap = os.environ.get(ISA_ENV, "native").strip().lower() or "native"
     if cap not in _ISAS:
         raise ValueError(f"{ISA_ENV}={cap!r}: expected one of {', '.join(_ISAS)}")
@@ -46,7 +49,7 @@ def has_bf16_matmul() -> bool:
     (AMX: 4-8x on the 2-core Xeon; AVX512_BF16: 2-3.5x from 32 rows on the
     2-core Zen 4 EPYC, 2-7x at TinyLlama's shapes); without them oneDNN
     emulates bf16, slower than float32."""
-    if isa_cap() == "avx2":
+    if isa_cap() != "native":
         return False
     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         try:
@@ -81,8 +84,8 @@ def _probe_prepacked_bf16() -> str | None:
 
 def prepacked_bf16_linear_reason() -> str | None:
     """Why bf16 linears cannot be prepacked for oneDNN here (None: they can)."""
-    if isa_cap() == "avx2":
-        return f"{ISA_ENV}=avx2"
+    if isa_cap() != "native":
+        return f"{ISA_ENV}={isa_cap()}"
     reason = _probe_prepacked_bf16()
     if reason is not None:
         log.info("bf16 linears stay plain nn.Linear: %s", reason)
@@ -96,7 +99,7 @@ def can_prepack_bf16_linear() -> bool:
 def kernel_march() -> str:
     """The -march the native CPU kernels are compiled with: the build runs on
     the machine that uses it, so `native` unless capped."""
-    return "x86-64-v3" if isa_cap() == "avx2" else "native"
+    return {"native": "native", "avx2": "x86-64-v3", "baseline": "x86-64"}[isa_cap()]
 
 
 def kernel_build_tag() -> str:

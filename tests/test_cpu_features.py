@@ -1,6 +1,6 @@
 """CPU feature probes decide the fast paths, and every path has a fallback:
 the probes agree with what the hardware actually does, a capped run
-(`STEPSERVE_CPU_ISA=avx2`) takes the AVX2-only paths, and bf16 loads and
+(`STEPSERVE_CPU_ISA=avx2` or `baseline`) takes the AVX2-only or portable paths, and bf16 loads and
 generates on any x86-64 CPU."""
 
 import pytest
@@ -26,7 +26,7 @@ def raw_prepack_works() -> bool:
 
 
 def test_prepack_probe_agrees_with_the_cpu():
-    if cpu_features.isa_cap() == "avx2":
+    if cpu_features.isa_cap() != "native":
         assert not cpu_features.can_prepack_bf16_linear()
     else:
         assert cpu_features.can_prepack_bf16_linear() == raw_prepack_works()
@@ -35,7 +35,7 @@ def test_prepack_probe_agrees_with_the_cpu():
 def test_bf16_products_probe_agrees_with_torch():
     """bf16 products in hardware are AMX tiles or AVX512_BF16, as torch reports
     them (on this machine, uncapped); never under the AVX2 cap."""
-    if cpu_features.isa_cap() == "avx2":
+    if cpu_features.isa_cap() != "native":
         assert not cpu_features.has_bf16_matmul()
         return
     want = any(getattr(torch.cpu, p, lambda: False)() for p in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
@@ -51,6 +51,11 @@ def test_capped_isa_takes_the_avx2_paths(monkeypatch):
     cfg = ModelConfig.from_dict({"vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
                                  "num_hidden_layers": 1, "num_attention_heads": 2, "torch_dtype": "bfloat16"})
     assert resolve_dtype("auto", cfg, torch.device("cpu")) == torch.float32  # bf16 without bf16 products in hardware: slower
+    monkeypatch.setenv(cpu_features.ISA_ENV, "baseline")
+    assert not cpu_features.has_bf16_matmul()
+    assert not cpu_features.can_prepack_bf16_linear()
+    assert cpu_features.kernel_march() == "x86-64"
+    assert cpu_features.kernel_build_tag() == "x86_64"
     monkeypatch.setenv(cpu_features.ISA_ENV, "native")
     assert cpu_features.kernel_build_tag().startswith("native_")
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx9000")
@@ -58,7 +63,7 @@ def test_capped_isa_takes_the_avx2_paths(monkeypatch):
         cpu_features.isa_cap()
 
 
-@pytest.mark.parametrize("cap", ["native", "avx2"])
+@pytest.mark.parametrize("cap", ["native", "avx2", "baseline"])
 def test_bf16_runs_on_every_cpu_with_or_without_prepacking(ckpt_factory, monkeypatch, cap):
     """An explicit bf16 engine loads and generates whatever the CPU; it prepacks
     its linears only where the probe allows, and the tokens are the same."""

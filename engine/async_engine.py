@@ -313,13 +313,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._core.send(AbortRequest(request_id))
 
-    async def encode(self, text: str) -> list[int]:
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text's token ids, as `Engine.tokenize` makes them; a long text in a
         worker thread (the tokenizer releases the GIL), so the caller's event
         loop goes on meanwhile."""
         if len(text) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
     async def _encoded_stages(self, stages):
         """`stages` with each parallel branch's text suffix as token ids (copies:
@@ -331,7 +331,7 @@ class AsyncEngine:
         for st in stages:
             branches = st.get("branches") if isinstance(st, dict) else None
             if isinstance(branches, (list, tuple)):
-                st = dict(st, branches=[dict(b, prompt=await self.encode(b["prompt"]))
+                st = dict(st, branches=[dict(b, prompt=await self.encode(b["prompt"], add_special_tokens=False))
                                         if isinstance(b, dict) and isinstance(b.get("prompt"), str) else b
                                         for b in branches])
             out.append(st)

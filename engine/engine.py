@@ -551,8 +551,13 @@ class Engine:
     def kv_capacity(self) -> int:
         return self.core.kv_capacity
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+    def tokenize(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids, with the special tokens the tokenizer
+        adds to a text (Llama's and Mistral's BOS; none for Qwen's), as
+        transformers, vLLM and SGLang tokenize a prompt. A text that continues
+        one (a fork's branch suffix) or that a chat template rendered (its
+        special tokens are already in the text) takes add_special_tokens=False."""
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def add_request(
         self,
@@ -653,7 +658,7 @@ class Engine:
                     raise RequestError(f"stage {k} branch {b}: give max_tokens and, optionally, prompt", "stages")
                 suffix = br.get("prompt", "")
                 if isinstance(suffix, str):
-                    sid = self.tokenize(suffix) if suffix else []
+                    sid = self.tokenize(suffix, add_special_tokens=False) if suffix else []
                 elif isinstance(suffix, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in suffix):
                     sid = list(suffix)
                     bad = [t for t in sid if not 0 <= t < vocab]

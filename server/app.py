@@ -27,8 +27,10 @@ from stepserve.server.native import generate
 from stepserve.server.openai_chat import create_chat_completion
 from stepserve.server.openai_completions import create_completion
 from stepserve.server.openai_responses import ResponseStore, ResponsesRequest, create_response
-from stepserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from stepserve.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, GenerateRequest,
+                                       TokenizeRequest)
 from stepserve.server.shutdown_cut import ShutdownCutMiddleware
+from stepserve.server.tokenize import detokenize, tokenize
 from stepserve.server.serving import ClientDisconnected, EngineClient, ServerSettings
 
 # SGLang's speculative_algorithm for each of stepserve's proposers (None: no speculation)
@@ -122,6 +124,14 @@ def create_app(async_engine, settings: ServerSettings,
     @app.post("/generate")
     async def native_generate(body: GenerateRequest, request: Request):
         return await generate(body, request, client)
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest):
+        return await tokenize(body, client)
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        return await detokenize(body, client)
 
     @app.get("/v1/models")
     async def models():

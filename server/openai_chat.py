@@ -90,8 +90,9 @@ async def render_chat(client: EngineClient, req: ChatCompletionRequest, tools: l
         raise bad_request(f"The chat template cannot render these messages: {e}", "messages") from None
     if blind:  # a template that ignores `tools` would let the model answer blind: refuse instead
         raise bad_request("This model's chat template does not render tools", "tools")
-    # the rendered template already holds its special tokens as text
-    return await client.tokenize(text, "messages")
+    # the rendered template already holds its special tokens as text (vLLM's add_special_tokens adds the
+    # tokenizer's on top, for a template that leaves them out)
+    return await client.tokenize(text, "messages", req.add_special_tokens)
 
 
 def tool_mode(req: ChatCompletionRequest) -> tuple[str, object]:

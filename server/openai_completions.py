@@ -29,9 +29,12 @@ def _body(client: EngineClient, rid: str, created: int, choices: list, **extra) 
             "choices": choices, **extra}
 
 
-async def _prompts(client: EngineClient, prompt, keep: int | None = None) -> list[tuple[list[int], str | None]]:
+async def _prompts(client: EngineClient, prompt, keep: int | None = None,
+                   add_special_tokens: bool = True) -> list[tuple[list[int], str | None]]:
     """(token ids, text or None) per prompt, each checked; with `keep`
-    (truncate_prompt_tokens), only each prompt's last `keep` tokens."""
+    (truncate_prompt_tokens), only each prompt's last `keep` tokens. A text is
+    tokenized with the tokenizer's special tokens unless `add_special_tokens`
+    is false (vLLM's field); token ids are taken as they are."""
     if isinstance(prompt, str):
         items = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -43,7 +46,7 @@ async def _prompts(client: EngineClient, prompt, keep: int | None = None) -> lis
             client.check_text_length(len(p), "prompt")
     out = []
     for p in items:
-        ids = await client.tokenize(p, "prompt") if isinstance(p, str) else list(p)
+        ids = await client.tokenize(p, "prompt", add_special_tokens) if isinstance(p, str) else list(p)
         text = p if isinstance(p, str) else None
         if keep is not None and len(ids) > keep:
             ids, text = ids[-keep:], None
@@ -66,7 +69,7 @@ async def create_completion(req: CompletionRequest, request: Request, client: En
         if prompt_k is not None and prompt_k != req.prompt_logprobs:
             raise bad_request("with echo and logprobs, prompt_logprobs must equal logprobs", "prompt_logprobs")
         prompt_k = req.prompt_logprobs
-    prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
+    prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens, req.add_special_tokens)
     factory = await output_grammar(client, req)
     params = [
         client.sampling_params(
@@ -151,7 +154,7 @@ async def _beam_completion(req: CompletionRequest, request: Request, client: Eng
     as one chunk per choice once the search is over."""
     check_beam_request(req)
     check_stream_options(req)
-    prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens)
+    prompts = await _prompts(client, req.prompt, req.truncate_prompt_tokens, req.add_special_tokens)
     caps = [client.max_tokens(len(ids), req.max_tokens, DEFAULT_MAX_TOKENS, "max_tokens") for ids, _ in prompts]
     client.admission.check_fits(len(prompts) * req.n, "n")  # each round runs every prompt's n beams at once
     rid = new_id("cmpl")

@@ -269,6 +269,7 @@ class CompletionRequest(_SamplingFields):
     # vLLM's beam search (server/beam_search.py): n beams, ranked by logprob / length ** length_penalty
     use_beam_search: bool = False
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's special tokens (a BOS)
 
 
 class TextPart(_Model):
@@ -338,6 +339,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's special tokens on top of the template's
 
 
 class _NativeModel(_Model):
@@ -416,3 +418,33 @@ class GenerateRequest(_NativeModel):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' and 'input_ids'")
         return self
+
+
+class TokenizeRequest(_Model):
+    """vLLM's `POST /tokenize`: a text (`prompt`, as /v1/completions takes it)
+    or a conversation (`messages`, as chat renders it), one or the other."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, allow_inf_nan=False)
+
+    model: Optional[Text] = None
+    prompt: Optional[Text] = None
+    messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
+    add_special_tokens: Optional[bool] = None  # None: the route's default (true for a prompt, false for messages)
+    return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[JsonObject] = None
+    tools: Optional[Annotated[list[Tool], Field(max_length=128)]] = None
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Model):
+    """vLLM's `POST /detokenize`: token ids back to text."""
+
+    model: Optional[Text] = None
+    tokens: Annotated[list[TokenId], Field(max_length=1 << 20)]

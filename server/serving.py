@@ -337,11 +337,12 @@ class EngineClient:
                 code="context_length_exceeded",
             )
 
-    async def tokenize(self, text: str, param: str) -> list[int]:
+    async def tokenize(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt text, checked for length first; long texts are
-        tokenized off the event loop (the tokenizer releases the GIL)."""
+        tokenized off the event loop (the tokenizer releases the GIL).
+        `add_special_tokens`: the tokenizer's own (a BOS), as `Engine.tokenize`."""
         self.check_text_length(len(text), param)
-        return await self.async_engine.encode(text)
+        return await self.async_engine.encode(text, add_special_tokens)
 
     def check_prompt(self, ids: list[int], param: str) -> None:
         try:

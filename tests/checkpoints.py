@@ -17,9 +17,11 @@ _TEXT = (
 )
 
 
-def make_tokenizer(path: str) -> None:
-    """A tiny byte-level BPE tokenizer, saved so AutoTokenizer loads it offline."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def make_tokenizer(path: str, bos: bool = False) -> None:
+    """A tiny byte-level BPE tokenizer, saved so AutoTokenizer loads it offline.
+    `bos`: it puts its BOS (`<|endoftext|>`, id 0) before every text it
+    encodes with special tokens, as Llama's and Mistral's tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -31,6 +33,10 @@ def make_tokenizer(path: str) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([_TEXT] * 20, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", pair="<|endoftext|> $A <|endoftext|> $B",
+            special_tokens=[("<|endoftext|>", tok.token_to_id("<|endoftext|>"))])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
@@ -61,10 +67,12 @@ ARCH_CONFIGS = {
 
 
 def make_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0,
-                    tie: bool = False, layers: int = 2, head_dim: int | None = None, max_positions: int = 512) -> str:
+                    tie: bool = False, layers: int = 2, head_dim: int | None = None, max_positions: int = 512,
+                    bos: bool = False) -> str:
     """`head_dim`: 16 by default (32 for qwen3); GPU kernels want 64 or more,
     which this gives with hidden size 4 * head_dim (4 query heads, 2 KV heads).
-    `max_positions`: the model's context (and so the engine's longest request)."""
+    `max_positions`: the model's context (and so the engine's longest request).
+    `bos`: a tokenizer that adds a BOS to a text (`make_tokenizer`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(ARCH_CONFIGS[arch])
@@ -95,5 +103,5 @@ def make_checkpoint(path: str, arch: str = "llama", dtype: torch.dtype = torch.f
     model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
-    make_tokenizer(path)
+    make_tokenizer(path, bos=bos)
     return path

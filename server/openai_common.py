@@ -39,7 +39,9 @@ def sampling_kwargs(req: _SamplingFields, route: str) -> dict:
     refuse_unsupported(req, route)
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs is not supported with stream", "prompt_logprobs")
-    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative, min_tokens=req.min_tokens)
+    kw: dict = dict(n=req.n, ignore_eos=req.ignore_eos, speculative=req.speculative, min_tokens=req.min_tokens,
+                    include_stop_str_in_output=req.include_stop_str_in_output,
+                    skip_special_tokens=req.skip_special_tokens)
     if req.stop_token_ids:
         kw["stop_token_ids"] = list(req.stop_token_ids)
     check_stream_options(req)

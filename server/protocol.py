@@ -96,8 +96,6 @@ class ResponseFormat(_Model):
 # are ignored, as vLLM does.
 _UNSUPPORTED_BOTH = {
     "bad_words": "bad_words",
-    "include_stop_str_in_output": "include_stop_str_in_output on this route (use /generate)",
-    "skip_special_tokens": "skip_special_tokens on this route",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids",
     "typical_p": "typical_p sampling",
 }
@@ -133,7 +131,7 @@ UNSUPPORTED_FIELDS = {
 HARMLESS_VALUES = {
     "functions": ([],),
     "function_call": ("none",), "use_beam_search": (False,),
-    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "return_tokens_as_token_ids": (False,),
+    "return_tokens_as_token_ids": (False,),
     "modalities": (["text"],), "bad_words": ([],), "length_penalty": (1.0,),
     "typical_p": (1.0,), "best_of": (1,), "tools": ([],), "tool_choice": ("none",),
 }
@@ -204,6 +202,8 @@ class _SamplingFields(_Model):
     # vLLM's extensions
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=64)]] = None
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
+    include_stop_str_in_output: bool = False  # a matched stop string (or stop token's text) stays in the text
+    skip_special_tokens: bool = True  # false: special tokens' text is in the output text
     structured_outputs: Optional[StructuredOutputs] = None
     guided_json: Optional[Union[JsonObject, Text]] = None  # vLLM's older names for the same
     guided_regex: Optional[Text] = None

@@ -952,3 +952,38 @@ def test_beam_search_refuses_what_it_would_not_honour(tclient, body, param):
         tclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                         extra_body={"use_beam_search": True})
     assert e.value.body["param"] == "use_beam_search"
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_include_stop_str_in_output_and_skip_special_tokens(client, llama_ckpt, route):
+    """vLLM's include_stop_str_in_output keeps the matched stop string in the
+    text, streamed or not; skip_special_tokens=false shows special tokens'
+    text (here the end token, forced and ignored)."""
+    from transformers import AutoTokenizer
+
+    def run(stream=False, **kw):
+        extra = {k: kw.pop(k) for k in ("include_stop_str_in_output", "skip_special_tokens", "ignore_eos") if k in kw}
+        args = dict(model=MODEL, temperature=0.0, extra_body=extra, **kw)
+        if route == "chat":
+            out = client.chat.completions.create(messages=[{"role": "user", "content": "Tell me of the earth."}],
+                                                 stream=stream, **args)
+            if stream:
+                return "".join(c.choices[0].delta.content or "" for c in out if c.choices)
+            return out.choices[0].message.content
+        out = client.completions.create(prompt="In the beginning", stream=stream, **args)
+        return "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+
+    full = run(max_tokens=16, ignore_eos=True)
+    stop = full[6:9]
+    cut = full.find(stop)
+    assert stop.strip() and cut >= 0
+    for stream in (False, True):
+        assert run(stream, max_tokens=16, ignore_eos=True, stop=[stop]) == full[:cut]
+        assert run(stream, max_tokens=16, ignore_eos=True, stop=[stop], include_stop_str_in_output=True) \
+            == full[:cut] + stop
+    tok = AutoTokenizer.from_pretrained(llama_ckpt)
+    eos = tok.eos_token_id
+    forced = dict(max_tokens=3, ignore_eos=True, logit_bias={str(eos): 100})
+    assert run(**forced) == ""
+    for stream in (False, True):
+        assert run(stream, skip_special_tokens=False, **forced) == tok.decode([eos] * 3) != ""

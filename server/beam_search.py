@@ -35,7 +35,7 @@ MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a round asks for 2 x width alternatives
 # temperature and seed of a round's sampled token, which no beam depends on)
 _BEAM_FIELDS = {"model", "prompt", "n", "best_of", "max_tokens", "temperature", "seed", "ignore_eos",
                 "length_penalty", "use_beam_search", "stream", "stream_options", "user", "truncate_prompt_tokens",
-                "slo_ttft", "slo_tpot", "speculative"}
+                "slo_ttft", "slo_tpot", "speculative", "add_special_tokens"}
 
 
 @dataclass
@@ -52,7 +52,7 @@ def check_beam_request(req: CompletionRequest) -> None:
     refuse_unsupported(req, "completions")
     if req.n > MAX_BEAM_WIDTH:
         raise bad_request(f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search", "n")
-    for name in sorted(req.model_fields_set - _BEAM_FIELDS):
+    for name in sorted(req.model_fields_set & CompletionRequest.model_fields.keys() - _BEAM_FIELDS):  # (extras: above)
         value = getattr(req, name)
         if value is not None and value != CompletionRequest.model_fields[name].default:
             raise bad_request(f"{name} is not supported with use_beam_search", name)

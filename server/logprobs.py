@@ -32,7 +32,7 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs)}
 
 
-def _finite(x: float) -> float:
+def finite_logprob(x: float) -> float:
     # JSON has no -inf: a token the grammar forbade has logprob -inf
     return x if math.isfinite(x) else -9999.0
 
@@ -92,9 +92,9 @@ def completion_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None], o
             token_lps.append(None)
             tops.append(None)
             continue
-        token_lps.append(_finite(lp.logprob))
-        top = {texts.text_of(t): _finite(v) for t, v in lp.top}
-        top.setdefault(s, _finite(lp.logprob))
+        token_lps.append(finite_logprob(lp.logprob))
+        top = {texts.text_of(t): finite_logprob(v) for t, v in lp.top}
+        top.setdefault(s, finite_logprob(lp.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}, offset
 
@@ -105,7 +105,7 @@ def join_completion_logprobs(a: dict, b: dict) -> dict:
 
 def chat_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob]) -> dict:
     def entry(t: int, v: float) -> dict:
-        return {"token": texts.text_of(t), "logprob": _finite(v), "bytes": list(texts.bytes_of(t))}
+        return {"token": texts.text_of(t), "logprob": finite_logprob(v), "bytes": list(texts.bytes_of(t))}
 
     content = []
     for lp in lps:
@@ -117,7 +117,7 @@ def chat_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob]) -> dict:
 
 def native_logprobs(lps: Sequence[TokenLogprob]) -> list[dict]:
     return [
-        {"token_id": lp.token_id, "logprob": _finite(lp.logprob), "top": [[t, _finite(v)] for t, v in lp.top]}
+        {"token_id": lp.token_id, "logprob": finite_logprob(lp.logprob), "top": [[t, finite_logprob(v)] for t, v in lp.top]}
         for lp in lps
     ]
 
@@ -131,8 +131,8 @@ def vllm_prompt_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None]) 
         if e is None:
             out.append(None)
             continue
-        d = {str(t): {"logprob": _finite(lp), "rank": r, "decoded_token": texts.text_of(t)}
+        d = {str(t): {"logprob": finite_logprob(lp), "rank": r, "decoded_token": texts.text_of(t)}
              for r, (t, lp) in enumerate(e.top, start=1)}
-        d[str(e.token_id)] = {"logprob": _finite(e.logprob), "rank": e.rank, "decoded_token": texts.text_of(e.token_id)}
+        d[str(e.token_id)] = {"logprob": finite_logprob(e.logprob), "rank": e.rank, "decoded_token": texts.text_of(e.token_id)}
         out.append(d)
     return out

@@ -21,12 +21,15 @@ an output, `index` in order, `stage` its stage.
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 from starlette.requests import Request
 
 from stepserve.engine.async_engine import INLINE_TOKENIZE_CHARS
-from stepserve.server.logprobs import native_logprobs
-from stepserve.server.protocol import GenerateRequest, Stage
+from stepserve.server.errors import bad_request
+from stepserve.server.logprobs import finite_logprob, native_logprobs
+from stepserve.server.protocol import SGLANG_ALIASES, GenerateRequest, Stage
 from stepserve.server.serving import EngineClient, new_id
 
 
@@ -69,30 +72,106 @@ async def _engine_stages(client: EngineClient, stages: list[Stage]) -> list[dict
     return out
 
 
+def _sglang_finish(st, eos_matched: int | None) -> dict | None:
+    """SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": the
+    stop string or token id}, {"type": "length", "length": N} or {"type":
+    "abort", ...}; None while the output goes on."""
+    reason = st.finish_reason
+    if reason is None:
+        return None
+    if reason == "length":
+        return {"type": "length", "length": len(st.token_ids)}
+    if reason == "stop":
+        return {"type": "stop", "matched": st.stop_reason if st.stop_reason is not None else eos_matched}
+    return {"type": "abort", "message": reason}
+
+
+def _sglang_logprobs(client: EngineClient, lps, ids, with_text: bool, top: bool) -> tuple[list, list | None]:
+    """SGLang's (token logprobs, top logprobs): per position [logprob, token id,
+    text or None], and the alternatives at each as such lists. An entry of
+    `lps` may be None (a prompt's first token): its logprob is None."""
+    def entry(lp, t):
+        return [None if lp is None else finite_logprob(lp), t, client.texts.text_of(t) if with_text else None]
+
+    tokens = [entry(None if lp is None else lp.logprob, t) for lp, t in zip(lps, ids)]
+    tops = [None if lp is None else [entry(v, t) for t, v in lp.top] for lp in lps] if top else None
+    return tokens, tops
+
+
 async def generate(req: GenerateRequest, request: Request, client: EngineClient):
     client.check_model(req.model)
     param = "text" if req.text is not None else "input_ids"
     ids = await client.tokenize(req.text, param) if req.text is not None else list(req.input_ids)
     client.check_prompt(ids, param)
     sp = req.sampling_params
-    kw = sp.model_dump(exclude={"json_schema"})
-    kw["max_tokens"] = client.max_tokens(len(ids), sp.max_tokens, None, "sampling_params.max_tokens")
+    kw = sp.engine_kwargs()
+    names = {k: f"sampling_params.{k}" for k in kw}
+    for sglang, ours in SGLANG_ALIASES.items():  # a refusal names the field as the request named it
+        if getattr(sp, sglang) is not None:
+            names[ours] = f"sampling_params.{sglang}"
+    if req.return_logprob:  # SGLang's logprobs: the output's, and the prompt's from logprob_start_len on
+        kw["logprobs"] = req.top_logprobs_num
+        if req.logprob_start_len >= 0:
+            kw["prompt_logprobs"] = req.top_logprobs_num
+        names |= {"logprobs": "top_logprobs_num", "prompt_logprobs": "top_logprobs_num"}
+    kw["max_tokens"] = client.max_tokens(len(ids), kw["max_tokens"], None, names["max_tokens"])
     if sp.json_schema is not None:
-        kw["logits_processor_factory"] = await client.compile_schema(sp.json_schema, "sampling_params.json_schema")
-    names = {k: f"sampling_params.{k}" for k in kw} | {"prompt": param, "stages": "stages"}
+        schema = sp.json_schema
+        if isinstance(schema, str):  # SGLang sends the schema as JSON text
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise bad_request(f"json_schema is not valid JSON: {e}", "sampling_params.json_schema") from None
+            if not isinstance(schema, dict):
+                raise bad_request("json_schema must be a JSON object", "sampling_params.json_schema")
+        kw["logits_processor_factory"] = await client.compile_schema(schema, "sampling_params.json_schema")
+    elif sp.regex is not None:
+        kw["logits_processor_factory"] = await asyncio.to_thread(
+            client.grammar.compile_kind, "regex", sp.regex, "sampling_params.regex")
+    names |= {"prompt": param, "stages": "stages"}
     params = client.sampling_params(names, **kw)
     rid = new_id("gen")
+    shown_id = req.rid or rid
     stages = await _engine_stages(client, req.stages) if req.stages else None
     gen = await client.start(request, [ids], [params], rid, sp.n, names, stages, (req.slo_ttft, req.slo_tpot))
     acc = gen.acc
-    want_lp = sp.logprobs is not None
+    want_lp = kw.get("logprobs") is not None and not req.return_logprob
+    started = time.perf_counter()
+    # SGLang's answer (`text`, `output_ids`, `meta_info`) beside the native one, where there is one output
+    sglang = sp.n == 1 and not req.stages
+    eos = client.eos_token_ids[0] if client.eos_token_ids else None
+
+    def sglang_view() -> dict:
+        st = acc.choices.get(0)
+        text, out_ids = ("".join(st.text), st.token_ids) if st is not None else ("", [])
+        matched = out_ids[-1] if out_ids else eos  # an end token's stop: the token itself
+        meta = {"id": shown_id, "finish_reason": _sglang_finish(st, matched) if st is not None else None,
+                "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
+                "cached_tokens": acc.cached_tokens(), "e2e_latency": time.perf_counter() - started}
+        if req.return_logprob:
+            top = req.top_logprobs_num > 0
+            meta["output_token_logprobs"], tops = _sglang_logprobs(
+                client, st.logprobs if st is not None else [], out_ids, req.return_text_in_logprobs, top)
+            if top:
+                meta["output_top_logprobs"] = tops
+            plp = acc.prompt_logprobs.get(0)
+            if req.logprob_start_len >= 0 and plp is not None:
+                start = min(req.logprob_start_len, len(ids))
+                lps = [None] + list(plp[1:])
+                meta["input_token_logprobs"], tops = _sglang_logprobs(
+                    client, lps[start:], ids[start:], req.return_text_in_logprobs, top)
+                if top:
+                    meta["input_top_logprobs"] = tops
+        return {"text": text, "output_ids": list(out_ids), "meta_info": meta}
 
     def chunk(out, deltas):
-        msg = {"id": rid, "outputs": [_output(o, want_lp) for o in out.outputs]}
-        if out.prompt_logprobs is not None:
+        msg = {"id": shown_id, "outputs": [_output(o, want_lp) for o in out.outputs]}
+        if out.prompt_logprobs is not None and not req.return_logprob:
             msg["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
         if out.finished:
             msg["usage"] = acc.usage()
+        if sglang:  # SGLang's stream: the text and ids so far
+            msg |= sglang_view()
         return msg
 
     def final():
@@ -109,7 +188,9 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
             for idx, st in sorted(acc.choices.items())
         ]
         plp = acc.prompt_logprobs.get(0)
-        return {"id": rid, "prompt_token_ids": ids, "prompt_logprobs": _prompt_logprobs(plp) if plp else None,
+        body = {"id": shown_id, "prompt_token_ids": ids,
+                "prompt_logprobs": _prompt_logprobs(plp) if plp and not req.return_logprob else None,
                 "outputs": outputs, "usage": acc.usage()}
+        return body | sglang_view() if sglang else body
 
     return await gen.respond(req.stream, chunk, final)

@@ -350,6 +350,11 @@ class _NativeModel(_Model):
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
 
+# SGLang's sampling names on /generate -> the engine's
+SGLANG_ALIASES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                  "no_stop_trim": "include_stop_str_in_output"}
+
+
 class NativeSamplingParams(_NativeModel):
     """`POST /generate`'s sampling parameters: the engine's own names."""
 
@@ -373,8 +378,32 @@ class NativeSamplingParams(_NativeModel):
                                    Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    json_schema: Optional[JsonObject] = None  # constrain the output to this JSON schema
+    json_schema: Optional[Union[JsonObject, Text]] = None  # constrain the output to this JSON schema (or its text)
     speculative: bool = True  # false: this request never decodes speculatively
+    # SGLang's names (its /generate): max_new_tokens, min_new_tokens and no_stop_trim for max_tokens,
+    # min_tokens and include_stop_str_in_output; a regex constraint; spaces between special tokens (the only way)
+    max_new_tokens: Optional[int] = Field(None, ge=1, le=MAX_INT)
+    min_new_tokens: Optional[int] = Field(None, ge=0, le=MAX_INT)
+    no_stop_trim: Optional[bool] = None
+    regex: Optional[Text] = None
+    spaces_between_special_tokens: Literal[True] = True
+
+    @model_validator(mode="after")
+    def _one_name_each(self):
+        for sglang, ours in SGLANG_ALIASES.items():
+            if getattr(self, sglang) is not None and ours in self.model_fields_set:
+                raise ValueError(f"give {ours} or {sglang}, not both")
+        if self.json_schema is not None and self.regex is not None:
+            raise ValueError("give json_schema or regex, not both")
+        return self
+
+    def engine_kwargs(self) -> dict:
+        """SamplingParams' keywords (the constraints left out: the route compiles them)."""
+        kw = self.model_dump(exclude={"json_schema", "regex", "spaces_between_special_tokens", *SGLANG_ALIASES})
+        for sglang, ours in SGLANG_ALIASES.items():
+            if getattr(self, sglang) is not None:
+                kw[ours] = getattr(self, sglang)
+        return kw
 
 
 class StageBranch(_NativeModel):
@@ -412,11 +441,33 @@ class GenerateRequest(_NativeModel):
     stages: Optional[Annotated[list[Stage], Field(min_length=1, max_length=MAX_STAGES)]] = None
     slo_ttft: Optional[Seconds] = None  # this request's SLOs in seconds, for the step policies (TAPER)
     slo_tpot: Optional[Seconds] = None
+    # SGLang's: the id its answer reports, and logprobs its way (return_logprob, top_logprobs_num
+    # alternatives, the prompt's from logprob_start_len on; -1: none of the prompt's)
+    rid: Optional[Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_utf8)]] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: int = Field(-1, ge=-1, le=MAX_INT)
+    return_text_in_logprobs: bool = False
+    # SGLang's fields that its clients send at their absent values (bench_serving sends lora_path null):
+    # accepted so, any other value is a 400 naming the field
+    lora_path: None = None
+    image_data: None = None
+    audio_data: None = None
+    video_data: None = None
+    input_embeds: None = None
+    custom_logit_processor: None = None
+    token_ids_logprob: None = None
+    return_hidden_states: Literal[False] = False
+    return_routed_experts: Literal[False] = False
+    log_metrics: bool = True  # (changes nothing here)
 
     @model_validator(mode="after")
     def _one_prompt(self):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' and 'input_ids'")
+        sp = self.sampling_params
+        if self.return_logprob and (sp.logprobs is not None or sp.prompt_logprobs is not None):
+            raise ValueError("give return_logprob or sampling_params.logprobs / prompt_logprobs, not both")
         return self
 
 

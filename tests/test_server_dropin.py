@@ -942,6 +942,7 @@ def test_beam_search_against_a_reference(tsrv, tclient, length_penalty):
     (dict(n=11), "n"),
     (dict(echo=True), "echo"),
     (dict(extra_body={"bad_words": ["x"]}), "bad_words"),
+    (dict(extra_body={"skip_special_tokens": False}), "skip_special_tokens"),
 ])
 def test_beam_search_refuses_what_it_would_not_honour(tclient, body, param):
     extra = {"use_beam_search": True, **body.pop("extra_body", {})}
@@ -952,6 +953,10 @@ def test_beam_search_refuses_what_it_would_not_honour(tclient, body, param):
         tclient.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                         extra_body={"use_beam_search": True})
     assert e.value.body["param"] == "use_beam_search"
+    # a field newer than this server changes nothing under beam search either (it raised KeyError, a 500)
+    r = tclient.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2,
+                                   extra_body={"use_beam_search": True, "some_future_field": 1})
+    assert len(r.choices) == 2
 
 
 @pytest.mark.parametrize("route", ["completions", "chat"])
@@ -987,3 +992,138 @@ def test_include_stop_str_in_output_and_skip_special_tokens(client, llama_ckpt, 
     assert run(**forced) == ""
     for stream in (False, True):
         assert run(stream, skip_special_tokens=False, **forced) == tok.decode([eos] * 3) != ""
+
+
+# -- SGLang's /generate -----------------------------------------------------------------------------------------
+def _gen(srv, body: dict) -> httpx.Response:
+    return httpx.post(srv.url + "/generate", headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60)
+
+
+def _gen_stream(srv, body: dict) -> list[dict]:
+    events = []
+    with httpx.stream("POST", srv.url + "/generate", headers={"Authorization": f"Bearer {KEY}"},
+                      json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                if line == "data: [DONE]":
+                    events.append("[DONE]")
+                    break
+                events.append(json.loads(line[5:]))
+    return events
+
+
+def test_sglang_generate_request_and_answer(srv, llama_ckpt):
+    """SGLang's client sends its sampling names (max_new_tokens, min_new_tokens,
+    no_stop_trim) and reads `text`, `output_ids` and `meta_info`: its finish
+    reason, token counts and the request's `rid`; streamed, the text and ids
+    so far in every event, then [DONE]."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_ckpt)
+    ref = _native_greedy(srv, tok.encode("In the beginning", add_special_tokens=False), 12)
+    # as SGLang's bench_serving sends it
+    body = {"text": "In the beginning", "rid": "my-request", "lora_path": None, "return_logprob": False,
+            "return_routed_experts": False, "logprob_start_len": -1, "sampling_params": {
+                "max_new_tokens": 12, "temperature": 0, "ignore_eos": True}}
+    r = _gen(srv, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["output_ids"] == ref == out["outputs"][0]["token_ids"]
+    assert out["text"] == out["outputs"][0]["text"] == tok.decode(ref, skip_special_tokens=True)
+    meta = out["meta_info"]
+    assert meta["id"] == "my-request" == out["id"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(tok("In the beginning").input_ids), 12)
+    assert meta["cached_tokens"] >= 0 and meta["e2e_latency"] > 0
+    events = _gen_stream(srv, body)
+    assert events[-1] == "[DONE]"
+    texts = [e["text"] for e in events[:-1]]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:])) and texts[-1] == out["text"]
+    assert events[-2]["output_ids"] == ref and events[-2]["meta_info"]["finish_reason"] == meta["finish_reason"]
+    assert all(e["meta_info"]["finish_reason"] is None for e in events[:-2])
+    # a stop string: matched, trimmed unless no_stop_trim; an end token: matched as its id
+    whole = out["text"]
+    stop = whole[5:8]
+    cut = whole.find(stop)
+    sp = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    got = _gen(srv, {"text": "In the beginning", "sampling_params": sp}).json()
+    assert got["text"] == whole[:cut] and got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    got = _gen(srv, {"text": "In the beginning", "sampling_params": {**sp, "no_stop_trim": True}}).json()
+    assert got["text"] == whole[:cut] + stop
+    eos = tok.eos_token_id
+    got = _gen(srv, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "logit_bias": {str(eos): 100},
+                                                                "min_new_tokens": 2}}).json()
+    assert got["output_ids"][-1] == eos and len(got["output_ids"]) == 3
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+
+
+def test_sglang_generate_logprobs(srv):
+    """return_logprob with top_logprobs_num and logprob_start_len: SGLang's
+    [logprob, token id, text] entries, the output's and the prompt's from
+    that position, equal to the native route's logprobs."""
+    prompt = [5, 6, 7, 8, 9]
+    native = _gen(srv, {"input_ids": prompt, "sampling_params": {"max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                                 "logprobs": 2, "prompt_logprobs": 2}}).json()
+    body = {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": 2,
+            "return_text_in_logprobs": True, "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                "ignore_eos": True}}
+    for out in (_gen(srv, body).json(), _gen_stream(srv, body)[-2]):
+        meta = out["meta_info"]
+        want = native["outputs"][0]["logprobs"]
+        assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"] == [w["token_id"] for w in want]
+        assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx([w["logprob"] for w in want], abs=1e-4)
+        assert all(isinstance(e[2], str) for e in meta["output_token_logprobs"])
+        assert [[t[1] for t in top] for top in meta["output_top_logprobs"]] == [[t for t, _ in w["top"]] for w in want]
+        plp = native["prompt_logprobs"]
+        assert [e[1] for e in meta["input_token_logprobs"]] == prompt[2:]
+        assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx([p["logprob"] for p in plp[2:]], abs=1e-4)
+        assert len(meta["input_top_logprobs"]) == 3 and all(len(t) == 2 for t in meta["input_top_logprobs"])
+    out = _gen(srv, {**body, "logprob_start_len": 0, "top_logprobs_num": 0, "return_text_in_logprobs": False}).json()
+    meta = out["meta_info"]
+    assert meta["input_token_logprobs"][0] == [None, 5, None] and len(meta["input_token_logprobs"]) == 5
+    assert "output_top_logprobs" not in meta and "input_top_logprobs" not in meta
+    assert out["outputs"][0]["logprobs"] is None and out["prompt_logprobs"] is None
+    assert "input_token_logprobs" not in _gen(srv, {**body, "logprob_start_len": -1}).json()["meta_info"]
+
+
+def test_sglang_generate_constraints(srv):
+    """SGLang's regex and its json_schema as JSON text."""
+    for seed in range(3):
+        out = _gen(srv, {"text": "x", "sampling_params": {"max_new_tokens": 10, "temperature": 1.0, "seed": seed,
+                                                          "regex": "(yea|nay)!"}}).json()
+        assert out["text"] in ("yea!", "nay!")
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}
+    out = _gen(srv, {"text": "x", "sampling_params": {"max_new_tokens": 20, "temperature": 1.0, "seed": 1,
+                                                      "json_schema": json.dumps(schema)}}).json()
+    assert json.loads(out["text"])["a"] in ("x", "y")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"sampling_params": {"max_tokens": 4, "max_new_tokens": 4}}, "sampling_params"),
+    ({"sampling_params": {"min_tokens": 1, "min_new_tokens": 1}}, "sampling_params"),
+    ({"sampling_params": {"ebnf": "root ::= \"a\""}}, "sampling_params.ebnf"),
+    ({"sampling_params": {"spaces_between_special_tokens": False}}, "sampling_params.spaces_between_special_tokens"),
+    ({"sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
+    ({"sampling_params": {"regex": "(", "max_new_tokens": 2}}, "sampling_params.regex"),
+    ({"sampling_params": {"regex": "a", "json_schema": {}}}, "sampling_params"),
+    ({"sampling_params": {"max_new_tokens": 10 ** 6}}, "sampling_params.max_new_tokens"),
+    ({"lora_path": "x"}, "lora_path"),
+    ({"image_data": ["x.png"]}, "image_data"),
+    ({"return_hidden_states": True}, "return_hidden_states"),
+    ({"text": ["a", "b"]}, "text"),
+    ({"return_logprob": True, "sampling_params": {"logprobs": 1}}, None),
+    ({"top_logprobs_num": 100}, "top_logprobs_num"),
+])
+def test_sglang_generate_refusals(srv, body, param):
+    r = _gen(srv, {"text": "x", **body})
+    assert r.status_code == 400, r.text
+    if param is not None:
+        assert r.json()["error"]["param"] == param, r.json()
+
+
+def test_sglang_view_only_for_one_output(srv):
+    """With n > 1 (SGLang answers a list) or stages the answer is the native one alone."""
+    out = _gen(srv, {"text": "x", "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 1.0}}).json()
+    assert len(out["outputs"]) == 2 and "text" not in out and "meta_info" not in out

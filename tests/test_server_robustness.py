@@ -88,15 +88,17 @@ def test_fork_join_branch_texts_are_checked_and_tokenized_by_the_server(srv, htt
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"text": "In", "sampling_params": {"max_new_tokens": 5}}, "sampling_params.max_new_tokens"),  # SGLang's name
-    ({"text": "In", "return_logprob": True}, "return_logprob"),
+    ({"text": "In", "sampling_params": {"max_new_token": 5}}, "sampling_params.max_new_token"),  # a typo
+    ({"text": "In", "return_logprobs": True}, "return_logprobs"),
+    ({"text": "In", "sampling_params": {"structural_tag": "x"}}, "sampling_params.structural_tag"),  # SGLang's, not here
     ({"text": "In", "stages": [{"max_tokens": 2, "n": 2}]}, "stages.0.n"),
     ({"text": "In", "stages": [{"branches": [{"prompt": "a", "max_tokens": 2, "stages": []}]}]},
      "stages.0.branches.0.stages"),
 ])
 def test_native_route_refuses_unknown_fields(http, body, param):
-    """/generate takes the engine's own names: an unknown one is a 400 naming
-    it, not silently dropped (a request with `max_new_tokens` got 16 tokens)."""
+    """/generate takes the engine's own names (and SGLang's that it
+    implements): an unknown one is a 400 naming it, not silently dropped (a
+    request with SGLang's `max_new_tokens` once got 16 tokens)."""
     err = assert_400(http.post("/generate", json=body), param)
     assert "not permitted" in err["message"]
 

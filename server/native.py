@@ -137,8 +137,11 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
     acc = gen.acc
     want_lp = kw.get("logprobs") is not None and not req.return_logprob
     started = time.perf_counter()
-    # SGLang's answer (`text`, `output_ids`, `meta_info`) beside the native one, where there is one output
+    # SGLang's answer (`text`, `output_ids`, `meta_info`) beside the native one, where there is one output;
+    # in a stream only for a request in SGLang's terms: each of its events carries the whole text and ids
+    # so far, as SGLang's do, which a native client reading deltas would pay for in every event
     sglang = sp.n == 1 and not req.stages
+    sglang_stream = sglang and req.sglang_shaped()
     eos = client.eos_token_ids[0] if client.eos_token_ids else None
 
     def sglang_view() -> dict:
@@ -170,7 +173,7 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
             msg["prompt_logprobs"] = _prompt_logprobs(out.prompt_logprobs)
         if out.finished:
             msg["usage"] = acc.usage()
-        if sglang:  # SGLang's stream: the text and ids so far
+        if sglang_stream:  # SGLang's stream: the text and ids so far
             msg |= sglang_view()
         return msg
 

@@ -429,6 +429,13 @@ class Stage(_NativeModel):
         return {"branches": [{"prompt": b.prompt, "max_tokens": b.max_tokens} for b in self.branches]}
 
 
+SGLANG_SAMPLING_FIELDS = frozenset(SGLANG_ALIASES) | {"regex", "spaces_between_special_tokens"}
+SGLANG_REQUEST_FIELDS = frozenset({
+    "rid", "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "lora_path",
+    "image_data", "audio_data", "video_data", "input_embeds", "custom_logit_processor", "token_ids_logprob",
+    "return_hidden_states", "return_routed_experts", "log_metrics"})
+
+
 class GenerateRequest(_NativeModel):
     """`POST /generate`: exactly one of `text` and `input_ids`; `stages` makes
     it a fork/join request (`Engine.add_request`)."""
@@ -460,6 +467,13 @@ class GenerateRequest(_NativeModel):
     return_hidden_states: Literal[False] = False
     return_routed_experts: Literal[False] = False
     log_metrics: bool = True  # (changes nothing here)
+
+    def sglang_shaped(self) -> bool:
+        """Whether the request names any of SGLang's fields (its sampling names
+        included): its stream then carries SGLang's view in every event."""
+        sp = self.sampling_params
+        return bool(self.model_fields_set & SGLANG_REQUEST_FIELDS
+                    or sp.model_fields_set & SGLANG_SAMPLING_FIELDS or isinstance(sp.json_schema, str))
 
     @model_validator(mode="after")
     def _one_prompt(self):

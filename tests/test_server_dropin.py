@@ -1127,3 +1127,18 @@ def test_sglang_view_only_for_one_output(srv):
     """With n > 1 (SGLang answers a list) or stages the answer is the native one alone."""
     out = _gen(srv, {"text": "x", "sampling_params": {"max_new_tokens": 3, "n": 2, "temperature": 1.0}}).json()
     assert len(out["outputs"]) == 2 and "text" not in out and "meta_info" not in out
+
+
+def test_a_native_stream_stays_deltas(srv):
+    """A request in the native route's own terms streams deltas only (SGLang's
+    view would resend the whole text and ids in every event); its whole
+    answer still carries SGLang's view."""
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    events = _gen_stream(srv, body)
+    assert events[-1] == "[DONE]" and all("text" not in e and "meta_info" not in e for e in events[:-1])
+    streamed = [t for e in events[:-1] for o in e["outputs"] for t in o["token_ids"]]
+    whole = _gen(srv, body).json()
+    assert streamed == whole["outputs"][0]["token_ids"] == whole["output_ids"]
+    # one SGLang name is enough for SGLang's stream
+    events = _gen_stream(srv, {**body, "rid": "r"})
+    assert events[-2]["output_ids"] == streamed and events[-2]["meta_info"]["id"] == "r"

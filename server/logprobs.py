@@ -117,7 +117,8 @@ def chat_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob]) -> dict:
 
 def native_logprobs(lps: Sequence[TokenLogprob]) -> list[dict]:
     return [
-        {"token_id": lp.token_id, "logprob": finite_logprob(lp.logprob), "top": [[t, finite_logprob(v)] for t, v in lp.top]}
+        {"token_id": lp.token_id, "logprob": finite_logprob(lp.logprob),
+         "top": [[t, finite_logprob(v)] for t, v in lp.top]}
         for lp in lps
     ]
 
@@ -133,6 +134,7 @@ def vllm_prompt_logprobs(texts: TokenTexts, lps: Sequence[TokenLogprob | None]) 
             continue
         d = {str(t): {"logprob": finite_logprob(lp), "rank": r, "decoded_token": texts.text_of(t)}
              for r, (t, lp) in enumerate(e.top, start=1)}
-        d[str(e.token_id)] = {"logprob": finite_logprob(e.logprob), "rank": e.rank, "decoded_token": texts.text_of(e.token_id)}
+        d[str(e.token_id)] = {"logprob": finite_logprob(e.logprob), "rank": e.rank,
+                              "decoded_token": texts.text_of(e.token_id)}
         out.append(d)
     return out

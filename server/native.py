@@ -72,17 +72,19 @@ async def _engine_stages(client: EngineClient, stages: list[Stage]) -> list[dict
     return out
 
 
-def _sglang_finish(st, eos_matched: int | None) -> dict | None:
+def _sglang_finish(st) -> dict | None:
     """SGLang's `meta_info.finish_reason`: {"type": "stop", "matched": the
-    stop string or token id}, {"type": "length", "length": N} or {"type":
-    "abort", ...}; None while the output goes on."""
+    stop string or token id (an end token's stop: the token itself, the
+    output's last)}, {"type": "length", "length": N} or {"type": "abort",
+    ...}; None while the output goes on."""
     reason = st.finish_reason
     if reason is None:
         return None
     if reason == "length":
         return {"type": "length", "length": len(st.token_ids)}
     if reason == "stop":
-        return {"type": "stop", "matched": st.stop_reason if st.stop_reason is not None else eos_matched}
+        matched = st.stop_reason if st.stop_reason is not None else (st.token_ids[-1] if st.token_ids else None)
+        return {"type": "stop", "matched": matched}
     return {"type": "abort", "message": reason}
 
 
@@ -142,13 +144,11 @@ async def generate(req: GenerateRequest, request: Request, client: EngineClient)
     # so far, as SGLang's do, which a native client reading deltas would pay for in every event
     sglang = sp.n == 1 and not req.stages
     sglang_stream = sglang and req.sglang_shaped()
-    eos = client.eos_token_ids[0] if client.eos_token_ids else None
 
     def sglang_view() -> dict:
         st = acc.choices.get(0)
         text, out_ids = ("".join(st.text), st.token_ids) if st is not None else ("", [])
-        matched = out_ids[-1] if out_ids else eos  # an end token's stop: the token itself
-        meta = {"id": shown_id, "finish_reason": _sglang_finish(st, matched) if st is not None else None,
+        meta = {"id": shown_id, "finish_reason": _sglang_finish(st) if st is not None else None,
                 "prompt_tokens": len(ids), "completion_tokens": len(out_ids),
                 "cached_tokens": acc.cached_tokens(), "e2e_latency": time.perf_counter() - started}
         if req.return_logprob:

@@ -30,8 +30,7 @@ async def tokenize(req: TokenizeRequest, client: EngineClient) -> SafeJSONRespon
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await client.tokenize(req.prompt, "prompt", special)
     else:
-        fields = {k: getattr(req, k) for k in ("messages", "add_generation_prompt", "continue_final_message",
-                                                "chat_template_kwargs", "tools") if k in req.model_fields_set}
+        fields = {k: getattr(req, k) for k in ("messages", *_CHAT_ONLY) if k in req.model_fields_set}
         if req.add_special_tokens is not None:
             fields["add_special_tokens"] = req.add_special_tokens
         chat = ChatCompletionRequest.model_validate(fields)

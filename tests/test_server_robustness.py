@@ -90,7 +90,8 @@ def test_fork_join_branch_texts_are_checked_and_tokenized_by_the_server(srv, htt
 @pytest.mark.parametrize("body,param", [
     ({"text": "In", "sampling_params": {"max_new_token": 5}}, "sampling_params.max_new_token"),  # a typo
     ({"text": "In", "return_logprobs": True}, "return_logprobs"),
-    ({"text": "In", "sampling_params": {"structural_tag": "x"}}, "sampling_params.structural_tag"),  # SGLang's, not here
+    # SGLang's, not implemented here
+    ({"text": "In", "sampling_params": {"structural_tag": "x"}}, "sampling_params.structural_tag"),
     ({"text": "In", "stages": [{"max_tokens": 2, "n": 2}]}, "stages.0.n"),
     ({"text": "In", "stages": [{"branches": [{"prompt": "a", "max_tokens": 2, "stages": []}]}]},
      "stages.0.branches.0.stages"),

@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from stepserve.engine import cpu_features
 from stepserve.engine.config import ModelConfig, parse_dtype
-from stepserve.engine.models.llama import (LlamaForCausalLM, can_pack_linears, cpu_kernels, pack_linears,
-                                           small_batch_kernels, use_small_batch_linears)
+from stepserve.engine.models.llama import (NATIVE_ROWS, SMALL_M, LlamaForCausalLM, can_pack_linears, cpu_kernels,
+                                           pack_linears, small_batch_kernels, use_small_batch_linears)
 
 
 # On CPU, a bf16 checkpoint with at most this many parameters runs in float32 where the native small-batch
@@ -60,6 +60,24 @@ def bf16_large_steps(dtype: str | torch.dtype | None, cfg: ModelConfig, device: 
     return (dtype in (None, "auto") and device.type == "cpu" and cfg.checkpoint_dtype == torch.bfloat16
             and cpu_features.has_bf16_matmul() and cpu_features.can_prepack_bf16_linear() and _small_native(cfg, device)
             and os.environ.get("STEPSERVE_BF16_LARGE", "1") != "0")
+
+
+def native_linear_rows(cfg: ModelConfig, device: torch.device, bf16_large: bool) -> int:
+    """The most rows a float32 linear's product runs on the native panels
+    (`SmallBatchLinear`): `NATIVE_ROWS` for a small model (SMALL_MODEL_PARAMS)
+    without bf16 products past SMALL_M, else SMALL_M (a larger model is
+    unmeasured there, and bf16 hardware products beat the panels);
+    STEPSERVE_NATIVE_ROWS sets it (at least SMALL_M)."""
+    env = os.environ.get("STEPSERVE_NATIVE_ROWS")
+    if env:
+        try:
+            rows = int(env)
+        except ValueError:
+            raise ValueError(f"STEPSERVE_NATIVE_ROWS must be a row count, got {env!r}") from None
+        return max(SMALL_M, rows)
+    if bf16_large or cfg.num_parameters() > SMALL_MODEL_PARAMS:
+        return SMALL_M
+    return NATIVE_ROWS
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -131,7 +149,8 @@ def load_model(
         bf16_large = bf16_large_steps(dtype, cfg, device)
     model.bf16_large_steps = bf16_large and kernels is not None
     if kernels is not None:
-        use_small_batch_linears(model, kernels, bf16_large=bf16_large)
+        use_small_batch_linears(model, kernels, bf16_large=bf16_large,
+                                native_rows=native_linear_rows(cfg, device, bf16_large))
     fused = cpu_kernels(device, torch_dtype)
     if fused is not None:
         model.use_cpu_kernels(fused)

@@ -367,6 +367,55 @@ def test_small_batch_linears_against_torch(ckpt_factory, monkeypatch):
     assert all(m.panels.dtype == torch.bfloat16 for m in model.modules() if isinstance(m, SmallBatchLinear))
 
 
+def test_native_rows_limit_of_the_panel_products(ckpt_factory, monkeypatch):
+    """Past SMALL_M rows, a small float32 model without bf16 products keeps
+    its products on the panels up to NATIVE_ROWS rows (the panel kernel's
+    bits, which do not depend on the batch), and hands larger ones to torch;
+    STEPSERVE_NATIVE_ROWS sets the limit, never below SMALL_M. A model whose
+    products past SMALL_M run in bf16 keeps SMALL_M."""
+    import torch.nn.functional as F
+
+    from stepserve.engine.config import ModelConfig
+    from stepserve.engine.loader import native_linear_rows
+    from stepserve.engine.models.llama import NATIVE_ROWS, SMALL_M, SmallBatchLinear, small_batch_kernels
+
+    kernels = small_batch_kernels(torch.device("cpu"), torch.float32)
+    if kernels is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(48, 40, generator=g).bfloat16().float(), torch.randn(48, generator=g)
+    lin = SmallBatchLinear(w, b, kernels, native_rows=NATIVE_ROWS)
+    assert lin.native_rows == NATIVE_ROWS > SMALL_M
+    for m in (SMALL_M + 1, 100, NATIVE_ROWS, NATIVE_ROWS + 1):
+        x = torch.randn(m, 40, generator=g)
+        panels = kernels.small_linear(x, lin.panels).add_(b)
+        got = lin(x)
+        if m <= NATIVE_ROWS:
+            assert torch.equal(got, panels), m
+            assert torch.equal(got[:7], lin(x[:7])), m  # a row's bits whatever shares its product
+        else:
+            assert torch.equal(got, F.linear(x, w, b)), m
+    assert SmallBatchLinear(w, b, kernels, native_rows=4).native_rows == SMALL_M
+
+    path = ckpt_factory("llama")
+    cfg = ModelConfig.from_pretrained(path)
+    cpu = torch.device("cpu")
+    assert native_linear_rows(cfg, cpu, bf16_large=False) == NATIVE_ROWS
+    assert native_linear_rows(cfg, cpu, bf16_large=True) == SMALL_M
+    model = LLM(path, device="cpu", dtype="float32").engine.model
+    lins = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]
+    assert lins and all(m.native_rows == (SMALL_M if model.bf16_large_steps else NATIVE_ROWS) for m in lins)
+    monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", "100")
+    assert native_linear_rows(cfg, cpu, bf16_large=True) == 100
+    model = LLM(path, device="cpu", dtype="float32").engine.model
+    assert {m.native_rows for m in model.modules() if isinstance(m, SmallBatchLinear)} == {100}
+    monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", "8")
+    assert native_linear_rows(cfg, cpu, bf16_large=False) == SMALL_M
+    monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", "many")
+    with pytest.raises(ValueError, match="STEPSERVE_NATIVE_ROWS"):
+        native_linear_rows(cfg, cpu, bf16_large=False)
+
+
 def test_small_linear_rows_do_not_depend_on_their_batch():
     """A row's product from the native panel kernel is the same bits however
     many rows share its call and however its panels are split between

@@ -77,6 +77,14 @@ def pack_linears(model: nn.Module) -> int:
 # embedded model decodes batches of 24 and 32 1.45-1.6x faster with 32 here than with 16, and 64 was not
 # consistently better than 32
 SMALL_M = 32
+# rows up to which a float32 linear's product stays on the panel kernel where no bf16 hardware product takes
+# the larger ones (`loader.native_linear_rows`): past SMALL_M torch's sgemm was slower at every row count
+# up to 512 in the engine. Measured on the 2-core Zen 3 EPYC (AVX2, no bf16 products), one engine toggled
+# between interleaved repeats: a prompt of 33-40 tokens prefilled 1.4x faster (a 32-token one took 4.0 ms,
+# a 33-token one 9.5 ms at 32 rows), plain decoding of batches of 48 and 64 1.43-1.53x and of 128-256
+# 1.1-1.17x (whole `generate` calls), prompt chunks of 256 and 512 tokens 1.04-1.08x; chunks of 1,024 and
+# 2,048 tokens 0.90-0.97x with this limit at 2,048 (sgemm wins there).
+NATIVE_ROWS = 512
 _NONE = torch.empty(0)  # an absent tensor argument of the native calls
 SMALL_M_BUDGET_BYTES = 1 << 30  # panel copies made at most (the weights are kept too)
 
@@ -96,7 +104,7 @@ class SmallBatchLinear(nn.Module):
     time once the weights no longer fit in the cache (the math stays float32)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels, bf16: bool | None = None,
-                 bf16_large: bool = False):
+                 bf16_large: bool = False, native_rows: int = SMALL_M):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
@@ -109,9 +117,12 @@ class SmallBatchLinear(nn.Module):
         self._large = None
         if bf16_large and bf16:
             self._large = (prepack_weight(w.bfloat16()), None if self.bias is None else self.bias.data.bfloat16())
+        # products of up to this many rows run on the panels (at least SMALL_M: the one-call decode step's);
+        # a bf16 product takes over past SMALL_M where there is one
+        self.native_rows = SMALL_M if self._large is not None else max(SMALL_M, int(native_rows))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= SMALL_M and x.shape[0] > 0:
+        if x.dim() == 2 and x.shape[0] <= self.native_rows and x.shape[0] > 0:
             y = self._kernels.small_linear(x.contiguous(), self.panels)
             return y if self.bias is None else y.add_(self.bias)
         if self.large(x):
@@ -153,12 +164,14 @@ def small_batch_kernels(device: torch.device, dtype: torch.dtype):
 
 
 def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SMALL_M_BUDGET_BYTES,
-                            bf16_large: bool = False) -> int:
+                            bf16_large: bool = False, native_rows: int = SMALL_M) -> int:
     """Swaps each float32 nn.Linear of a loaded model whose output width is a
     multiple of 16 (and a tied output head) for a SmallBatchLinear, largest
     first, while the panel copies fit in `budget` bytes; returns how many.
     `bf16_large`: products of more rows than SMALL_M run in bfloat16 on a
-    prepacked weight where the weight is exactly bfloat16 (`bf16_large_steps`)."""
+    prepacked weight where the weight is exactly bfloat16 (`bf16_large_steps`);
+    `native_rows`: the most rows the panels multiply where no bf16 product
+    does (`SmallBatchLinear`)."""
     swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
              if type(child) is nn.Linear and child.out_features % 16 == 0]
     if model.config.tie_word_embeddings and model.model.embed_tokens.weight.shape[0] % 16 == 0:
@@ -171,7 +184,7 @@ def use_small_batch_linears(model: "LlamaForCausalLM", kernels, budget: int = SM
         size = w.numel() * (2 if bf16 else 4)  # the panels' bytes
         if size > budget:
             continue
-        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16, bf16_large)
+        lin = SmallBatchLinear(w, child.bias if child is not None else None, kernels, bf16, bf16_large, native_rows)
         budget -= size
         setattr(parent, name, lin)
         done += 1

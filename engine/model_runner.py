@@ -116,7 +116,7 @@ class ModelRunner:
         # bucket (`LlamaForCausalLM.pads_from`; None: never. CUDA graphs bring their own buckets)
         self.pads_from = model.pads_from()
         # a step of at most this many tokens runs as one native call, prompt chunks included (0: never)
-        self.fold_tokens = model.native_step_tokens(backend)
+        self.fold_tokens = model.fold_step_tokens(backend)
         # a step whose forward shape is new pays one-off work on top, and says so (`StepOutput.cold`), and so
         # does a step whose draft forwards ran a new shape (`Proposer.cold`), so that what is priced from step
         # times leaves it out

@@ -336,7 +336,7 @@ class DraftModelProposer:
         self._valid = torch.zeros(pool.num_slots, dtype=torch.bool)
         self._stale: list[torch.Tensor] = []  # slots handed out since the flags were last brought up to date
         self.pads_from = model.pads_from()  # forwards of this many tokens are padded to a bucket (None: never)
-        self.fold_tokens = model.native_step_tokens(backend)  # a forward of at most this many: one native call
+        self.fold_tokens = model.fold_step_tokens(backend)  # a forward of at most this many: one native call
         self.forwards = 0  # draft forward passes run
         self.shapes = ShapeLog()  # the draft's forward shapes (`cold`: the last `propose` ran a new one)
         self.cold = False

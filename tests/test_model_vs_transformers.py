@@ -528,6 +528,44 @@ def test_fused_cpu_ops_against_torch(ckpt_factory, monkeypatch):
     _fast_matches_torch_path(path, prompts, params, fast, plain)
 
 
+def test_larger_decode_batches_run_as_one_native_call(ckpt_factory, monkeypatch):
+    """Where every product stays on its panels past SMALL_M rows, a decode
+    step of up to NATIVE_STEP_TOKENS rows is one native call too, with the
+    layered forward's logprobs bit for bit; a step with prompt chunks folds
+    them only up to SMALL_M tokens, and with the panels' limit at SMALL_M
+    (STEPSERVE_NATIVE_ROWS=32) the one-call limit stays SMALL_M."""
+    from stepserve.engine.models.llama import NATIVE_STEP_TOKENS, SMALL_M
+
+    path = ckpt_factory("llama")
+    fast = LLM(path, device="cpu", dtype="float32", check_invariants=True)
+    model = fast.engine.model
+    if model._native_decode is None:
+        pytest.skip("native CPU kernels did not build on this machine")
+    backend = fast.engine.runner.backend
+    assert model.native_step_tokens(backend) == NATIVE_STEP_TOKENS > SMALL_M
+    assert fast.engine.runner.fold_tokens == SMALL_M
+    native, sizes = model._forward_native, []
+
+    def spy(fb, backend):
+        sizes.append(fb.input_ids.numel())
+        return native(fb, backend)
+
+    model._forward_native = spy
+    monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
+    layerwise = LLM(path, device="cpu", dtype="float32")
+    prompts = prompts_of([3 + i % 5 for i in range(40)], seed=11)
+    params = SamplingParams(max_tokens=5, logprobs=2, **GREEDY)
+    for a, b in zip(fast.generate(prompts, params), layerwise.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert [x.logprob for x in a.outputs[0].logprobs] == [x.logprob for x in b.outputs[0].logprobs]
+    assert 40 in sizes  # the 40-row decode steps ran natively
+    assert max(sizes) <= NATIVE_STEP_TOKENS
+    monkeypatch.delenv("STEPSERVE_NATIVE_DECODE")
+    monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", str(SMALL_M))
+    capped = LLM(path, device="cpu", dtype="float32")
+    assert capped.engine.model.native_step_tokens(capped.engine.runner.backend) == SMALL_M
+
+
 def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monkeypatch):
     """A step of at most SMALL_M tokens runs as one native call with its
     prompt chunks too, each chunk's tokens as decode-shaped queries (a short

@@ -85,6 +85,11 @@ SMALL_M = 32
 # 1.1-1.17x (whole `generate` calls), prompt chunks of 256 and 512 tokens 1.04-1.08x; chunks of 1,024 and
 # 2,048 tokens 0.90-0.97x with this limit at 2,048 (sgemm wins there).
 NATIVE_ROWS = 512
+# decode-shaped tokens up to which a forward whose products all stay on the panels past SMALL_M runs as one
+# native call (`LlamaForCausalLM.native_step_tokens`). Measured on the Zen 3 EPYC, one engine whose limit was
+# toggled between interleaved repeats (the same tokens every time): plain decoding of batches of 48 and 64
+# 1.14-1.16x (11 repeats of 96 tokens), of 96 1.13x and of 128 1.03x (7 of 48), of 32 and fewer unchanged.
+NATIVE_STEP_TOKENS = 128
 _NONE = torch.empty(0)  # an absent tensor argument of the native calls
 SMALL_M_BUDGET_BYTES = 1 << 30  # panel copies made at most (the weights are kept too)
 
@@ -488,6 +493,8 @@ class LlamaForCausalLM(nn.Module):
     }
     # a float32 model whose products of more than SMALL_M rows run in bf16 (`loader.bf16_large_steps`)
     bf16_large_steps = False
+    # the most decode-shaped tokens of a one-call native forward (`use_cpu_kernels`, `native_step_tokens`)
+    native_step_limit = SMALL_M
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
         super().__init__()
@@ -533,12 +540,24 @@ class LlamaForCausalLM(nn.Module):
 
     def native_step_tokens(self, backend) -> int:
         """The most decode-shaped tokens `forward` runs as one native call
-        with `backend` (0: it runs none natively)."""
-        return SMALL_M if self._native_decode is not None and getattr(backend, "native_decode_ok", False) else 0
+        with `backend` (0: it runs none natively): `native_step_limit`."""
+        ok = self._native_decode is not None and getattr(backend, "native_decode_ok", False)
+        return self.native_step_limit if ok else 0
+
+    def fold_step_tokens(self, backend) -> int:
+        """The most tokens of a step with prompt chunks that runs as one
+        native call, its chunks' tokens as decode-shaped queries (0: none):
+        at most SMALL_M. Each such query reads its whole context through the
+        paged decode kernel, where the extend path's one attention call per
+        chunk reads the keys once for all of the chunk's queries: measured on
+        the Zen 3 EPYC, a 100-token suffix past a 900-token cached prefix
+        took 34.4 ms folded (a limit of 128) against 28.1 ms on the extend
+        path (a 60-token prompt, with no prefix, 1.25x faster folded)."""
+        return min(SMALL_M, self.native_step_tokens(backend))
 
     def _forward_native(self, fb: ForwardBatch, backend) -> torch.Tensor:
-        """`forward_planned` for a batch of at most `SMALL_M` decode-shaped
-        tokens as one native call (`decode_forward`): the same ops
+        """`forward_planned` for a batch of at most `native_step_limit`
+        decode-shaped tokens as one native call (`decode_forward`): the same ops
         (`CpuKernels`, the small-batch panels, the paged decode kernel) in the
         same order, so the same logits, without Python between them."""
         return self._native_decode[0].decode_forward(
@@ -564,7 +583,7 @@ class LlamaForCausalLM(nn.Module):
     def native_greedy_steps_ok(self, num_tokens: int, backend) -> bool:
         """Whether `greedy_draft_steps` can run a first forward of `num_tokens`
         decode-shaped tokens (the one-call decode path is available)."""
-        return (self._native_decode is not None and num_tokens <= self.native_step_tokens(backend)
+        return (self._native_decode is not None and num_tokens <= self.fold_step_tokens(backend)
                 and hasattr(self._native_decode[0], "greedy_draft_steps"))
 
     def greedy_draft_steps(self, input_ids, positions, tok_rows, last, steps, table, valid, backend,
@@ -660,12 +679,16 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, native) -> None:
         """Runs the small per-layer ops as native CPU calls (float32), and a
-        forward over at most `SMALL_M` decode-shaped tokens as one native call
-        where every product has small-batch panels (STEPSERVE_NATIVE_DECODE=0:
-        layer by layer)."""
+        forward over at most `native_step_limit` decode-shaped tokens as one
+        native call where every product has small-batch panels
+        (STEPSERVE_NATIVE_DECODE=0: layer by layer): SMALL_M, or up to
+        NATIVE_STEP_TOKENS where every product stays on its panels that far
+        (`SmallBatchLinear.native_rows`), so that the one call computes what
+        the layered forward does."""
         self.kernels = CpuKernels(self.rotary, native)
         self._native_decode = None
         self._native_args = None
+        self.native_step_limit = SMALL_M
         linears = [m for layer in self.model.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         head = self._head()
@@ -685,6 +708,7 @@ class LlamaForCausalLM(nn.Module):
                        b(at.o_proj), layer.post_attention_layernorm.weight, mlp.gate_up_proj.panels, b(mlp.gate_up_proj),
                        mlp.down_proj.panels, b(mlp.down_proj)]
         self._native_decode = (native, layers, b(head))
+        self.native_step_limit = max(SMALL_M, min([NATIVE_STEP_TOKENS] + [m.native_rows for m in linears + [head]]))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final (normed) hidden states -> float32 logits."""

@@ -62,7 +62,7 @@ def bf16_large_steps(dtype: str | torch.dtype | None, cfg: ModelConfig, device: 
             and os.environ.get("STEPSERVE_BF16_LARGE", "1") != "0")
 
 
-def native_linear_rows(cfg: ModelConfig, device: torch.device, bf16_large: bool) -> int:
+def native_linear_rows(cfg: ModelConfig, bf16_large: bool) -> int:
     """The most rows a float32 linear's product runs on the native panels
     (`SmallBatchLinear`): `NATIVE_ROWS` for a small model (SMALL_MODEL_PARAMS)
     without bf16 products past SMALL_M, else SMALL_M (a larger model is
@@ -150,7 +150,7 @@ def load_model(
     model.bf16_large_steps = bf16_large and kernels is not None
     if kernels is not None:
         use_small_batch_linears(model, kernels, bf16_large=bf16_large,
-                                native_rows=native_linear_rows(cfg, device, bf16_large))
+                                native_rows=native_linear_rows(cfg, bf16_large))
     fused = cpu_kernels(device, torch_dtype)
     if fused is not None:
         model.use_cpu_kernels(fused)

@@ -400,21 +400,20 @@ def test_native_rows_limit_of_the_panel_products(ckpt_factory, monkeypatch):
 
     path = ckpt_factory("llama")
     cfg = ModelConfig.from_pretrained(path)
-    cpu = torch.device("cpu")
-    assert native_linear_rows(cfg, cpu, bf16_large=False) == NATIVE_ROWS
-    assert native_linear_rows(cfg, cpu, bf16_large=True) == SMALL_M
+    assert native_linear_rows(cfg, bf16_large=False) == NATIVE_ROWS
+    assert native_linear_rows(cfg, bf16_large=True) == SMALL_M
     model = LLM(path, device="cpu", dtype="float32").engine.model
     lins = [m for m in model.modules() if isinstance(m, SmallBatchLinear)]
     assert lins and all(m.native_rows == (SMALL_M if model.bf16_large_steps else NATIVE_ROWS) for m in lins)
     monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", "100")
-    assert native_linear_rows(cfg, cpu, bf16_large=True) == 100
+    assert native_linear_rows(cfg, bf16_large=True) == 100
     model = LLM(path, device="cpu", dtype="float32").engine.model
     assert {m.native_rows for m in model.modules() if isinstance(m, SmallBatchLinear)} == {100}
     monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", "8")
-    assert native_linear_rows(cfg, cpu, bf16_large=False) == SMALL_M
+    assert native_linear_rows(cfg, bf16_large=False) == SMALL_M
     monkeypatch.setenv("STEPSERVE_NATIVE_ROWS", "many")
     with pytest.raises(ValueError, match="STEPSERVE_NATIVE_ROWS"):
-        native_linear_rows(cfg, cpu, bf16_large=False)
+        native_linear_rows(cfg, bf16_large=False)
 
 
 def test_small_linear_rows_do_not_depend_on_their_batch():

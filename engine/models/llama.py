@@ -582,7 +582,9 @@ class LlamaForCausalLM(nn.Module):
 
     def native_greedy_steps_ok(self, num_tokens: int, backend) -> bool:
         """Whether `greedy_draft_steps` can run a first forward of `num_tokens`
-        decode-shaped tokens (the one-call decode path is available)."""
+        decode-shaped tokens (the one-call decode path is available, and the
+        tokens are few enough to fold: a draft's entries may be catch-ups on
+        a long context, `fold_step_tokens`)."""
         return (self._native_decode is not None and num_tokens <= self.fold_step_tokens(backend)
                 and hasattr(self._native_decode[0], "greedy_draft_steps"))
 

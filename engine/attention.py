@@ -7,6 +7,7 @@ plan/run split so that the GPU backend slots in behind the same interface.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -63,6 +64,20 @@ def _sdpa(q, k, v, attn_mask=None, is_causal=False, scale=None):
                                           enable_gqa=True)
 
 
+def fold_pairs() -> int:
+    """`TorchAttention.FOLD_PAIRS`, or STEPSERVE_FOLD_PAIRS where it is set."""
+    env = os.environ.get("STEPSERVE_FOLD_PAIRS")
+    if env is None or not env.strip():
+        return TorchAttention.FOLD_PAIRS
+    try:
+        pairs = int(env)
+    except ValueError:
+        raise ValueError(f"STEPSERVE_FOLD_PAIRS must be a count of query-key pairs, got {env!r}") from None
+    if pairs < 0:
+        raise ValueError(f"STEPSERVE_FOLD_PAIRS must be at least 0, got {pairs}")
+    return pairs
+
+
 class TorchAttention:
     """Reference backend: gathers each row's KV by slot index and calls SDPA.
 
@@ -76,6 +91,16 @@ class TorchAttention:
 
     # bf16_extend: a prompt chunk of more than this many tokens attends in bfloat16
     BF16_EXTEND_MIN = 32
+    # A prompt chunk of at most this many query-key pairs attends faster through the paged kernel, its
+    # tokens as decode-shaped queries (`ModelRunner.folded_chunks`), than through gather + SDPA: the
+    # extend path's gathers, mask and SDPA call cost more than the kernel's reads of the context once
+    # per query. Measured on the 2-core Zen 5 EPYC (AVX-512, no AMX), the embedded model, one layer's
+    # attention: 33 tokens 4.8 us against 26 (no prefix), 84 against 136 past 700 cached tokens; 128
+    # tokens 46 against 88 (no prefix), 348 against 446 past 700; whole lone-prompt steps 1.09-1.46x
+    # faster folded up to 275k pairs. On the Zen 3 EPYC (AVX2) a 100-token chunk past 900 cached
+    # tokens (95k pairs) ran slower folded (34.4 ms against 28.1), so the default stops well short of that.
+    # STEPSERVE_FOLD_PAIRS sets it (0: never).
+    FOLD_PAIRS = 32_768
 
     def __init__(self, pool: TokenKVPool, num_heads: int, num_kv_heads: int, head_dim: int,
                  native: bool | None = None, bf16_extend: bool = False):
@@ -94,6 +119,7 @@ class TorchAttention:
         # a float32 model may run a batch of few decode-shaped tokens as one native call over this pool
         # (`LlamaForCausalLM._forward_native`)
         self.native_decode_ok = self.kernel is not None and pool.dtype == torch.float32
+        self.fold_pairs = fold_pairs() if self.native_decode_ok else 0
         self._decode_idx: torch.Tensor | None = None
         self._decode_mask: torch.Tensor | None = None
         self._extend_idx: list[torch.Tensor] = []
@@ -104,6 +130,9 @@ class TorchAttention:
         # and the chunk's attention output goes on into a bf16 product (o_proj) anyway. Measured on the
         # 2-core Xeon with AMX, one thread: a causal 384-token chunk of the embedded model's heads
         # 0.69 ms against 1.53 per layer, casts included (2.1-2.2x from 384 to 1,000 tokens, 1.6x at 128).
+        # With AVX512_BF16 alone it is slower: on the 2-core Zen 5 EPYC, lone prompts of 48-1,000 tokens
+        # ran 1.03-1.16x faster with float32 attention, so the engine asks for it only with AMX
+        # (`cpu_features.has_amx`).
         self.bf16_extend = bf16_extend and pool.device.type == "cpu" and pool.dtype == torch.float32
 
     def prepare(self, fb: ForwardBatch) -> None:

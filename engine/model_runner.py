@@ -117,10 +117,29 @@ class ModelRunner:
         self.pads_from = model.pads_from()
         # a step of at most this many tokens runs as one native call, prompt chunks included (0: never)
         self.fold_tokens = model.fold_step_tokens(backend)
+        # and in any step, a prompt chunk of at most this many query-key pairs attends as decode-shaped
+        # queries through the paged kernel (`folded_chunks`; 0: never)
+        self.fold_pairs = getattr(backend, "fold_pairs", 0)
         # a step whose forward shape is new pays one-off work on top, and says so (`StepOutput.cold`), and so
         # does a step whose draft forwards ran a new shape (`Proposer.cold`), so that what is priced from step
         # times leaves it out
         self.shapes = ShapeLog()
+
+    def folded_chunks(self, plan: StepPlan, before: int, chunks: list) -> list[bool] | None:
+        """Which of the step's prompt chunks (`chunks`, after `before`
+        decode-shaped tokens) run as decode-shaped queries, one per position
+        (None: none). All of them where the step has at most `fold_tokens`
+        tokens (one native call); else each chunk of at most `fold_pairs`
+        query-key pairs. Never a chunk that scores its prompt, and never in a
+        step that samples nothing."""
+        if not chunks or not plan.samples or not (self.fold_tokens or self.fold_pairs):
+            return None
+        if (before + sum(r.num_new for r in chunks) <= self.fold_tokens
+                and not any(r.seq.full_prefill for r in chunks)):
+            return [True] * len(chunks)
+        got = [not r.seq.full_prefill and r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 <= self.fold_pairs
+               for r in chunks]
+        return got if any(got) else None
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
         """The flat batch of `plan`, and for the rows that want prompt logprobs
@@ -154,24 +173,33 @@ class ModelRunner:
                 out_slots.extend(slots[off : off + n])  # (the slots of drafts not made are left out)
                 off += r.num_new
             out_slots.extend(slots[off:])
-        ext = rows[nd + nv :]
-        fold = self.fold_tokens
-        if (ext and fold and plan.samples and len(ids) + sum(r.num_new for r in ext) <= fold
-                and not any(r.seq.full_prefill for r in ext)):
-            # a step of few tokens runs as one native call: its prompt chunks as decode-shaped queries too,
-            # one per position, each reading its context through the table (the step's KV is written first,
-            # as for a verify row's drafts)
-            for r in ext:
-                ids.extend(r.seq.token_ids[r.start : r.start + r.num_new])
-                pos.extend(range(r.start, r.start + r.num_new))
-                dec_rows.extend([r.seq.row] * r.num_new)
-                last_index.append(len(ids) - 1)
-            ext = []
+        ext = list(enumerate(rows[nd + nv :], nd + nv))
+        last_index.extend([0] * len(ext))  # (each prompt chunk's, set below: its row's last token)
+        folded = self.folded_chunks(plan, len(ids), [r for _, r in ext])
+        if folded:
+            # prompt chunks as decode-shaped queries, one per position, each reading its context through the
+            # table (the step's KV is written first, as for a verify row's drafts)
+            for (i, r), fold in zip(ext, folded):
+                if fold:
+                    ids.extend(r.seq.token_ids[r.start : r.start + r.num_new])
+                    pos.extend(range(r.start, r.start + r.num_new))
+                    dec_rows.extend([r.seq.row] * r.num_new)
+                    last_index[i] = len(ids) - 1
+            if not all(folded):  # the chunks' slots (in row order at the tail) follow their tokens' new order
+                tail, base = [], len(out_slots) - sum(r.num_new for _, r in ext)
+                for want in (True, False):
+                    off = base
+                    for (_, r), fold in zip(ext, folded):
+                        if fold == want:
+                            tail.extend(out_slots[off : off + r.num_new])
+                        off += r.num_new
+                out_slots[base:] = tail
+            ext = [e for e, fold in zip(ext, folded) if not fold]
         num_dq = len(ids)  # decode-shaped queries: decode rows, every verify position, folded prompt chunks
         extend_meta = []
         table = self.req_pool.table
         prompt_rows = []
-        for r in ext:
+        for i, r in ext:
             first = len(ids)
             if r.seq.full_prefill:  # positions p < prompt_len - 1 score the prompt token at p + 1
                 k = min(r.start + r.num_new, r.seq.prompt_len - 1) - r.start
@@ -179,7 +207,7 @@ class ModelRunner:
                     prompt_rows.append((r.seq, r.start, k, first))
             ids.extend(r.seq.token_ids[r.start : r.start + r.num_new])
             pos.extend(range(r.start, r.start + r.num_new))
-            last_index.append(len(ids) - 1)
+            last_index[i] = len(ids) - 1
             extend_meta.append((first, r.num_new, table[r.seq.row, : r.start + r.num_new]))
         real = len(ids)
         pad = token_bucket(real) - real if pads(real, self.pads_from) else 0

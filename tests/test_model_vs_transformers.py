@@ -571,8 +571,10 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
     prompt, a suffix past a radix-cache hit, a prompt beside decode rows):
     such steps generate transformers' greedy tokens, with logprobs within
     float rounding of the layer-by-layer forward (STEPSERVE_NATIVE_DECODE=0),
-    whose chunks run through the extend path. A step with more tokens, or
-    with a row that scores its prompt, keeps the extend path."""
+    whose chunks run through the extend path (STEPSERVE_FOLD_PAIRS=0 too).
+    A step with more tokens folds a chunk of at most `fold_pairs` query-key
+    pairs (one native call where the one-call limit allows); a larger chunk,
+    or a row that scores its prompt, keeps the extend path."""
     from stepserve.engine.models.llama import SMALL_M
 
     path = ckpt_factory("qwen2")  # q/k/v bias
@@ -589,8 +591,9 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
 
     model._forward_native = spy
     monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
+    monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "0")
     layerwise = LLM(path, device="cpu", check_invariants=True)
-    assert layerwise.engine.runner.fold_tokens == 0
+    assert layerwise.engine.runner.fold_tokens == layerwise.engine.runner.fold_pairs == 0
     params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
     short = prompts_of([6, 11, 3], seed=4)
     _fast_matches_torch_path(path, short, params, fast, layerwise)  # one step of 20 prompt tokens
@@ -615,11 +618,69 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
     for (ta, la), (tb, lb) in zip(out["fast"], out["layerwise"]):
         assert ta == tb and la == pytest.approx(lb, abs=1e-4)
     assert out["fast"][1][0] == reference(path, [base + [17, 18, 19]], 8)[0]
-    # more tokens than SMALL_M, or prompt logprobs: the extend path
+    # more tokens than SMALL_M: folded within the pair budget (561 pairs), one call where the limit allows
     steps.clear()
-    fast.generate(prompts_of([SMALL_M + 1], seed=8), params)
+    longer = prompts_of([SMALL_M + 1], seed=8)
+    _fast_matches_torch_path(path, longer, params, fast, layerwise)
+    runner = fast.engine.runner
+    assert runner.fold_pairs > (SMALL_M + 1) * (SMALL_M + 2) // 2
+    assert any(n == SMALL_M + 1 for n, _ in steps) == (model.native_step_tokens(runner.backend) > SMALL_M)
+    # a chunk past the pair budget, or prompt logprobs: the extend path
+    steps.clear()
+    runner.fold_pairs = 100
+    fast.generate(prompts_of([SMALL_M + 1], seed=10), params)
     fast.generate(prompts_of([7], seed=9), SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))
     assert all(n == 1 for n, _ in steps)  # only the one-row decode steps ran natively
+
+
+def test_prompt_chunks_within_the_pair_budget_attend_as_decode_queries(ckpt_factory, monkeypatch):
+    """In a layer-by-layer step (STEPSERVE_NATIVE_DECODE=0), each prompt
+    chunk of at most `fold_pairs` query-key pairs attends through the paged
+    kernel as decode-shaped queries, beside decode rows and beside a chunk
+    past the budget, which keeps the extend path: transformers' greedy
+    tokens, and the extend path's logprobs (STEPSERVE_FOLD_PAIRS=0) within
+    float rounding."""
+    path = ckpt_factory("llama")
+    monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
+    monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "0")
+    plain = LLM(path, device="cpu", check_invariants=True)
+    monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "2000")
+    folding = LLM(path, device="cpu", check_invariants=True)
+    runner = folding.engine.runner
+    if runner.fold_pairs == 0:
+        pytest.skip("the paged CPU kernel did not build on this machine")
+    assert runner.fold_pairs == 2000 and plain.engine.runner.fold_pairs == 0
+    picked, real = [], runner.folded_chunks
+
+    def spy(plan, before, chunks):
+        got = real(plan, before, chunks)
+        picked.append([(r.start, r.num_new) for r, f in zip(chunks, got or [False] * len(chunks)) if f])
+        return got
+
+    runner.folded_chunks = spy
+    params = SamplingParams(max_tokens=6, logprobs=2, **GREEDY)
+    # 40 tokens (820 pairs) and 50 tokens (1,275) fold; 70 (2,485) does not
+    prompts = prompts_of([40, 70, 50], seed=21)
+    _fast_matches_torch_path(path, prompts, params, folding, plain)
+    assert (0, 40) in picked[0] and (0, 50) in picked[0] and all(n != 70 for step in picked for _, n in step)
+    # a 30-token suffix past a 40-token cached prefix (1,665 pairs), beside another request's decode rows
+    out = {}
+    for name, llm in (("folding", folding), ("plain", plain)):
+        eng = llm.engine
+        first = eng.add_request(prompts_of([9], seed=22)[0], params)
+        for _ in range(2):
+            eng.step()
+        second = eng.add_request(prompts[0] + prompts_of([30], seed=23)[0], params)
+        while eng.has_unfinished():
+            eng.step()
+        out[name] = [(r.outputs[0].token_ids, [x.logprob for x in r.outputs[0].logprobs])
+                     for r in (first.output(False), second.output(False))]
+    assert any((40, 30) in step for step in picked)
+    for (ta, la), (tb, lb) in zip(out["folding"], out["plain"]):
+        assert ta == tb and la == pytest.approx(lb, abs=1e-4)
+    monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "-1")
+    with pytest.raises(ValueError, match="STEPSERVE_FOLD_PAIRS"):
+        LLM(path, device="cpu")
 
 
 def _fast_matches_torch_path(path, prompts, params, fast, plain):

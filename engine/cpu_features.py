@@ -60,6 +60,18 @@ def has_bf16_matmul() -> bool:
     return False
 
 
+def has_amx() -> bool:
+    """AMX tiles (Intel Sapphire Rapids on). torch's CPU flash attention in
+    bf16 runs on them 1.6-2.2x faster than in float32 (the 2-core Xeon); with
+    AVX512_BF16 alone (the 2-core Zen 5 EPYC) it ran slower than float32."""
+    if isa_cap() != "native":
+        return False
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # older torch
+        return False
+
+
 @functools.cache
 def _probe_prepacked_bf16() -> str | None:
     """None if a bf16 weight prepacked for oneDNN computes what F.linear does

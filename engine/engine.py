@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from stepserve.engine import host_memory
+from stepserve.engine import cpu_features, host_memory
 from stepserve.engine.defaults import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 from stepserve.engine.attention import TorchAttention
 from stepserve.engine.attention_flashinfer import FlashInferAttention, flashinfer_unavailable
@@ -534,7 +534,7 @@ class Engine:
                             "flashinfer, and runs without CUDA graphs", reason)
         return TorchAttention(pool, mc.num_heads, mc.num_kv_heads, mc.head_dim,
                               native=None if choice == "auto" else False,
-                              bf16_extend=getattr(model, "bf16_large_steps", False)
+                              bf16_extend=getattr(model, "bf16_large_steps", False) and cpu_features.has_amx()
                               and os.environ.get("STEPSERVE_BF16_EXTEND", "1") != "0")
 
     @property

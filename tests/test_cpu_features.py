@@ -36,15 +36,17 @@ def test_bf16_products_probe_agrees_with_torch():
     """bf16 products in hardware are AMX tiles or AVX512_BF16, as torch reports
     them (on this machine, uncapped); never under the AVX2 cap."""
     if cpu_features.isa_cap() != "native":
-        assert not cpu_features.has_bf16_matmul()
+        assert not cpu_features.has_bf16_matmul() and not cpu_features.has_amx()
         return
     want = any(getattr(torch.cpu, p, lambda: False)() for p in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
     assert cpu_features.has_bf16_matmul() == want
+    assert cpu_features.has_amx() == getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    assert not cpu_features.has_amx() or cpu_features.has_bf16_matmul()
 
 
 def test_capped_isa_takes_the_avx2_paths(monkeypatch):
     monkeypatch.setenv(cpu_features.ISA_ENV, "avx2")
-    assert not cpu_features.has_bf16_matmul()
+    assert not cpu_features.has_bf16_matmul() and not cpu_features.has_amx()
     assert not cpu_features.can_prepack_bf16_linear()
     assert cpu_features.kernel_march() == "x86-64-v3"
     assert cpu_features.kernel_build_tag() == "x86_64_v3"
@@ -103,6 +105,8 @@ def test_a_small_bf16_checkpoint_runs_float32_and_its_large_products_in_bf16(ckp
     assert bf16_large_steps("auto", cfg, cpu) == fast and not bf16_large_steps("float32", cfg, cpu)
     llm = LLM(path, device="cpu")
     assert llm.engine.dtype == torch.float32 and llm.engine.bf16_large_steps == fast
+    # a prompt chunk's attention goes to bf16 with it only on AMX (with AVX512_BF16 alone it is slower)
+    assert llm.engine.runner.backend.bf16_extend == (fast and cpu_features.has_amx())
     lins = [m for m in llm.engine.model.modules() if isinstance(m, SmallBatchLinear)]
     assert lins and all((m._large is not None) == fast for m in lins)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))

@@ -268,6 +268,62 @@ def test_step_noise_carries_the_profiles_lag1_correlation(rho):
         SimRunner(LinearLatencyModel("linear", [1e-3, 0, 0, 0]), VirtualClock(), q, noise_lag1=1.0)
 
 
+def test_step_noise_per_size_of_step():
+    """With `noise_by_size` a step draws from the bin of its predicted time,
+    each bin scaled to mean 1 on its own: a 1 ms step scatters as the wide
+    bin does and a 20 ms step as the narrow one, and neither moves its mean."""
+    from stepserve.scheduler.latency_model import StepFeatures
+    from stepserve.traces.simulator import SimRunner, VirtualClock
+
+    wide, narrow = list(np.linspace(0.4, 2.2, 101)), list(np.linspace(1.8, 2.2, 101))
+    model = LinearLatencyModel("linear", [0.0, 0.0, 0.0, 1e-3])  # 1 ms per new token
+    runner = SimRunner(model, VirtualClock(), [1.0] * 101, noise_seed=5, noise_by_size=[[5e-3, wide], [None, narrow]])
+    small = np.array([runner.step_time(StepFeatures(1, 1, 1)) for _ in range(4000)]) / 1e-3
+    large = np.array([runner.step_time(StepFeatures(1, 1, 20)) for _ in range(4000)]) / 20e-3
+    assert small.mean() == pytest.approx(1.0, abs=0.03) and large.mean() == pytest.approx(1.0, abs=0.01)
+    assert small.min() == pytest.approx(0.4 / 1.3, abs=0.01) and small.max() == pytest.approx(2.2 / 1.3, abs=0.01)
+    assert large.min() == pytest.approx(0.9, abs=0.01) and large.max() == pytest.approx(1.1, abs=0.01)
+    # a step on the edge belongs to the bin above it, as `calibrate.noise_by_size` cuts them
+    edge = np.array([runner.step_time(StepFeatures(1, 1, 5)) for _ in range(500)]) / 5e-3
+    assert edge.min() >= 0.9 - 1e-9
+    # the profile's bins reach the simulator
+    by_size = [{"upto_s": 5e-3, "n": 300, "quantiles": wide}, {"upto_s": None, "n": 300, "quantiles": narrow}]
+    cfg = SimConfig.from_profile({"kv_slots": 100}, noise={"quantiles": [1.0] * 101, "by_size": by_size})
+    assert cfg.noise_by_size == [[5e-3, wide], [None, narrow]]
+    for bad in ([[None, wide], [None, narrow]], [[5e-3, wide], [2e-3, wide], [None, narrow]], [[5e-3, []], [None, wide]]):
+        with pytest.raises(ValueError, match="noise_by_size"):
+            SimRunner(model, VirtualClock(), [1.0] * 101, noise_by_size=bad)
+
+
+def test_calibration_bins_the_step_scatter_by_size():
+    """`noise_by_size` cuts busy steps at shares of their predicted time and
+    recovers each size's own scatter; a bin of too few steps joins the one
+    below, and too few steps in all give no bins."""
+    from stepserve.traces.calibrate import NOISE_BIN_MIN, noise_by_size
+
+    rng = np.random.default_rng(2)
+    pred = np.concatenate([rng.uniform(0.5e-3, 1.5e-3, 6000), rng.uniform(2e-3, 8e-3, 3000),
+                           rng.uniform(20e-3, 40e-3, 1000)])
+    sd = np.where(pred < 1.5e-3, 0.3, np.where(pred < 10e-3, 0.18, 0.1))
+    ratio = np.exp(rng.normal(0.0, sd))
+    bins = noise_by_size(pred, ratio, ratio)
+    assert [b["n"] for b in bins] == [5000, 3000, 1500, 500]  # at 50%, 80% and 95% of the steps
+    assert bins[-1]["upto_s"] is None and all(a["upto_s"] < b["upto_s"] for a, b in zip(bins, bins[1:-1]))
+
+    def log_sd(q):  # from the quantiles' interquartile range
+        return (math.log(q[75]) - math.log(q[25])) / 1.349
+
+    assert log_sd(bins[0]["quantiles"]) == pytest.approx(0.3, rel=0.1)
+    assert log_sd(bins[2]["quantiles"]) == pytest.approx(0.14, rel=0.25)  # a mix of 0.18 and 0.1
+    assert log_sd(bins[3]["quantiles"]) == pytest.approx(0.1, rel=0.1)
+    # 1,000 steps: 500, 300, then 150 and 50 too few, each joining the bin below
+    assert NOISE_BIN_MIN == 200
+    few = noise_by_size(pred[:1000], ratio[:1000], ratio[:1000])
+    assert [b["n"] for b in few] == [500, 500] and few[-1]["upto_s"] is None
+    assert noise_by_size(pred[:500], ratio[:500], ratio[:500]) == []  # 250, then 250 together: one bin
+    assert noise_by_size(pred[:399], ratio[:399], ratio[:399]) == []
+
+
 def test_calibration_measures_the_lag1_of_the_step_scatter():
     """`noise_lag1` recovers the correlation of an AR(1) scatter over busy
     steps, ignores pairs across an idle wait, reads independent scatter as ~0,

@@ -99,6 +99,13 @@ class SimConfig:
     # simulated server past saturation at a rate the real one sustained).
     noise_quantiles: list[float] = field(default_factory=list)
     noise_seed: int = 0
+    # The same per size of step, where the profile has it (`calibrate.noise_by_size`):
+    # [[upto_s, quantiles], ...], upto_s increasing and None for the last (unbounded). A step
+    # draws from the bin of its predicted time, each bin scaled to mean 1 on its own: a small
+    # step scatters more than a large one (log-sd 0.3 under 1.5 ms against 0.1-0.13 over 15 ms
+    # on a 2-core EPYC), and one set of quantiles gives every step the same width. Empty:
+    # `noise_quantiles` for every step.
+    noise_by_size: list = field(default_factory=list)
     # Successive steps' scatter is not independent on a real machine: it swings
     # slowly (lag-1 autocorrelation of 0.5-0.9 over a server's busy steps), and
     # a slow stretch lengthens every token of the requests in it, which is what
@@ -136,6 +143,7 @@ class SimConfig:
         if noise and noise.get("quantiles"):
             kw["noise_quantiles"] = list(noise["quantiles"])
             kw["noise_lag1"] = float(noise.get("lag1") or 0.0)
+            kw["noise_by_size"] = [[b["upto_s"], list(b["quantiles"])] for b in noise.get("by_size") or ()]
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**kw)
 
@@ -178,6 +186,13 @@ def shifted_rates(rates: list[float], shift: float) -> list[float]:
     return out
 
 
+def _unit_mean(quantiles) -> list[float]:
+    """Quantiles of a step's time over the model's, scaled to mean 1 (the
+    scatter must not move the mean, which is the model's)."""
+    mean = sum(quantiles) / len(quantiles) if quantiles else 1.0
+    return [q / mean for q in quantiles]
+
+
 class SimRunner:
     """Stands in for the model runner: placeholder tokens, and the clock moved
     by the latency model's prediction (times a draw of the profile's noise),
@@ -186,7 +201,7 @@ class SimRunner:
 
     def __init__(self, latency_model, clock: "VirtualClock", noise_quantiles=(), noise_seed: int = 0,
                  costs: ServingCosts | None = None, noise_lag1: float = 0.0, acceptance=(), draft_model=None,
-                 speed_schedule=()):
+                 speed_schedule=(), noise_by_size=()):
         if not -1.0 < noise_lag1 < 1.0:
             raise ValueError(f"noise_lag1 must be in (-1, 1), got {noise_lag1}")
         if any(not 0.0 <= a <= 1.0 for a in acceptance):
@@ -197,8 +212,8 @@ class SimRunner:
         self.acceptance = [float(a) for a in acceptance]
         self.draft_model = draft_model  # the draft model's step latency (None: a proposer that costs nothing)
         self.clock = clock
-        mean = sum(noise_quantiles) / len(noise_quantiles) if noise_quantiles else 1.0
-        self.noise = [q / mean for q in noise_quantiles]
+        self.noise = _unit_mean(noise_quantiles)
+        self._noise_edges, self._noise_bins = self._size_bins(noise_by_size)
         self.rho = noise_lag1
         self._innov = math.sqrt(1.0 - noise_lag1 * noise_lag1)
         self.reset(noise_seed, costs or ServingCosts())
@@ -213,6 +228,18 @@ class SimRunner:
         self.device_free = 0.0  # overlap schedule: when the device finishes the steps launched so far
         self.rows_before = 0  # rows of the step before (the busy loop's time after it grows with them)
         self.taken = 0  # requests that arrived at the busy engine since the last step started (intake_s each)
+
+    @staticmethod
+    def _size_bins(by_size) -> tuple[list[float], list[list[float]]]:
+        """(upper edges but the last's, each bin's quantiles scaled to mean 1) of `SimConfig.noise_by_size`."""
+        if not by_size:
+            return [], []
+        edges = [b[0] for b in by_size[:-1]]
+        if any(e is None for e in edges) or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"noise_by_size: upper edges must increase, the last None; got {[b[0] for b in by_size]}")
+        if any(not b[1] for b in by_size):
+            raise ValueError("noise_by_size: every bin needs its quantiles")
+        return [float(e) for e in edges], [_unit_mean(b[1]) for b in by_size]
 
     @staticmethod
     def _schedule(model, schedule) -> tuple[list[float], list, list[float], list[float]]:
@@ -243,8 +270,8 @@ class SimRunner:
         if i >= 0:
             model = self._speed_models[i]
         dt = model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
-        if self.noise:
-            q = self.noise
+        if self.noise or self._noise_bins:
+            q = self._noise_bins[bisect_right(self._noise_edges, dt)] if self._noise_bins else self.noise
             if self.rho:
                 self._z = self.rho * self._z + self._innov * self.rng.gauss(0.0, 1.0)
                 u = 0.5 * (1.0 + math.erf(self._z * _SQRT_HALF))
@@ -372,7 +399,7 @@ class Simulator:
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
         self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
-                                noise_lag1=self.cfg.noise_lag1, acceptance=self.cfg.acceptance,
+                                noise_lag1=self.cfg.noise_lag1, noise_by_size=self.cfg.noise_by_size, acceptance=self.cfg.acceptance,
                                 draft_model=draft_model, speed_schedule=self.cfg.speed_schedule)
         # requests may decode speculatively where a speculation-length policy runs
         self.speculative = any(getattr(p, "name", None) == "spec-length" for p in self.policies)

@@ -715,8 +715,11 @@ def run_validate(args) -> int:
     # told the machine's speed of each window, the simulation draws only the scatter about it: the raw
     # quantiles also hold the speed's swings during the profile, which the windows now carry
     noise = prof.data.get("noise") or {}
-    within = {"noise_quantiles": list(noise["quantiles_within"])} \
-        if args.speed_window and cfg.noise_quantiles and noise.get("quantiles_within") else {}
+    within = {}
+    if args.speed_window and cfg.noise_quantiles and noise.get("quantiles_within"):
+        within = {"noise_quantiles": list(noise["quantiles_within"])}
+        if cfg.noise_by_size:
+            within["noise_by_size"] = [[b["upto_s"], list(b["quantiles_within"])] for b in noise["by_size"]]
     for rep, i in grid:
         specs, sinfo = scal[rep, i]
         p, c = prof, cfg
@@ -754,6 +757,7 @@ def run_validate(args) -> int:
         "scaling": sinfo.to_dict(), "slo": dataclasses.asdict(slo), "goals": GOALS,
         "profile": {"path": args.profile, "name": prof.name, "source": prof.source, "engine": prof.engine},
         "simulator": dataclasses.asdict(cfg) | {"noise_quantiles": len(cfg.noise_quantiles),
+                                                "noise_by_size": [b[0] for b in cfg.noise_by_size],
                                                 "speed_from_step_log": args.speed_from_step_log,
                                                 "speed_window_s": args.speed_window, "speed_schedule": None,
                                                 "noise_within_windows": bool(within)},

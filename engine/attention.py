@@ -97,7 +97,7 @@ class TorchAttention:
     # per query. Measured on the 2-core Zen 5 EPYC (AVX-512, no AMX), the embedded model, one layer's
     # attention: 33 tokens 4.8 us against 26 (no prefix), 84 against 136 past 700 cached tokens; 128
     # tokens 46 against 88 (no prefix), 348 against 446 past 700; whole lone-prompt steps 1.09-1.46x
-    # faster folded up to 275k pairs. On the Zen 3 EPYC (AVX2) a 100-token chunk past 900 cached
+    # faster folded up to 275k pairs (two threads), 1.08-1.19x inside the budget with one (a server's engine). On the Zen 3 EPYC (AVX2) a 100-token chunk past 900 cached
     # tokens (95k pairs) ran slower folded (34.4 ms against 28.1), so the default stops well short of that.
     # STEPSERVE_FOLD_PAIRS sets it (0: never).
     FOLD_PAIRS = 32_768
@@ -131,7 +131,8 @@ class TorchAttention:
         # 2-core Xeon with AMX, one thread: a causal 384-token chunk of the embedded model's heads
         # 0.69 ms against 1.53 per layer, casts included (2.1-2.2x from 384 to 1,000 tokens, 1.6x at 128).
         # With AVX512_BF16 alone it is slower: on the 2-core Zen 5 EPYC, lone prompts of 48-1,000 tokens
-        # ran 1.03-1.16x faster with float32 attention, so the engine asks for it only with AMX
+        # ran 1.03-1.16x faster with float32 attention (two threads; 0.99-1.06x with one, as a server's
+        # engine runs), so the engine asks for it only with AMX
         # (`cpu_features.has_amx`).
         self.bf16_extend = bf16_extend and pool.device.type == "cpu" and pool.dtype == torch.float32
 

@@ -91,7 +91,16 @@ TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "pref
 # attention: latency- and memory-bound), and per token computed (the matrix
 # products and prefill attention: compute-bound). Measured on 2 shared cores,
 # replay traffic slowed the first by up to 1.5x where it slowed the second 1.1x.
-TOKEN_TERMS = ("new_tokens", "prefill_pairs")
+# The prompt chunks' own terms (`prefill_step`, `extend_rows`) go with the
+# second: a run's speed is read off its decode steps for the first part and
+# its prompt steps for the second (`validate.run_speed`), and a decode step
+# has no chunk, so the decode steps' factor has nothing to say of them. Under
+# the first (x1.3-1.8 on a 2-core Zen 5 EPYC's replays, where the prompt steps
+# ran at ~1.0x) the once-a-step chunk price grew, the fitted per-token factor
+# fell to 0.63-0.78 to keep the prompt steps' total, and the window-scaled
+# model priced steps of 257+ prompt tokens 16-20% under their time and those of
+# 1-64 at 1.4-1.5x theirs (with them here: 10-11% under, 1.15-1.25x).
+TOKEN_TERMS = ("new_tokens", "prefill_pairs", "prefill_step", "extend_rows")
 
 
 def row_knots(max_rows: int) -> tuple[int, ...]:
@@ -330,7 +339,8 @@ class LinearLatencyModel:
 
     def rescaled(self, alpha: float, token_alpha: float | None = None) -> "LinearLatencyModel":
         """alpha * this model; with `token_alpha`, the `TOKEN_TERMS` part
-        times token_alpha and the rest times alpha."""
+        (per token, and the prompt chunks' own terms) times token_alpha and
+        the rest (per step, per row, per context token) times alpha."""
         if token_alpha is None:
             return LinearLatencyModel(self.form, [alpha * c for c in self.coef], self.min_s, self.knots)
         n_rows = max(1, len(self.knots))
@@ -339,9 +349,10 @@ class LinearLatencyModel:
         return LinearLatencyModel(self.form, [k * c for k, c in zip(scale, self.coef)], self.min_s, self.knots)
 
     def token_part(self, f: StepFeatures) -> float:
-        """The `TOKEN_TERMS` part of a prediction (before the `min_s` floor)."""
-        _, _, d, e, _, _ = self._c
-        return d * f.new_tokens + e * f.prefill_pairs
+        """The `TOKEN_TERMS` part of a prediction (before the `min_s` floor):
+        per new token and prefill pair, and a step's chunk prices."""
+        _, _, d, e, g, x = self._c
+        return d * f.new_tokens + e * f.prefill_pairs + ((g + x * f.extend_rows) if f.extend_rows > 0 else 0.0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinearLatencyModel":

@@ -513,8 +513,9 @@ def test_profile_refuses_the_segmented_form_without_a_step_log(tmp_path):
     ("segmented", [3e-3, 9e-4, 4e-4, 6e-5, 1e-7, 9e-5, 1e-9, 2e-3, 5e-4], (1, 2, 4)),
 ])
 def test_rescaled_in_two_parts(form, coef, knots):
-    """rescaled(a, b): the per-token terms (new tokens, prefill pairs) times b,
-    everything else (the constant, every rows segment, context, chunks) times a."""
+    """rescaled(a, b): the per-token terms (new tokens, prefill pairs) and the
+    prompt chunks' own (prefill step, extend rows) times b, everything else
+    (the constant, every rows segment, context) times a."""
     m = LinearLatencyModel(form, coef, knots=knots)
     r = m.rescaled(1.5, 1.1)
     for f in (StepFeatures(1, 100, 1), StepFeatures(7, 900, 7), StepFeatures(3, 700, 600, 2.5e5, 1)):
@@ -522,6 +523,12 @@ def test_rescaled_in_two_parts(form, coef, knots):
         assert 0 < tok < m.predict_features(f)
         assert r.predict_features(f) == pytest.approx(1.5 * (m.predict_features(f) - tok) + 1.1 * tok, rel=1e-12)
     assert m.rescaled(2.0, 2.0).coef == pytest.approx(m.rescaled(2.0).coef)
+    if form == "segmented":  # by hand: const + R(3) + context, then tokens, pairs, the step's chunk price, one chunk
+        rest = 3e-3 + (9e-4 + 4e-4) + 700 * 1e-7
+        prompt = 600 * 9e-5 + 2.5e5 * 1e-9 + 2e-3 + 5e-4
+        assert m.token_part(StepFeatures(3, 700, 600, 2.5e5, 1)) == pytest.approx(prompt, rel=1e-12)
+        assert r.predict_features(StepFeatures(3, 700, 600, 2.5e5, 1)) == pytest.approx(1.5 * rest + 1.1 * prompt)
+        assert r.predict_features(StepFeatures(3, 700, 3)) == pytest.approx(1.5 * rest + 1.1 * 3 * 9e-5)
 
 
 def test_online_rescale_counts_the_cold_steps_extra_in():

@@ -415,7 +415,8 @@ MIN_CLASS_STEPS = 5  # steps of each class (decode, prompt) that `run_speed` nee
 def run_speed(model, feats: list, times: np.ndarray, pred: np.ndarray) -> dict:
     """The machine's speed during a run against the profile's: `step` scales
     the per-step, per-row and per-context-token part of the model's
-    prediction, `token` the per-token part (`TOKEN_TERMS`): a busy machine
+    prediction, `token` the per-token part and the prompt chunks' own terms
+    (`TOKEN_TERMS`): a busy machine
     slows the two differently. They are the factors under which the decode
     steps' measured time and the prompt steps' (those with prompt tokens: a
     chunk or a verification) each add up to the prediction: two sums, two

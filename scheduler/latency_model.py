@@ -759,10 +759,14 @@ class ServingCosts:
     token_delivery_s: float = 0.0
     end_delivery_s: float = 0.0
     cold: tuple[tuple[float, float], ...] = ()
+    # quantiles (p0, p5, ..., p100) of a stream's first token's delivery over `delivery`'s: how it scatters
+    # (the front end's event loop, the client's); the simulator draws each first token's from them. Empty:
+    # every one as `delivery` says
+    delivery_scatter: tuple[float, ...] = ()
 
     SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s", "host_request_s",
                "host_token_s", "token_delivery_s", "end_delivery_s")
-    KEYS = SCALARS + ("wake_curve", "cold")
+    KEYS = SCALARS + ("wake_curve", "cold", "delivery_scatter")
 
     def __post_init__(self):
         xs = [x for x, _ in self.wake_curve]
@@ -770,6 +774,9 @@ class ServingCosts:
             raise ValueError(f"wake_curve: idle times must be positive and increasing, got {xs}")
         if any(len(c) != 2 or c[0] < 0 or c[1] < 0 for c in self.cold):
             raise ValueError(f"cold: (a, b) pairs of non-negative numbers, got {self.cold}")
+        q = self.delivery_scatter
+        if q and (len(q) < 2 or any(x < 0 for x in q) or any(b < a for a, b in zip(q, q[1:]))):
+            raise ValueError(f"delivery_scatter: non-decreasing non-negative quantiles, got {list(q)}")
 
     @classmethod
     def from_engine(cls, engine: dict) -> "ServingCosts":
@@ -783,12 +790,15 @@ class ServingCosts:
             kw["wake_curve"] = tuple((float(x), float(y)) for x, y in engine["wake_curve"])
         if engine.get("cold"):
             kw["cold"] = tuple((float(a), float(b)) for a, b in engine["cold"])
+        if engine.get("delivery_scatter"):
+            kw["delivery_scatter"] = tuple(float(x) for x in engine["delivery_scatter"])
         return cls(**kw)
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.SCALARS}
         d["wake_curve"] = [list(p) for p in self.wake_curve]
         d["cold"] = [list(c) for c in self.cold]
+        d["delivery_scatter"] = list(self.delivery_scatter)
         return d
 
     def cold_extra(self, j: int, tokens: int, step_s: float) -> float:

@@ -58,6 +58,50 @@ def test_delivery_shifts_what_the_client_sees_not_the_engine():
     assert late.stats["steps"] == plain.stats["steps"] and late.stats["virtual_busy_s"] == plain.stats["virtual_busy_s"]
 
 
+def test_first_token_delivery_scatters_as_the_profile_measured():
+    """With `delivery_scatter` each stream's first token reaches its client
+    after a seeded draw from the quantiles times its delivery: TTFTs spread
+    over the quantiles' range about the plain ones, seeded by the noise seed,
+    and the engine's timeline does not move."""
+    from stepserve.scheduler.latency_model import ServingCosts
+
+    specs = [_spec(i, 0.05 * i, 10, 3) for i in range(400)]  # one at a time: each TTFT is 1 step + delivery
+    base = dict(kv_slots=1000, max_context=256, vocab_size=100, delivery_s=0.01)
+    plain = Simulator(CONST_1MS, SimConfig(**base)).run(specs)
+    q = list(np.linspace(0.5, 2.5, 21))
+    runs = [Simulator(CONST_1MS, SimConfig(**base, delivery_scatter=q, noise_seed=s)).run(specs) for s in (1, 1, 2)]
+    extra = np.array([b.ttft - a.ttft for a, b in zip(plain.records, runs[0].records)])
+    assert extra.min() >= -0.005 - 1e-9 and extra.max() <= 0.015 + 1e-9  # (q - 1) * 10 ms
+    assert extra.mean() == pytest.approx(0.005, abs=0.001) and np.median(extra) == pytest.approx(0.005, abs=0.0015)
+    assert np.percentile(extra, 90) == pytest.approx(0.013, abs=0.0015)
+    assert [r.ttft for r in runs[0].records] == [r.ttft for r in runs[1].records]
+    assert [r.ttft for r in runs[0].records] != [r.ttft for r in runs[2].records]
+    assert runs[0].stats["steps"] == plain.stats["steps"]
+    assert runs[0].stats["virtual_busy_s"] == plain.stats["virtual_busy_s"]
+    # the profile's quantiles reach the simulator, and bad ones are refused
+    cfg = SimConfig.from_profile({"kv_slots": 100, "delivery_s": 0.002, "delivery_scatter": q})
+    assert cfg.delivery_scatter == q and cfg.serving().delivery_scatter == tuple(q)
+    assert ServingCosts.from_engine(ServingCosts(delivery_scatter=tuple(q)).to_dict()).delivery_scatter == tuple(q)
+    with pytest.raises(ValueError, match="delivery_scatter"):
+        ServingCosts(delivery_scatter=(1.2, 1.0))
+
+
+def test_calibration_measures_the_first_token_delivery_scatter():
+    """`delivery_scatter`: quantiles of each probe's delivery over the fitted
+    line, which recover a lognormal scatter about it; too few probes, none."""
+    from stepserve.traces.calibrate import SCATTER_MIN, delivery_scatter
+
+    rng = np.random.default_rng(4)
+    k = rng.integers(1, 40, 2000)
+    y = (1e-3 + 5e-5 * k) * np.exp(rng.normal(0.0, 0.4, 2000))
+    q = delivery_scatter(list(zip(k.tolist(), y.tolist())), 1e-3, 5e-5)
+    assert len(q) == 21 and all(b >= a for a, b in zip(q, q[1:]))
+    assert q[10] == pytest.approx(1.0, abs=0.05)  # the median on the line
+    assert q[18] == pytest.approx(math.exp(0.4 * 1.2816), rel=0.08)  # p90
+    assert delivery_scatter(list(zip(k.tolist(), y.tolist()))[:SCATTER_MIN - 1], 1e-3, 5e-5) == ()
+    assert delivery_scatter(list(zip(k.tolist(), y.tolist())), 0.0, 0.0) == ()
+
+
 def test_per_stream_delivery_follows_the_step_size():
     """A step's tokens reach their clients delivery_s + stream_s per token of
     that step after it ends: alone, tokens wait 1 + 0.5 ms; two in a step, 1 + 1 ms.

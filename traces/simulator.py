@@ -80,6 +80,9 @@ class SimConfig:
     host_request_s: float = 0.0
     host_token_s: float = 0.0
     cold: list = field(default_factory=list)  # [[a_j, b_j], ...]
+    # quantiles of a first token's delivery over delivery_s + stream_s * (...) (`ServingCosts.delivery_scatter`):
+    # each stream's first token is delivered after a seeded draw from them times that (empty: exactly that)
+    delivery_scatter: list = field(default_factory=list)
     # The engine's overlap schedule (`EngineCore._step_overlap`; on CUDA without speculation): each step is
     # scheduled and launched while the one before runs on the device. A step's host part -- the latency
     # model's per-step `overhead_s` (a roofline profile's scheduling, launches, sampling; a measured
@@ -89,7 +92,8 @@ class SimConfig:
     def serving(self) -> ServingCosts:
         return ServingCosts(**{k: getattr(self, k) for k in ServingCosts.SCALARS},
                             wake_curve=tuple((float(x), float(y)) for x, y in self.wake_curve),
-                            cold=tuple((float(a), float(b)) for a, b in self.cold))
+                            cold=tuple((float(a), float(b)) for a, b in self.cold),
+                            delivery_scatter=tuple(float(x) for x in self.delivery_scatter))
     # Step-time scatter: 101 quantiles of (measured step / model prediction) from
     # the profile; each step's predicted time is multiplied by a seeded draw from
     # them, so latency tails are the machine's, not a deterministic function of
@@ -409,6 +413,7 @@ class Simulator:
             raise ValueError("the overlap schedule cannot be combined with speculative decoding (as in the engine)")
         self.core: EngineCore | None = None
         self._host_free = 0.0
+        self._delivery_rng = random.Random(0)
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
         self._freed: list[float] | None = None  # `run`'s client slots, under max_concurrency
@@ -452,6 +457,7 @@ class Simulator:
         k = len(plan.samples)
         end = self.clock.t
         host_r = costs.host_request_s
+        scatter = costs.delivery_scatter
         # when the client holds this step's later tokens (`token_delivery_s`); a first token `first` after them
         first = costs.first_extra()
         ending = costs.end_extra()  # ... and the token that ends a stream (not its first) `ending` after them
@@ -471,6 +477,11 @@ class Simulator:
                 rec = s.group.rec
                 if rec.first_token_s is None:
                     ts = t + first + firsts * host_r
+                    if scatter:  # its own delivery's draw (`ServingCosts.delivery_scatter`)
+                        u = self._delivery_rng.random() * (len(scatter) - 1)
+                        j = int(u)
+                        q = scatter[j] + (scatter[j + 1] - scatter[j]) * (u - j) if j + 1 < len(scatter) else scatter[j]
+                        ts += (q - 1.0) * costs.delivery(k)
                     firsts += 1
                     rec.first_token_s = ts
             else:
@@ -515,6 +526,7 @@ class Simulator:
         self.runner.reset(cfg.noise_seed, cfg.serving())
         self._seen = {}
         self._host_free = 0.0  # when the host's queue of work outside the engine runs empty (`host_request_s`)
+        self._delivery_rng = random.Random(cfg.noise_seed * 104729 + 3)  # its own stream: no other draw moves
         self.core = core = self._build_core()
         sched = core.scheduler
         self._itl = itl = array("d")

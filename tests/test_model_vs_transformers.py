@@ -603,17 +603,8 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
     fast.generate([base], params)
     layerwise.generate([base], params)
     steps.clear()
-    out = {}
-    for name, llm in (("fast", fast), ("layerwise", layerwise)):
-        eng = llm.engine
-        first = eng.add_request(prompts_of([9], seed=6)[0], params)
-        for _ in range(3):
-            eng.step()
-        second = eng.add_request(base + [17, 18, 19], params)
-        while eng.has_unfinished():
-            eng.step()
-        out[name] = [(r.outputs[0].token_ids, [x.logprob for x in r.outputs[0].logprobs])
-                     for r in (first.output(False), second.output(False))]
+    out = {name: _second_beside_decode_rows(llm, prompts_of([9], seed=6)[0], base + [17, 18, 19], params, 3)
+           for name, llm in (("fast", fast), ("layerwise", layerwise))}
     assert any(len(pos) == 4 and pos[-3:] == [40, 41, 42] for _, pos in steps)  # the suffix, beside a decode row
     for (ta, la), (tb, lb) in zip(out["fast"], out["layerwise"]):
         assert ta == tb and la == pytest.approx(lb, abs=1e-4)
@@ -664,23 +655,29 @@ def test_prompt_chunks_within_the_pair_budget_attend_as_decode_queries(ckpt_fact
     _fast_matches_torch_path(path, prompts, params, folding, plain)
     assert (0, 40) in picked[0] and (0, 50) in picked[0] and all(n != 70 for step in picked for _, n in step)
     # a 30-token suffix past a 40-token cached prefix (1,665 pairs), beside another request's decode rows
-    out = {}
-    for name, llm in (("folding", folding), ("plain", plain)):
-        eng = llm.engine
-        first = eng.add_request(prompts_of([9], seed=22)[0], params)
-        for _ in range(2):
-            eng.step()
-        second = eng.add_request(prompts[0] + prompts_of([30], seed=23)[0], params)
-        while eng.has_unfinished():
-            eng.step()
-        out[name] = [(r.outputs[0].token_ids, [x.logprob for x in r.outputs[0].logprobs])
-                     for r in (first.output(False), second.output(False))]
+    suffix = prompts[0] + prompts_of([30], seed=23)[0]
+    out = {name: _second_beside_decode_rows(llm, prompts_of([9], seed=22)[0], suffix, params, 2)
+           for name, llm in (("folding", folding), ("plain", plain))}
     assert any((40, 30) in step for step in picked)
     for (ta, la), (tb, lb) in zip(out["folding"], out["plain"]):
         assert ta == tb and la == pytest.approx(lb, abs=1e-4)
     monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "-1")
     with pytest.raises(ValueError, match="STEPSERVE_FOLD_PAIRS"):
         LLM(path, device="cpu")
+
+
+def _second_beside_decode_rows(llm, first_prompt, second_prompt, params, steps):
+    """Runs `first_prompt`, and after `steps` steps `second_prompt` beside its
+    decode rows; (token ids, logprobs) of each."""
+    eng = llm.engine
+    first = eng.add_request(first_prompt, params)
+    for _ in range(steps):
+        eng.step()
+    second = eng.add_request(second_prompt, params)
+    while eng.has_unfinished():
+        eng.step()
+    return [(r.outputs[0].token_ids, [x.logprob for x in r.outputs[0].logprobs])
+            for r in (first.output(False), second.output(False))]
 
 
 def _fast_matches_torch_path(path, prompts, params, fast, plain):

@@ -98,8 +98,9 @@ TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "pref
 # the first (x1.3-1.8 on a 2-core Zen 5 EPYC's replays, where the prompt steps
 # ran at ~1.0x) the once-a-step chunk price grew, the fitted per-token factor
 # fell to 0.63-0.78 to keep the prompt steps' total, and the window-scaled
-# model priced steps of 257+ prompt tokens 16-20% under their time and those of
-# 1-64 at 1.4-1.5x theirs (with them here: 10-11% under, 1.15-1.25x).
+# model priced steps of 257+ prompt tokens at 1/1.28-1/1.53 of their time and
+# those of 1-64 at 1.6-2.1x theirs over 30 Azure replays (`validate`'s
+# by-prompt view); with them here, 1/1.10-1/1.23 and 1.25-1.5x.
 TOKEN_TERMS = ("new_tokens", "prefill_pairs", "prefill_step", "extend_rows")
 
 

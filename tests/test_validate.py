@@ -168,6 +168,20 @@ def test_the_speed_is_fitted_to_the_steps_less_the_wake_up_the_simulation_adds()
     for _, a, b, _, _ in v["speed_windows"]:
         assert a == pytest.approx(1.0) and b == pytest.approx(1.0)
     assert v["steps_after_idle"] == 60 and v["wake_extra_s_p50"] > 1e-3  # the view still shows the wake-ups
+    # priced as the simulation prices them, every size of step at its time: decode, 50-64 and 65-227 prompt tokens
+    assert [(b["prompt"], b["n"]) for b in v["by_prompt"]] == [("none", 240), ("1-64", 5), ("65-256", 55)]
+    assert [b["ratio"] for b in v["by_prompt"]] == pytest.approx([1.0, 1.0, 1.0])
+    r = compare_rate([_report(1, 1.0, 1.0, 0.01, 0.01)], [_report(1, 1.0, 1.0, 0.01, 0.01)])
+    assert "measured/priced steps by prompt tokens: none 1.00 (240), 1-64 1.00 (5), 65-256 1.00 (55)" in format_rate(
+        r | {"engine": [v]})
+    # the larger prompt steps twice as slow: the per-token factor follows the many large ones, and the bins
+    # show the few small ones priced at about twice their time, which the run's totals do not
+    for ln in lines:
+        if ln["new"] - ln["decode_rows"] >= 65:
+            ln["step"] *= 2
+    skew = {b["prompt"]: b["ratio"] for b in step_log_view(lines, real, model, costs=costs)["by_prompt"]}
+    assert skew["1-64"] < 0.6 and skew["65-256"] == pytest.approx(1.0, abs=0.05)
+    assert skew["none"] == pytest.approx(1.0, abs=0.01)
     blind = step_log_view(lines, real, model)  # no profile costs: the wake-ups are read as slow tokens
     assert blind["speed"]["token"] > 1.2
 

@@ -97,8 +97,9 @@ class TorchAttention:
     # per query. Measured on the 2-core Zen 5 EPYC (AVX-512, no AMX), the embedded model, one layer's
     # attention: 33 tokens 4.8 us against 26 (no prefix), 84 against 136 past 700 cached tokens; 128
     # tokens 46 against 88 (no prefix), 348 against 446 past 700; whole lone-prompt steps 1.09-1.46x
-    # faster folded up to 275k pairs (two threads), 1.08-1.19x inside the budget with one (a server's engine). On the Zen 3 EPYC (AVX2) a 100-token chunk past 900 cached
-    # tokens (95k pairs) ran slower folded (34.4 ms against 28.1), so the default stops well short of that.
+    # faster folded up to 275k pairs (two threads), 1.08-1.19x inside the budget with one (a server's
+    # engine). On the Zen 3 EPYC (AVX2) a 100-token chunk past 900 cached tokens (95k pairs) ran slower
+    # folded (34.4 ms against 28.1), so the default stops well short of that.
     # STEPSERVE_FOLD_PAIRS sets it (0: never).
     FOLD_PAIRS = 32_768
 

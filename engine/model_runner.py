@@ -15,6 +15,7 @@ from stepserve.engine.sampler import (PenaltyCounts, Sampler, SamplerOutput, Sam
                                      fill_placeholders, row_input)
 from stepserve.engine.speculative import verify_rows
 from stepserve.kvcache import ReqToTokenPool
+from stepserve.scheduler.latency_model import chunk_pairs
 from stepserve.scheduler.plan import StepPlan
 from stepserve.scheduler.sequence import Seq
 
@@ -137,8 +138,7 @@ class ModelRunner:
         if (before + sum(r.num_new for r in chunks) <= self.fold_tokens
                 and not any(r.seq.full_prefill for r in chunks)):
             return [True] * len(chunks)
-        got = [not r.seq.full_prefill and r.num_new * r.start + r.num_new * (r.num_new + 1) // 2 <= self.fold_pairs
-               for r in chunks]
+        got = [not r.seq.full_prefill and chunk_pairs(r.start, r.num_new) <= self.fold_pairs for r in chunks]
         return got if any(got) else None
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
@@ -186,14 +186,13 @@ class ModelRunner:
                     dec_rows.extend([r.seq.row] * r.num_new)
                     last_index[i] = len(ids) - 1
             if not all(folded):  # the chunks' slots (in row order at the tail) follow their tokens' new order
-                tail, base = [], len(out_slots) - sum(r.num_new for _, r in ext)
-                for want in (True, False):
-                    off = base
-                    for (_, r), fold in zip(ext, folded):
-                        if fold == want:
-                            tail.extend(out_slots[off : off + r.num_new])
-                        off += r.num_new
-                out_slots[base:] = tail
+                off = len(out_slots) - sum(r.num_new for _, r in ext)
+                base, own = off, []
+                for _, r in ext:
+                    own.append(out_slots[off : off + r.num_new])
+                    off += r.num_new
+                out_slots[base:] = [x for want in (True, False) for s, fold in zip(own, folded) if fold == want
+                                    for x in s]
             ext = [e for e, fold in zip(ext, folded) if not fold]
         num_dq = len(ids)  # decode-shaped queries: decode rows, every verify position, folded prompt chunks
         extend_meta = []

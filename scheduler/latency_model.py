@@ -160,6 +160,12 @@ class StepFeatures:
         return out
 
 
+def chunk_pairs(start: int, n: int) -> int:
+    """The (query, key) pairs of a chunk of `n` tokens after `start` cached
+    ones under causal attention: n*start + n*(n+1)/2 (`prefill_pairs`)."""
+    return n * start + n * (n + 1) // 2
+
+
 def plan_features(plan) -> StepFeatures:
     """Features of a `StepPlan`, in one pass over its rows."""
     ctx = new = 0
@@ -171,7 +177,7 @@ def plan_features(plan) -> StepFeatures:
         new += n
         ctx += s + n
         if n > 1:
-            pairs += n * s + n * (n + 1) // 2
+            pairs += chunk_pairs(s, n)
             if not r.draft_len:
                 ext += 1
     return StepFeatures(len(plan.rows), ctx, new, float(pairs), ext)
@@ -464,7 +470,7 @@ def sweep_features(max_rows: int = 256, max_context: int = 32768) -> list[StepFe
         for n in (128, 512, 2048):
             for start in (0, 1024):
                 if start + n <= max_context:
-                    feats.append(StepFeatures(b, b * (start + n), b * n, float(b * (n * start + n * (n + 1) // 2))))
+                    feats.append(StepFeatures(b, b * (start + n), b * n, float(b * chunk_pairs(start, n))))
     return feats
 
 

@@ -334,7 +334,8 @@ def test_step_noise_per_size_of_step():
     by_size = [{"upto_s": 5e-3, "n": 300, "quantiles": wide}, {"upto_s": None, "n": 300, "quantiles": narrow}]
     cfg = SimConfig.from_profile({"kv_slots": 100}, noise={"quantiles": [1.0] * 101, "by_size": by_size})
     assert cfg.noise_by_size == [[5e-3, wide], [None, narrow]]
-    for bad in ([[None, wide], [None, narrow]], [[5e-3, wide], [2e-3, wide], [None, narrow]], [[5e-3, []], [None, wide]]):
+    for bad in ([[None, wide], [None, narrow]], [[5e-3, wide], [2e-3, wide], [None, narrow]],
+                [[5e-3, []], [None, wide]]):
         with pytest.raises(ValueError, match="noise_by_size"):
             SimRunner(model, VirtualClock(), [1.0] * 101, noise_by_size=bad)
 

@@ -441,13 +441,13 @@ def step_noise(points: list[dict]) -> dict:
     raw / median over every raw step. The simulator can draw from them (seeded)
     so that its latency tails are as wide as the machine's, not a deterministic
     function of the batch shape."""
+    from stepserve.traces.calibrate import clipped_quantiles
+
     ratios = [t / p["time"] for p in points if p["time"] > 0 for _, t in p["raw"]]
     if not ratios:
         return {}
-    q = np.percentile(np.asarray(ratios), np.arange(101))
-    # the extremes are artefacts (a stream read late, two events at once): clip to p1..p99
-    q = np.clip(q, q[1], q[99])
-    return {"kind": "raw/median quantiles, clipped to p1..p99", "n": len(ratios), "quantiles": [float(x) for x in q]}
+    # the extremes are artefacts (a stream read late, two events at once): clipped to p1..p99
+    return {"kind": "raw/median quantiles, clipped to p1..p99", "n": len(ratios), "quantiles": clipped_quantiles(ratios)}
 
 
 def _server_engine_sizing(args, max_len: int) -> tuple[int, str]:

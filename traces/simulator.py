@@ -403,8 +403,9 @@ class Simulator:
         # virtual time; policies or observers that need "now" read this clock
         self.clock = VirtualClock()
         self.runner = SimRunner(latency_model, self.clock, self.cfg.noise_quantiles, self.cfg.noise_seed,
-                                noise_lag1=self.cfg.noise_lag1, noise_by_size=self.cfg.noise_by_size, acceptance=self.cfg.acceptance,
-                                draft_model=draft_model, speed_schedule=self.cfg.speed_schedule)
+                                noise_lag1=self.cfg.noise_lag1, noise_by_size=self.cfg.noise_by_size,
+                                acceptance=self.cfg.acceptance, draft_model=draft_model,
+                                speed_schedule=self.cfg.speed_schedule)
         # requests may decode speculatively where a speculation-length policy runs
         self.speculative = any(getattr(p, "name", None) == "spec-length" for p in self.policies)
         if self.speculative and not self.cfg.acceptance:

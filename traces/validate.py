@@ -344,10 +344,11 @@ def scaled_by_prompt(model, steps, feats, times, use, speed, windows, t0, window
     "ratio"}], ratio = measured over priced time, summed, over the steps the
     speed was fitted to (`use`, their times less the wake-up). A form whose
     shape misprices one size of prompt step against another shows here,
-    where the two factors, fitted to all prompt steps together, cannot: on
-    the 2-core Zen 5 EPYC, 1.16-1.20 for steps of 257+ prompt tokens and
-    0.67-0.73 for 1-64 while the chunks' own prices scaled with the decode
-    steps' factor. None for a model that is not rescaled."""
+    where the two factors, fitted to all prompt steps together, cannot: over
+    30 Azure replays on the 2-core Zen 5 EPYC, 1.28-1.53 for steps of 257+
+    prompt tokens and 0.48-0.63 for 1-64 while the chunks' own prices scaled
+    with the decode steps' factor (1.10-1.23 and 0.66-0.80 since). None for
+    a model that is not rescaled."""
     if not hasattr(model, "rescaled"):
         return None
     run = model.rescaled(speed["step"], speed["token"])

@@ -210,6 +210,9 @@ class EngineInfo:
     overlap_schedule: bool = False
     speculative: str = "none"
     attention_backend: str = ""
+    # which prompt chunks run as decode-shaped queries (`FoldRule`): what the step model's extend prices count
+    fold_tokens: int = 0
+    fold_pairs: int = 0
 
 
 @dataclass
@@ -483,6 +486,7 @@ class Engine:
             mixed = self._mixed_graphs(backend, config.max_batched_tokens)
         self.runner = ModelRunner(self.model, backend, self.req_pool, self.device, proposer=proposer, graphs=graphs,
                                   mixed_graphs=mixed)
+        self.scheduler.fold = self.runner.fold_rule  # each plan's chunks are folded (or not) at commit, by its rule
         limits = Limits(self.max_model_len, kv.capacity, mc.vocab_size, self.req_pool.max_rows)
         overlap = config.overlap_schedule == "on" or (
             config.overlap_schedule == "auto" and self.device.type == "cuda" and proposer is None)
@@ -832,6 +836,7 @@ class Engine:
             dtype=str(self.dtype).removeprefix("torch."), device=str(self.device),
             max_batched_tokens=self.scheduler.cfg.max_batched_tokens, overlap_schedule=self.overlap_schedule,
             speculative=self.config.speculative, attention_backend=self.attention_backend,
+            fold_tokens=self.runner.fold_rule.tokens, fold_pairs=self.runner.fold_rule.pairs,
         )
 
     def stats(self, since_step: int = -1) -> EngineStats:

@@ -15,8 +15,7 @@ from stepserve.engine.sampler import (PenaltyCounts, Sampler, SamplerOutput, Sam
                                      fill_placeholders, row_input)
 from stepserve.engine.speculative import verify_rows
 from stepserve.kvcache import ReqToTokenPool
-from stepserve.scheduler.latency_model import chunk_pairs
-from stepserve.scheduler.plan import StepPlan
+from stepserve.scheduler.plan import FoldRule, StepPlan
 from stepserve.scheduler.sequence import Seq
 
 
@@ -116,30 +115,14 @@ class ModelRunner:
         # bf16 products on the CPU build a kernel per row count: the steps from this many tokens are padded to a
         # bucket (`LlamaForCausalLM.pads_from`; None: never. CUDA graphs bring their own buckets)
         self.pads_from = model.pads_from()
-        # a step of at most this many tokens runs as one native call, prompt chunks included (0: never)
-        self.fold_tokens = model.fold_step_tokens(backend)
-        # and in any step, a prompt chunk of at most this many query-key pairs attends as decode-shaped
-        # queries through the paged kernel (`folded_chunks`; 0: never)
-        self.fold_pairs = getattr(backend, "fold_pairs", 0)
+        # which prompt chunks run as decode-shaped queries (`FoldRule`): all of a step of at most `tokens`
+        # tokens (one native call), else each of at most `pairs` query-key pairs (through the paged kernel).
+        # The engine gives it to the scheduler, which decides each plan's chunks at commit (`StepPlan.folded`)
+        self.fold_rule = FoldRule(model.fold_step_tokens(backend), getattr(backend, "fold_pairs", 0))
         # a step whose forward shape is new pays one-off work on top, and says so (`StepOutput.cold`), and so
         # does a step whose draft forwards ran a new shape (`Proposer.cold`), so that what is priced from step
         # times leaves it out
         self.shapes = ShapeLog()
-
-    def folded_chunks(self, plan: StepPlan, before: int, chunks: list) -> list[bool] | None:
-        """Which of the step's prompt chunks (`chunks`, after `before`
-        decode-shaped tokens) run as decode-shaped queries, one per position
-        (None: none). All of them where the step has at most `fold_tokens`
-        tokens (one native call); else each chunk of at most `fold_pairs`
-        query-key pairs. Never a chunk that scores its prompt, and never in a
-        step that samples nothing."""
-        if not chunks or not plan.samples or not (self.fold_tokens or self.fold_pairs):
-            return None
-        if (before + sum(r.num_new for r in chunks) <= self.fold_tokens
-                and not any(r.seq.full_prefill for r in chunks)):
-            return [True] * len(chunks)
-        got = [not r.seq.full_prefill and chunk_pairs(r.start, r.num_new) <= self.fold_pairs for r in chunks]
-        return got if any(got) else None
 
     def build_batch(self, plan: StepPlan) -> tuple[ForwardBatch, list[tuple]]:
         """The flat batch of `plan`, and for the rows that want prompt logprobs
@@ -175,7 +158,7 @@ class ModelRunner:
             out_slots.extend(slots[off:])
         ext = list(enumerate(rows[nd + nv :], nd + nv))
         last_index.extend([0] * len(ext))  # (each prompt chunk's, set below: its row's last token)
-        folded = self.folded_chunks(plan, len(ids), [r for _, r in ext])
+        folded = plan.folded  # (decided at commit, by the rule the scheduler has from us)
         if folded:
             # prompt chunks as decode-shaped queries, one per position, each reading its context through the
             # table (the step's KV is written first, as for a verify row's drafts)

@@ -14,7 +14,7 @@ not see:
           sequences, detokenizer state)
   rows, decode_rows, ctx, new, pairs, ext
           the step's features (absent: the iteration ran no step); ext: rows
-          that prefill a chunk (`StepFeatures.extend_rows`)
+          that prefill a chunk on the extend path (`StepFeatures.extend_rows`)
   step    seconds of the step (`StepRecord.wall_s`: schedule, forward, update)
   fwd     of which the forward pass (`StepRecord.forward_s`)
   cpu     seconds of CPU the loop's thread ran during the step (`time.thread_time`

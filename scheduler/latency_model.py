@@ -18,7 +18,8 @@ The segmented form is for measured steps where one slope does not hold from
 0.9-2.5 ms (by the machine's phase) and each row past 4 or 8 an order of
 magnitude less, and a linear fit through both put ~0.1 ms on every row, too
 little at the small batches of light load and the intercept too high for
-one row. `extend_rows` (rows that prefill a chunk) is the work a step does
+one row. `extend_rows` (rows that prefill a chunk through the extend path,
+not folded into decode-shaped queries: `plan.FoldRule`) is the work a step does
 per chunk outside the forward pass: admission, the radix cache, the chunk's
 input and output bookkeeping; on that server steps with a chunk spent
 0.6-3.7 ms outside the forward pass (growing with the chunk), decode steps
@@ -77,6 +78,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import numpy as np
+
+from stepserve.scheduler.plan import chunk_pairs
 
 FORMS: dict[str, tuple[str, ...]] = {
     "taper": ("const", "rows", "context_tokens"),
@@ -141,7 +144,7 @@ class StepFeatures:
     context_tokens: int
     new_tokens: int
     prefill_pairs: float = 0.0
-    extend_rows: int = 0  # rows that prefill a chunk of more than one token (not decode, not verify)
+    extend_rows: int = 0  # rows that prefill a chunk of more than one token on the extend path (not folded)
 
     @property
     def prefill_step(self) -> float:
@@ -160,14 +163,10 @@ class StepFeatures:
         return out
 
 
-def chunk_pairs(start: int, n: int) -> int:
-    """The (query, key) pairs of a chunk of `n` tokens after `start` cached
-    ones under causal attention: n*start + n*(n+1)/2 (`prefill_pairs`)."""
-    return n * start + n * (n + 1) // 2
-
-
 def plan_features(plan) -> StepFeatures:
-    """Features of a `StepPlan`, in one pass over its rows."""
+    """Features of a `StepPlan`, in one pass over its rows. `extend_rows`
+    counts the chunks that run through the extend path: not those the
+    runner folds into decode-shaped queries (`StepPlan.chunk_folds`)."""
     ctx = new = 0
     pairs = 0
     ext = 0
@@ -180,6 +179,10 @@ def plan_features(plan) -> StepFeatures:
             pairs += chunk_pairs(s, n)
             if not r.draft_len:
                 ext += 1
+    if ext:
+        folds = plan.chunk_folds()
+        if folds:
+            ext -= sum(folds)
     return StepFeatures(len(plan.rows), ctx, new, float(pairs), ext)
 
 

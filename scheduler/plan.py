@@ -37,6 +37,71 @@ class ScheduledRow:
         return self.start + self.num_new
 
 
+def chunk_pairs(start: int, n: int) -> int:
+    """The (query, key) pairs of a chunk of `n` tokens after `start` cached
+    ones under causal attention: n*start + n*(n+1)/2 (`prefill_pairs`)."""
+    return n * start + n * (n + 1) // 2
+
+
+def is_chunk(r: ScheduledRow) -> bool:
+    """A row that prefills a chunk: more than one new token, none drafted."""
+    return r.num_new > 1 and not r.draft_len
+
+
+@dataclass(frozen=True, slots=True)
+class FoldRule:
+    """Which prompt chunks of a step the model runner runs as decode-shaped
+    queries, one per position, reading their context through the req->token
+    table (`ModelRunner.build_batch`), instead of through the extend path.
+
+    It is the runner's rule (`ModelRunner.fold_rule`), given to the scheduler
+    at start, so that the decision is taken once per plan, when it is
+    committed (`StepPlan.folded`), and everything that prices a plan
+    (`latency_model.plan_features`) counts what will run: a folded chunk pays
+    none of the extend path's prices (`extend_rows`, `prefill_step`). The
+    simulator takes it from the profile (`engine.fold_tokens`,
+    `engine.fold_pairs`), so that it plans as the server did.
+
+    tokens: a step of at most this many new tokens folds every chunk (the
+        whole step is one native call; 0: never);
+    pairs: else each chunk of at most this many query-key pairs folds
+        (`chunk_pairs`; 0: never).
+    Never a chunk that scores its prompt (`Seq.full_prefill`: the extend path
+    computes its prompt logprobs), and never in a step that samples nothing."""
+
+    tokens: int = 0
+    pairs: int = 0
+
+    def decide(self, rows: list[ScheduledRow], chunks: list[ScheduledRow] | None = None) -> list[bool] | None:
+        """One flag per chunk row of a step's `rows` (`is_chunk`; `chunks`
+        where the caller has them, in their order); None where none folds.
+        A verify row counts all the tokens it reserves (its drafts may come
+        out fewer: the rule then holds still)."""
+        if not (self.tokens or self.pairs):
+            return None
+        if chunks is None:
+            chunks = [r for r in rows if is_chunk(r)]
+        if not chunks or not any(r.sample for r in rows):
+            return None
+        if (sum(r.num_new for r in rows) <= self.tokens
+                and not any(r.seq.full_prefill for r in chunks)):
+            return [True] * len(chunks)
+        got = [not r.seq.full_prefill and chunk_pairs(r.start, r.num_new) <= self.pairs for r in chunks]
+        return got if any(got) else None
+
+    def to_dict(self) -> dict:
+        return {"fold_tokens": self.tokens, "fold_pairs": self.pairs}
+
+    @classmethod
+    def from_engine(cls, engine: dict) -> "FoldRule":
+        """The rule a profile's `engine` section records (absent: no folding,
+        as the profiles made before the rule was recorded priced it)."""
+        return cls(int(engine.get("fold_tokens") or 0), int(engine.get("fold_pairs") or 0))
+
+
+NO_FOLD = FoldRule()
+
+
 @dataclass
 class StepPlan:
     """Rows of one forward pass: decode rows (one new token) first, then verify
@@ -53,6 +118,16 @@ class StepPlan:
     # itself, P of them (`latency_model.SincePrompt`; set at commit)
     after_prompt: tuple[int, int] = (0, 0)
     advanced: bool = False  # `Scheduler.advance` counted its slots as computed (before: `unwind` frees them)
+    fold: FoldRule = NO_FOLD  # the runner's rule, from the scheduler
+    # which chunk rows (rows[num_decode + num_verify:]) run as decode-shaped queries: `fold.decide`, frozen at
+    # commit (None: none)
+    folded: list[bool] | None = None
+    committed: bool = False
+
+    def chunk_folds(self) -> list[bool] | None:
+        """`folded` once committed; before, what the rule would decide for
+        the rows as they stand (a policy pricing a plan it shapes)."""
+        return self.folded if self.committed else self.fold.decide(self.rows)
 
     @property
     def empty(self) -> bool:
@@ -124,7 +199,7 @@ class StepRecord:
     schedule_s: float  # schedule() + update() + detokenization and outputs
     prep_s: float = 0.0  # building the batch's input tensors
     prefill_pairs: float = 0.0  # causal attention pairs of the prefill chunks (`latency_model.plan_features`)
-    extend_rows: int = 0  # rows that prefill a chunk of more than one token
+    extend_rows: int = 0  # rows that prefill a chunk of more than one token on the extend path (not folded)
     # speculation: verify rows, tokens drafted and accepted, and of `forward_s` the proposer's time
     verify_rows: int = 0
     draft_tokens: int = 0

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.latency_model import SincePrompt
-from stepserve.scheduler.plan import ScheduledRow, StepPlan
+from stepserve.scheduler.plan import NO_FOLD, ScheduledRow, StepPlan
 from stepserve.scheduler.policy import EngineView, StepPolicy
 from stepserve.scheduler.sequence import Seq, SeqStatus
 
@@ -71,6 +71,9 @@ class Scheduler:
         # overlap schedule (`EngineCore`): the plan launched on the device but not yet `advance`d
         self.launched: StepPlan | None = None
         self.since_prompt = SincePrompt()  # over the committed steps (`StepPlan.after_prompt`)
+        # which prompt chunks the runner folds into decode-shaped queries (the engine sets the runner's rule;
+        # the simulator the profile's): decided for each plan at commit (`StepPlan.folded`)
+        self.fold = NO_FOLD
 
     # -- queue ---------------------------------------------------------------
     def add(self, seq: Seq, front: bool = False) -> None:
@@ -156,7 +159,7 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------
     def schedule(self) -> StepPlan:
-        plan = StepPlan()
+        plan = StepPlan(fold=self.fold)
         reserved = self._schedule_running(plan)
         self._admit(plan, reserved)
         if self.policies:
@@ -277,6 +280,8 @@ class Scheduler:
         """Allocates this step's KV slots and writes them into the req->token table."""
         plan.sort_decode_first()
         plan.samples = plan.sampling()
+        plan.folded = plan.fold.decide(plan.rows, plan.rows[plan.num_decode + plan.num_verify:])
+        plan.committed = True
         total = plan.num_new_tokens
         if total == 0:
             return

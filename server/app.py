@@ -159,7 +159,7 @@ def create_app(async_engine, settings: ServerSettings,
             "attention_backend": info.attention_backend, "dtype": info.dtype, "device": info.device,
             "vocab_size": info.vocab_size, "version": stepserve.__version__,
             "max_batched_tokens": info.max_batched_tokens, "overlap_schedule": info.overlap_schedule,
-            "speculative": info.speculative,
+            "speculative": info.speculative, "fold_tokens": info.fold_tokens, "fold_pairs": info.fold_pairs,
         })
 
     app.add_api_route("/get_server_info", server_info, methods=["GET"])

@@ -76,6 +76,54 @@ def test_plan_features():
     f = plan_features(plan)
     # context 10 + 10 + 3; new 1 + 6 + 3; prefill pairs: 6*4 + 21, 3*0 + 6
     assert (f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) == (3, 23, 10, 51.0)
+    assert f.extend_rows == 2
+
+
+def test_fold_rule_decides_which_chunks_pay_the_extend_path():
+    """`FoldRule`: every chunk of a step of at most `tokens` tokens folds,
+    else each chunk of at most `pairs` query-key pairs; never a chunk that
+    scores its prompt, never in a step that samples nothing. The plan's
+    features count only the chunks left to the extend path, and the
+    decision is frozen when the scheduler commits the plan."""
+    from stepserve.scheduler.kv_manager import KVManager
+    from stepserve.scheduler.plan import FoldRule, ScheduledRow, StepPlan
+    from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
+    from stepserve.scheduler.sequence import Seq
+    from stepserve.kvcache.allocator import SlotAllocator
+    from stepserve.kvcache.pool import ReqToTokenPool
+
+    seq = Seq(0, [1] * 100, 100, 5, 0.0)
+    scoring = Seq(1, [1] * 100, 100, 5, 0.0)
+    scoring.full_prefill = True
+
+    def plan(rule, *rows):
+        return StepPlan(rows=[ScheduledRow(s, start, n, sample) for s, start, n, sample in rows], fold=rule)
+
+    dec, small, big = (seq, 90, 1, True), (seq, 0, 6, True), (seq, 40, 20, False)  # pairs: 21 and 1,010
+    assert FoldRule().decide(plan(FoldRule(), dec, small).rows) is None
+    # a step of 27 tokens within `tokens`: all fold; past it, by each chunk's pairs
+    assert FoldRule(32, 0).decide(plan(None, dec, small, big).rows) == [True, True]
+    assert FoldRule(16, 100).decide(plan(None, dec, small, big).rows) == [True, False]
+    assert FoldRule(16, 2000).decide(plan(None, dec, small, big).rows) == [True, True]
+    assert FoldRule(16, 10).decide(plan(None, dec, small, big).rows) is None
+    # nothing sampled: no fold; a chunk scoring its prompt: never, and not the whole step either
+    assert FoldRule(32, 2000).decide(plan(None, (seq, 0, 6, False), big).rows) is None
+    assert FoldRule(32, 2000).decide(plan(None, dec, (scoring, 0, 6, True), small).rows) == [False, True]
+    for rule, ext in ((FoldRule(), 2), (FoldRule(16, 100), 1), (FoldRule(32, 0), 0)):
+        p = plan(rule, dec, small, big)
+        f = plan_features(p)
+        assert (f.extend_rows, f.prefill_step, f.new_tokens, f.prefill_pairs) == (ext, float(ext > 0), 27, 1031.0)
+    # the scheduler's plans carry its rule and freeze the decision at commit
+    kv = KVManager(SlotAllocator(1000), ReqToTokenPool(8, 256), True)
+    sched = Scheduler(SchedulerConfig(max_batched_tokens=64), kv)
+    sched.fold = FoldRule(0, 100)
+    for i, n in enumerate((6, 20, 30)):  # 21, 210 and 465 pairs
+        sched.add(Seq(i, list(range(1, n + 1)), n, 4, 0.0))
+    p = sched.schedule()
+    assert p.committed and p.fold is sched.fold and p.folded == [True, False, False]
+    assert plan_features(p).extend_rows == 2
+    sched.fold = FoldRule()  # (a committed plan keeps its decision)
+    assert p.chunk_folds() == [True, False, False] and plan_features(p).extend_rows == 2
 
 
 class FakeRecord:

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from stepserve import LLM, SamplingParams
+from stepserve.scheduler.plan import FoldRule
 
 # run a second time by `make test` as an AVX2-only CPU would (see cpu_features)
 pytestmark = pytest.mark.cpu_paths
@@ -542,7 +543,7 @@ def test_larger_decode_batches_run_as_one_native_call(ckpt_factory, monkeypatch)
         pytest.skip("native CPU kernels did not build on this machine")
     backend = fast.engine.runner.backend
     assert model.native_step_tokens(backend) == NATIVE_STEP_TOKENS > SMALL_M
-    assert fast.engine.runner.fold_tokens == SMALL_M
+    assert fast.engine.runner.fold_rule.tokens == SMALL_M
     native, sizes = model._forward_native, []
 
     def spy(fb, backend):
@@ -582,7 +583,7 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
     model = fast.engine.model
     if model._native_decode is None:
         pytest.skip("native CPU kernels did not build on this machine")
-    assert fast.engine.runner.fold_tokens == SMALL_M
+    assert fast.engine.runner.fold_rule.tokens == SMALL_M
     native, steps = model._forward_native, []
 
     def spy(fb, backend):
@@ -593,7 +594,7 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
     monkeypatch.setenv("STEPSERVE_NATIVE_DECODE", "0")
     monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "0")
     layerwise = LLM(path, device="cpu", check_invariants=True)
-    assert layerwise.engine.runner.fold_tokens == layerwise.engine.runner.fold_pairs == 0
+    assert layerwise.engine.runner.fold_rule == FoldRule() == layerwise.engine.scheduler.fold
     params = SamplingParams(max_tokens=8, logprobs=2, **GREEDY)
     short = prompts_of([6, 11, 3], seed=4)
     _fast_matches_torch_path(path, short, params, fast, layerwise)  # one step of 20 prompt tokens
@@ -614,11 +615,11 @@ def test_a_step_of_few_tokens_runs_its_prompt_chunks_natively(ckpt_factory, monk
     longer = prompts_of([SMALL_M + 1], seed=8)
     _fast_matches_torch_path(path, longer, params, fast, layerwise)
     runner = fast.engine.runner
-    assert runner.fold_pairs > (SMALL_M + 1) * (SMALL_M + 2) // 2
+    assert runner.fold_rule.pairs > (SMALL_M + 1) * (SMALL_M + 2) // 2
     assert any(n == SMALL_M + 1 for n, _ in steps) == (model.native_step_tokens(runner.backend) > SMALL_M)
     # a chunk past the pair budget, or prompt logprobs: the extend path
     steps.clear()
-    runner.fold_pairs = 100
+    fast.engine.scheduler.fold = FoldRule(runner.fold_rule.tokens, 100)
     fast.generate(prompts_of([SMALL_M + 1], seed=10), params)
     fast.generate(prompts_of([7], seed=9), SamplingParams(max_tokens=2, prompt_logprobs=1, **GREEDY))
     assert all(n == 1 for n, _ in steps)  # only the one-row decode steps ran natively
@@ -638,22 +639,26 @@ def test_prompt_chunks_within_the_pair_budget_attend_as_decode_queries(ckpt_fact
     monkeypatch.setenv("STEPSERVE_FOLD_PAIRS", "2000")
     folding = LLM(path, device="cpu", check_invariants=True)
     runner = folding.engine.runner
-    if runner.fold_pairs == 0:
+    if runner.fold_rule.pairs == 0:
         pytest.skip("the paged CPU kernel did not build on this machine")
-    assert runner.fold_pairs == 2000 and plain.engine.runner.fold_pairs == 0
-    picked, real = [], runner.folded_chunks
+    assert runner.fold_rule.pairs == 2000 and plain.engine.runner.fold_rule.pairs == 0
+    assert folding.engine.scheduler.fold is runner.fold_rule
+    picked, real = [], runner.build_batch
 
-    def spy(plan, before, chunks):
-        got = real(plan, before, chunks)
-        picked.append([(r.start, r.num_new) for r, f in zip(chunks, got or [False] * len(chunks)) if f])
-        return got
+    def spy(plan):
+        chunks = plan.rows[plan.num_decode + plan.num_verify:]
+        picked.append([(r.start, r.num_new) for r, f in zip(chunks, plan.folded or [False] * len(chunks)) if f])
+        return real(plan)
 
-    runner.folded_chunks = spy
+    runner.build_batch = spy
     params = SamplingParams(max_tokens=6, logprobs=2, **GREEDY)
     # 40 tokens (820 pairs) and 50 tokens (1,275) fold; 70 (2,485) does not
     prompts = prompts_of([40, 70, 50], seed=21)
     _fast_matches_torch_path(path, prompts, params, folding, plain)
     assert (0, 40) in picked[0] and (0, 50) in picked[0] and all(n != 70 for step in picked for _, n in step)
+    # what the step model prices: only the unfolded chunk pays the extend path's prices
+    first = {llm: next(r for r in llm.engine.records if r.new_tokens == 160) for llm in (folding, plain)}
+    assert (first[folding].extend_rows, first[plain].extend_rows) == (1, 3)
     # a 30-token suffix past a 40-token cached prefix (1,665 pairs), beside another request's decode rows
     suffix = prompts[0] + prompts_of([30], seed=23)[0]
     out = {name: _second_beside_decode_rows(llm, prompts_of([9], seed=22)[0], suffix, params, 2)

@@ -143,6 +143,11 @@ def test_server_info_as_sglang_names_it(srv, llama_ckpt):
     assert got["overlap_schedule"] is on_cuda and got["disable_overlap_schedule"] is not on_cuda
     assert got["speculative_algorithm"] is None and got["speculative"] == "none"
     assert got["attention_backend"] and got["version"] == stepserve.__version__
+    # which prompt chunks run as decode-shaped queries (`FoldRule`), as an engine of this checkpoint decides
+    from stepserve import LLM
+
+    rule = LLM(llama_ckpt, device="cpu" if got["device"] == "cpu" else "auto", kv_slots=1024).engine.runner.fold_rule
+    assert (got["fold_tokens"], got["fold_pairs"]) == (rule.tokens, rule.pairs)
 
 
 UNSUPPORTED = [

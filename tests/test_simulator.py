@@ -908,3 +908,26 @@ def test_a_streams_later_tokens_are_delivered_sooner_than_its_first():
     r, itl = run(token_delivery_s=0.5e-3, end_delivery_s=1.2e-3)
     assert (r.ttft, r.e2e) == pytest.approx((3e-3, 5.2e-3)) and itl == pytest.approx([0.0, 0.5e-3, 1.7e-3])
     assert run(end_delivery_s=1.2e-3)[0].e2e == pytest.approx(6e-3)  # (with no later tokens' delivery: as they)
+
+
+def test_the_simulator_folds_prompt_chunks_as_the_profiled_engine_did(tmp_path):
+    """A profile records which prompt chunks the engine runs as decode-shaped
+    queries (`fold_tokens`, `fold_pairs`: `plan.FoldRule`); the simulated
+    scheduler decides each plan's chunks by it, so a folded chunk pays none
+    of the step model's extend-path prices. A profile that records no rule
+    (an older one) prices every chunk on the extend path, as it was fitted."""
+    from stepserve.scheduler.plan import FoldRule
+
+    # 1 ms a step, and 10 ms more for a step with chunks on the extend path (+2 ms per chunk)
+    model = LinearLatencyModel("segmented", [1e-3, 0.0, 0.0, 0.0, 0.0, 1e-2, 2e-3], knots=(1,))
+    engine = {"kv_slots": 1000, "max_context": 256, "vocab_size": 100}
+    specs = [_spec(0, 0.0, 10, 3), _spec(1, 0.5, 60, 3)]  # 55 and 1,830 query-key pairs
+    ttft = {}
+    for rule in (FoldRule(), FoldRule(0, 100), FoldRule(64, 0)):
+        cfg = SimConfig.from_profile({**engine, **rule.to_dict()})
+        assert (cfg.fold_tokens, cfg.fold_pairs) == (rule.tokens, rule.pairs)
+        ttft[rule] = [r.ttft for r in Simulator(model, cfg).run(specs).records]
+    assert ttft[FoldRule()] == pytest.approx([0.013, 0.013])  # each prompt's step: 1 + 10 + 2 ms
+    assert ttft[FoldRule(0, 100)] == pytest.approx([0.001, 0.013])  # the short prompt's chunk folds
+    assert ttft[FoldRule(64, 0)] == pytest.approx([0.001, 0.001])  # each step within 64 tokens: one call
+    assert SimConfig.from_profile(engine).fold_pairs == 0

@@ -140,6 +140,9 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     eng = prof["engine"]
     assert (eng["max_running"], eng["max_batched_tokens"], eng["overlap_schedule"]) == (48, 1024, False)
     assert eng["kv_slots_from"] == "the server's /get_server_info"
+    # and which prompt chunks it folds into decode-shaped queries, which the simulator then folds alike
+    info = httpx.get(server + "/get_server_info").json()
+    assert (eng["fold_tokens"], eng["fold_pairs"]) == (info["fold_tokens"], info["fold_pairs"])
     blocks = re.search(r'cache_config_info\{block_size="1",num_gpu_blocks="(\d+)"\}', httpx.get(server + "/metrics").text)
     assert eng["kv_slots"] == int(blocks.group(1))
     assert "the server runs max_running = 48 (--max-running here: 256)" in captured.err
@@ -163,6 +166,7 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert len(prof["noise"]["quantiles"]) == 101
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]
+    assert (cfg.fold_tokens, cfg.fold_pairs) == (eng["fold_tokens"], eng["fold_pairs"])
     assert cfg.serving() == ServingCosts.from_engine(prof["engine"])
     # the mixed points carry the streams decoding beside each probe
     assert {p["streams"] for p in prof["points"] if p["scenario"] == "mixed"} == {2}

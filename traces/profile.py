@@ -430,7 +430,7 @@ def run_profile(args) -> int:
         model={"path": model_dir, "dtype": str(eng.dtype), "vocab_size": eng.model_config.vocab_size},
         engine={"kv_slots": eng.kv_capacity, "max_running": args.max_running, "max_batched_tokens": max_batched,
                 "max_context": max_len, "vocab_size": eng.model_config.vocab_size,
-                "overlap_schedule": eng.overlap_schedule},
+                "overlap_schedule": eng.overlap_schedule, **eng.runner.fold_rule.to_dict()},
         sweep={"batch_sizes": bss, "context_lens": ctxs, "chunk_sizes": chunks, "repeats": args.repeats,
                "warmup": args.warmup, "rounds": args.rounds, "seconds": time.perf_counter() - t0},
     )
@@ -483,7 +483,11 @@ def served_sizing(args, max_len: int) -> dict:
     if got is None:
         slots, how = _server_engine_sizing(args, max_len)
         return {"kv_slots": slots, "kv_slots_from": how, "max_running": args.max_running,
-                "max_batched_tokens": args.max_batched_tokens, "overlap_schedule": None}
+                "max_batched_tokens": args.max_batched_tokens, "overlap_schedule": None,
+                "fold_tokens": None, "fold_pairs": None}
+
+    def count(v):
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
     def positive(key, flag_value):
         v = got.get(key)
@@ -493,7 +497,10 @@ def served_sizing(args, max_len: int) -> dict:
               "max_running": positive("max_running_requests", args.max_running),
               "max_batched_tokens": positive("chunked_prefill_size", args.max_batched_tokens),
               "overlap_schedule": (not got["disable_overlap_schedule"]
-                                   if isinstance(got.get("disable_overlap_schedule"), bool) else None)}
+                                   if isinstance(got.get("disable_overlap_schedule"), bool) else None),
+              # which prompt chunks the server folds into decode-shaped queries (`FoldRule`; None: not told)
+              "fold_tokens": count(got.get("fold_tokens")),
+              "fold_pairs": count(got.get("fold_pairs"))}
     if sizing["kv_slots"] is None:
         sizing["kv_slots"], sizing["kv_slots_from"] = _server_engine_sizing(args, max_len)
     for key, flag, value in (("max_running", "--max-running", args.max_running),

@@ -27,6 +27,7 @@ from stepserve.scheduler.errors import RequestError
 from stepserve.scheduler.kv_manager import KVManager
 from stepserve.scheduler.latency_model import ServingCosts, StepFeatures
 from stepserve.scheduler.limits import Limits
+from stepserve.scheduler.plan import FoldRule
 from stepserve.scheduler.policies import policy_stats
 from stepserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from stepserve.scheduler.sequence import SeqStatus
@@ -52,6 +53,10 @@ class SimConfig:
     vocab_size: int | None = None  # None: the profile's, else DEFAULT_VOCAB
     seed: int = 0  # prompt tokens
     check_every: int = 0  # run the KV integrity check every N steps (tests; slow)
+    # which prompt chunks the engine ran as decode-shaped queries (`plan.FoldRule`, the profile's
+    # `fold_tokens` / `fold_pairs`; 0: none): the plans count extend rows as the server's did
+    fold_tokens: int = 0
+    fold_pairs: int = 0
     # The serving system's costs around the steps (`latency_model.ServingCosts`,
     # from profiles measured through a server): a request reaches the scheduler
     # entry_s after its arrival (its TTFT still counts from the arrival); a stream's first token
@@ -140,7 +145,8 @@ class SimConfig:
     @classmethod
     def from_profile(cls, engine: dict, **overrides) -> "SimConfig":
         """Engine sizing recorded in a profile; explicit (non-None) overrides win."""
-        keys = ("max_running", "max_batched_tokens", "kv_slots", "max_context", "vocab_size")
+        keys = ("max_running", "max_batched_tokens", "kv_slots", "max_context", "vocab_size", "fold_tokens",
+                "fold_pairs")
         kw = {k: engine[k] for k in keys if engine.get(k) is not None}
         kw.update(ServingCosts.from_engine(engine).to_dict())
         noise = overrides.pop("noise", None)
@@ -435,6 +441,7 @@ class Simulator:
                             admission=cfg.admission, max_context=max_ctx, prefix_caching=cfg.prefix_caching),
             kv, self.policies, clock=self.clock,
         )
+        sched.fold = FoldRule(cfg.fold_tokens, cfg.fold_pairs)
         # no vocabulary check: the simulator builds the prompts itself, in range
         limits = Limits(max_ctx, kv.capacity, max_sequences=kv.req_pool.max_rows)
         return EngineCore(sched, self.runner, self, limits, clock=self.clock, check_every=cfg.check_every,

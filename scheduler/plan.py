@@ -92,12 +92,6 @@ class FoldRule:
     def to_dict(self) -> dict:
         return {"fold_tokens": self.tokens, "fold_pairs": self.pairs}
 
-    @classmethod
-    def from_engine(cls, engine: dict) -> "FoldRule":
-        """The rule a profile's `engine` section records (absent: no folding,
-        as the profiles made before the rule was recorded priced it)."""
-        return cls(int(engine.get("fold_tokens") or 0), int(engine.get("fold_pairs") or 0))
-
 
 NO_FOLD = FoldRule()
 

@@ -486,21 +486,18 @@ def served_sizing(args, max_len: int) -> dict:
                 "max_batched_tokens": args.max_batched_tokens, "overlap_schedule": None,
                 "fold_tokens": None, "fold_pairs": None}
 
-    def count(v):
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
-
-    def positive(key, flag_value):
+    def reported(key, flag_value, least=1):
         v = got.get(key)
-        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else flag_value
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= least else flag_value
 
-    sizing = {"kv_slots": positive("max_total_num_tokens", None), "kv_slots_from": "the server's /get_server_info",
-              "max_running": positive("max_running_requests", args.max_running),
-              "max_batched_tokens": positive("chunked_prefill_size", args.max_batched_tokens),
+    sizing = {"kv_slots": reported("max_total_num_tokens", None), "kv_slots_from": "the server's /get_server_info",
+              "max_running": reported("max_running_requests", args.max_running),
+              "max_batched_tokens": reported("chunked_prefill_size", args.max_batched_tokens),
               "overlap_schedule": (not got["disable_overlap_schedule"]
                                    if isinstance(got.get("disable_overlap_schedule"), bool) else None),
               # which prompt chunks the server folds into decode-shaped queries (`FoldRule`; None: not told)
-              "fold_tokens": count(got.get("fold_tokens")),
-              "fold_pairs": count(got.get("fold_pairs"))}
+              "fold_tokens": reported("fold_tokens", None, least=0),
+              "fold_pairs": reported("fold_pairs", None, least=0)}
     if sizing["kv_slots"] is None:
         sizing["kv_slots"], sizing["kv_slots_from"] = _server_engine_sizing(args, max_len)
     for key, flag, value in (("max_running", "--max-running", args.max_running),

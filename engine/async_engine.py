@@ -207,8 +207,9 @@ class EngineLoop:
                 if stepped:
                     r = eng.records[-1]
                     line.update(rows=r.rows, decode_rows=r.decode_rows, ctx=r.context_tokens, new=r.new_tokens,
-                                pairs=r.prefill_pairs, ext=r.extend_rows, step=round(r.wall_s, 6), fwd=round(r.forward_s, 6),
-                                cpu=round(cpu, 6), out=round(t3 - t2, 6))
+                                pairs=r.prefill_pairs, ext=r.extend_rows, chunks=r.chunk_rows, layered=int(r.layered),
+                                step=round(r.wall_s, 6), fwd=round(r.forward_s, 6), cpu=round(cpu, 6),
+                                out=round(t3 - t2, 6))
                 line.update(emit=round(clock() - t3, 6), outs=len(outputs))
                 if first:
                     line["first"] = first

@@ -12,9 +12,11 @@ not see:
   adds    requests that entered the engine in this iteration
   cmd     seconds spent handling the commands (adding requests: their checks,
           sequences, detokenizer state)
-  rows, decode_rows, ctx, new, pairs, ext
+  rows, decode_rows, ctx, new, pairs, ext, chunks, layered
           the step's features (absent: the iteration ran no step); ext: rows
-          that prefill a chunk on the extend path (`StepFeatures.extend_rows`)
+          that prefill a chunk on the extend path (`StepFeatures.extend_rows`);
+          chunks: rows that prefill a chunk, folded or not; layered: 1 when a
+          step with chunks did not run as one call (`StepFeatures.layered`)
   step    seconds of the step (`StepRecord.wall_s`: schedule, forward, update)
   fwd     of which the forward pass (`StepRecord.forward_s`)
   cpu     seconds of CPU the loop's thread ran during the step (`time.thread_time`
@@ -42,7 +44,7 @@ import time
 # log (it flushes before it blocks for the next command).
 SETTLE_S = 0.2
 
-FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "ext", "step", "fwd", "cpu", "out",
+FIELDS = ("t", "wait", "adds", "cmd", "rows", "decode_rows", "ctx", "new", "pairs", "ext", "chunks", "layered", "step", "fwd", "cpu", "out",
           "emit", "outs", "first")
 
 

@@ -330,7 +330,7 @@ class BranchAdmissionPolicy:
                 if base is None:  # a step no plan narrowed is its own baseline (its record's shape: O(1))
                     r = record
                     base = self.predictor.predict(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs,
-                                                  r.extend_rows)
+                                                  r.extend_rows, r.chunk_rows, r.layered)
                     a, b = self.predictor.cold_terms(plan.after_prompt)
                     base += a + b * base
                 self._base_avg += (base - self._base_avg) / 32.0
@@ -413,6 +413,7 @@ class BranchAdmissionPolicy:
         extra_ids = {id(r) for g in candidates for r in g}
         f = plan_features(plan)  # of the whole plan; take the extras back out
         rows, ctx, new, pairs, ext = f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows
+        chunk_terms = (f.chunk_rows, f.layered)  # (the extras are decode rows: the plan's chunks stay)
         for g in candidates:
             for r in g:
                 rows -= 1
@@ -421,11 +422,11 @@ class BranchAdmissionPolicy:
         predict = self.predictor.predict
         if self.spec.predictor == "constant":  # the paper's ablation: shape-blind, the recent mean step time
             w = self.predictor.window
-            mean = sum(t for _, t in w) / len(w) if w else predict(rows, ctx, new, pairs, ext)
+            mean = sum(t for _, t in w) / len(w) if w else predict(rows, ctx, new, pairs, ext, *chunk_terms)
 
             def predict(*_):
                 return mean
-        t_raw = predict(rows, ctx, new, pairs, ext)
+        t_raw = predict(rows, ctx, new, pairs, ext, *chunk_terms)
         # a decode step soon after a prompt chunk runs on caches the chunk emptied: a + (1 + b) t for the
         # model's t (`ServingCosts.cold`), and each extra row's marginal time grows by the same factor
         cold_a, cold_b = (self.predictor.cold_terms(SincePrompt(*since_prompt).next(prompt_tokens(plan.rows)))
@@ -512,7 +513,7 @@ class BranchAdmissionPolicy:
         t_all = t_base
         for g, got in zip(candidates, costs):
             for r in g:
-                c = (predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_raw) * scale
+                c = (predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext, *chunk_terms) - t_raw) * scale
                 got.append(c)
                 t_all += c
             if t_all > budget:
@@ -531,7 +532,7 @@ class BranchAdmissionPolicy:
             got = costs[gi]
             if k == len(got):  # (a request's rows are reached in order)
                 r = candidates[gi][k]
-                got.append((predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext) - t_raw) * scale)
+                got.append((predict(rows + 1, ctx + r.start + 1, new + 1, pairs, ext, *chunk_terms) - t_raw) * scale)
             cost = got[k]
             gain = math.log((k + 2) / (k + 1)) if concave else 1.0
             return (-gain / max(cost, 1e-12), _staleness(candidates[gi][k]), gi, k, cost)

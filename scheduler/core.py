@@ -394,7 +394,7 @@ class EngineCore:
                          context_tokens=features.context_tokens, new_tokens=features.new_tokens, wall_s=wall_s,
                          forward_s=forward_s, schedule_s=schedule_s, prep_s=out.prep_s,
                          prefill_pairs=features.prefill_pairs, extend_rows=features.extend_rows,
-                         cold=out.cold)
+                         chunk_rows=features.chunk_rows, layered=features.layered, cold=out.cold)
         if plan.num_verify:
             vr = plan.verify_rows
             rec.verify_rows = len(vr)

@@ -8,7 +8,8 @@ coefficients and fitted by least squares:
   linear       T = a + b*rows + c*context_tokens + d*new_tokens  (the default)
   linear+attn  linear + e*prefill_pairs
   segmented    a + R(rows) + c*context_tokens + d*new_tokens + e*prefill_pairs
-               + g*prefill_step + f*extend_rows, where R is piecewise linear
+               + g*prefill_step + f*extend_rows + h*chunk_step + l*layered_step,
+               where R is piecewise linear
                in rows: one slope per segment between knots (1, 2, 4, ... up
                to the largest batch the fit saw; the last segment
                open-ended), each >= 0
@@ -31,6 +32,18 @@ steps of overload, which pack 16-25 short prompts' chunks into 2,048
 tokens (measured 0.95x predicted, where steps with one chunk measured
 1.1-1.2x), and a speed fitted to runs made of them undercharged every
 small step. The forms without the two fold them into the token terms.
+`chunk_step` (1 when any row prefills a chunk, folded or not) and
+`layered_step` (1 when such a step does not run as one call: more new tokens
+than the fold rule's `tokens`, or a chunk on the extend path) price the
+prompt work that folding does not save. On a 2-core Zen 4 EPYC server,
+priced without them, steps whose chunks all folded ran 1.34-1.44x the
+model's price at 1-64 prompt tokens and 0.93x past 256 (the model had only
+the extend path's once-a-step price, which a folded step does not pay).
+Fitted with them (0.80 and 1.50 ms there, beside the extend path's 2.93
+ms), over 12 Azure replays at 48-96 req/s the window-scaled model
+(`validate`'s by-prompt view) priced steps of 1-64 prompt tokens at
+0.90-0.95x their time and of 257+ at 0.97-1.07x, where a profile without
+them read 1.18-1.29x and 0.92-0.99x on the same runs.
 The step policies price all of these terms too: TAPER's marginal cost of a
 branch row is R's local slope.
 
@@ -79,22 +92,25 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from stepserve.scheduler.plan import chunk_pairs
+from stepserve.scheduler.plan import NO_FOLD, FoldRule, chunk_pairs
 
 FORMS: dict[str, tuple[str, ...]] = {
     "taper": ("const", "rows", "context_tokens"),
     "linear": ("const", "rows", "context_tokens", "new_tokens"),
     "linear+attn": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs"),
     # "rows" here is a piecewise-linear term: one coefficient per segment of `knots`
-    "segmented": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows"),
+    "segmented": ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows",
+                  "chunk_step", "layered_step"),
 }
-TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows")
+TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows", "chunk_step",
+         "layered_step")
 # A step's cost in two parts that a busy machine slows by different amounts:
 # per step, per row and per context token (the loop, small kernels and decode
 # attention: latency- and memory-bound), and per token computed (the matrix
 # products and prefill attention: compute-bound). Measured on 2 shared cores,
 # replay traffic slowed the first by up to 1.5x where it slowed the second 1.1x.
-# The prompt chunks' own terms (`prefill_step`, `extend_rows`) go with the
+# The prompt chunks' own terms (`prefill_step`, `extend_rows`, `chunk_step`,
+# `layered_step`) go with the
 # second: a run's speed is read off its decode steps for the first part and
 # its prompt steps for the second (`validate.run_speed`), and a decode step
 # has no chunk, so the decode steps' factor has nothing to say of them. Under
@@ -104,7 +120,7 @@ TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "pref
 # model priced steps of 257+ prompt tokens at 1/1.28-1/1.53 of their time and
 # those of 1-64 at 1.6-2.1x theirs over 30 Azure replays (`validate`'s
 # by-prompt view); with them here, 1/1.10-1/1.23 and 1.25-1.5x.
-TOKEN_TERMS = ("new_tokens", "prefill_pairs", "prefill_step", "extend_rows")
+TOKEN_TERMS = ("new_tokens", "prefill_pairs", "prefill_step", "extend_rows", "chunk_step", "layered_step")
 
 
 def row_knots(max_rows: int) -> tuple[int, ...]:
@@ -145,11 +161,23 @@ class StepFeatures:
     new_tokens: int
     prefill_pairs: float = 0.0
     extend_rows: int = 0  # rows that prefill a chunk of more than one token on the extend path (not folded)
+    chunk_rows: int = 0  # rows that prefill a chunk, folded or not (at least extend_rows)
+    layered: bool = False  # a step with chunks that does not run as one call (`plan_features`)
 
     @property
     def prefill_step(self) -> float:
-        """1 when the step prefills a chunk (the segmented form's once-a-step price of having chunks)."""
+        """1 when a chunk takes the extend path (its once-a-step price)."""
         return 1.0 if self.extend_rows > 0 else 0.0
+
+    @property
+    def chunk_step(self) -> float:
+        """1 when the step prefills any chunk, folded or not (the prompt work's once-a-step price)."""
+        return 1.0 if self.chunk_rows > 0 or self.extend_rows > 0 else 0.0
+
+    @property
+    def layered_step(self) -> float:
+        """1 when a step with chunks runs layer by layer (not as one call)."""
+        return 1.0 if self.layered or self.extend_rows > 0 else 0.0
 
     def vector(self, form: str, knots: tuple[int, ...] = ()) -> list[float]:
         out = []
@@ -166,7 +194,9 @@ class StepFeatures:
 def plan_features(plan) -> StepFeatures:
     """Features of a `StepPlan`, in one pass over its rows. `extend_rows`
     counts the chunks that run through the extend path: not those the
-    runner folds into decode-shaped queries (`StepPlan.chunk_folds`)."""
+    runner folds into decode-shaped queries (`StepPlan.chunk_folds`). A step
+    with chunks is `layered` unless the fold rule runs it as one call (all
+    its tokens within `FoldRule.tokens`, every chunk folded)."""
     ctx = new = 0
     pairs = 0
     ext = 0
@@ -179,11 +209,26 @@ def plan_features(plan) -> StepFeatures:
             pairs += chunk_pairs(s, n)
             if not r.draft_len:
                 ext += 1
+    chunks = ext
     if ext:
         folds = plan.chunk_folds()
         if folds:
             ext -= sum(folds)
-    return StepFeatures(len(plan.rows), ctx, new, float(pairs), ext)
+    return StepFeatures(len(plan.rows), ctx, new, float(pairs), ext, chunks,
+                        chunks > 0 and (ext > 0 or new > plan.fold.tokens))
+
+
+def shape_features(decode_rows: int, decode_context: int, chunks: list[tuple[int, int]],
+                   fold: FoldRule = NO_FOLD) -> StepFeatures:
+    """What `plan_features` gives a plan of `decode_rows` decode rows over
+    `decode_context` tokens of context (after the step) and prompt `chunks`
+    ((start, n) each, each ending its prompt, none scoring it) under `fold`:
+    the shape of a step a profile's client or sweep knows without a plan."""
+    new = decode_rows + sum(n for _, n in chunks)
+    ext = sum(1 for s, n in chunks if not fold.folds_sampled(new, s, n))
+    return StepFeatures(decode_rows + len(chunks), decode_context + sum(s + n for s, n in chunks), new,
+                        float(sum(chunk_pairs(s, n) for s, n in chunks)), ext, len(chunks),
+                        bool(chunks) and (ext > 0 or new > fold.tokens))
 
 
 COLD_STEPS = 3  # the decode steps after a step with prompt tokens that pay for the caches it emptied
@@ -227,14 +272,15 @@ class SincePrompt:
 
 def record_features(rec) -> StepFeatures:
     """Features of a `StepRecord`."""
-    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, rec.prefill_pairs, rec.extend_rows)
+    return StepFeatures(rec.rows, rec.context_tokens, rec.new_tokens, rec.prefill_pairs, rec.extend_rows,
+                        rec.chunk_rows, rec.layered)
 
 
 class LatencyModel(Protocol):
     form: str
 
     def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
-                extend_rows: int = 0) -> float: ...
+                extend_rows: int = 0, chunk_rows: int = 0, layered: bool = False) -> float: ...
 
     def to_dict(self) -> dict: ...
 
@@ -302,9 +348,9 @@ class LinearLatencyModel:
         if len(self.coef) != len(names):
             raise ValueError(f"form {self.form} takes {len(names)} coefficients ({', '.join(names)}), "
                              f"got {len(self.coef)}")
-        # spread into fixed slots (const, context, new, pairs, prefill step, extend; 0 where the form has
-        # no such term), and the rows term as a piecewise-linear function: cumulative value at each knot,
-        # slope after it
+        # spread into fixed slots (const, context, new, pairs, prefill step, extend, chunk step, layered step;
+        # 0 where the form has no such term), and the rows term as a piecewise-linear function: cumulative
+        # value at each knot, slope after it
         coef = iter(float(x) for x in self.coef)
         c, slopes = {}, []
         for n in FORMS[self.form]:
@@ -328,15 +374,20 @@ class LinearLatencyModel:
         return self._cum[i] + self._slopes[i] * (rows - knots[i])
 
     def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
-                extend_rows: int = 0) -> float:
-        a, c, d, e, g, f = self._c
+                extend_rows: int = 0, chunk_rows: int = 0, layered: bool = False) -> float:
+        """(`StepFeatures`' fields, in order; a chunk on the extend path makes
+        a chunk step that runs layer by layer, whatever the last two say.)"""
+        a, c, d, e, g, f, h, lay = self._c
         t = a + self.row_cost(rows) + c * context_tokens + d * new_tokens + e * prefill_pairs + f * extend_rows
         if extend_rows > 0:
-            t += g
+            t += g + h + lay
+        elif chunk_rows > 0:
+            t += h + lay if layered else h
         return t if t > self.min_s else self.min_s
 
     def predict_features(self, f: StepFeatures) -> float:
-        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows, f.chunk_rows,
+                            f.layered)
 
     def predict_plan(self, plan) -> float:
         return self.predict_features(plan_features(plan))
@@ -361,17 +412,22 @@ class LinearLatencyModel:
     def token_part(self, f: StepFeatures) -> float:
         """The `TOKEN_TERMS` part of a prediction (before the `min_s` floor):
         per new token and prefill pair, and a step's chunk prices."""
-        _, _, d, e, g, x = self._c
-        return d * f.new_tokens + e * f.prefill_pairs + ((g + x * f.extend_rows) if f.extend_rows > 0 else 0.0)
+        _, _, d, e, g, x, h, lay = self._c
+        return (d * f.new_tokens + e * f.prefill_pairs + ((g + x * f.extend_rows) if f.extend_rows > 0 else 0.0)
+                + h * f.chunk_step + lay * f.layered_step)
 
     @classmethod
     def from_dict(cls, d: dict) -> "LinearLatencyModel":
         coef = [float(x) for x in d["coef"]]
         terms = d.get("terms")
-        if d["form"] == "segmented" and terms and "prefill_step" not in terms:
-            # a profile written before the segmented form priced a step's first chunk apart: every
-            # chunk at one price is the same model with no once-a-step price
-            coef.insert(terms.index("extend_rows"), 0.0)
+        if d["form"] == "segmented" and terms:
+            if "prefill_step" not in terms:
+                # a profile written before the segmented form priced a step's first chunk apart: every
+                # chunk at one price is the same model with no once-a-step price
+                coef.insert(terms.index("extend_rows"), 0.0)
+            if "chunk_step" not in terms:
+                # ... or before it priced the prompt work that folding does not save: no such prices
+                coef += [0.0, 0.0]
         return cls(d["form"], coef, knots=tuple(d.get("knots") or ()))
 
     @classmethod
@@ -468,12 +524,12 @@ def sweep_features(max_rows: int = 256, max_context: int = 32768) -> list[StepFe
     ctxs = [c for c in (64, 256, 1024, 4096, 16384, 65536) if c <= max_context] or [max_context]
     for b in rows:
         for c in ctxs:
-            feats.append(StepFeatures(b, b * c, b, 0.0))
+            feats.append(shape_features(b, b * c, []))
     for b in (1, 2, 4):
         for n in (128, 512, 2048):
             for start in (0, 1024):
                 if start + n <= max_context:
-                    feats.append(StepFeatures(b, b * (start + n), b * n, float(b * chunk_pairs(start, n))))
+                    feats.append(shape_features(0, 0, [(start, n)] * b))
     return feats
 
 
@@ -587,11 +643,11 @@ class OnlineLatencyModel:
         return self.model if self.model is not None else self.base
 
     def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
-                extend_rows: int = 0) -> float:
+                extend_rows: int = 0, chunk_rows: int = 0, layered: bool = False) -> float:
         m = self.current()
         if m is None:
             raise RuntimeError("latency model not calibrated yet (fewer than min_samples steps, no offline profile)")
-        return m.predict(rows, context_tokens, new_tokens, prefill_pairs, extend_rows)
+        return m.predict(rows, context_tokens, new_tokens, prefill_pairs, extend_rows, chunk_rows, layered)
 
     def cold_terms(self, after: tuple[int, int]) -> tuple[float, float]:
         """(a, b): a step that is `after` (`StepPlan.after_prompt`) takes

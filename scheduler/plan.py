@@ -89,6 +89,12 @@ class FoldRule:
         got = [not r.seq.full_prefill and chunk_pairs(r.start, r.num_new) <= self.pairs for r in chunks]
         return got if any(got) else None
 
+    def folds_sampled(self, step_tokens: int, start: int, n: int) -> bool:
+        """`decide` for one chunk of `n` tokens after `start` cached ones, in
+        a step of `step_tokens` new tokens that samples, the chunk not
+        scoring its prompt (a step's shape where no plan is at hand)."""
+        return step_tokens <= self.tokens or chunk_pairs(start, n) <= self.pairs
+
     def to_dict(self) -> dict:
         return {"fold_tokens": self.tokens, "fold_pairs": self.pairs}
 
@@ -194,6 +200,8 @@ class StepRecord:
     prep_s: float = 0.0  # building the batch's input tensors
     prefill_pairs: float = 0.0  # causal attention pairs of the prefill chunks (`latency_model.plan_features`)
     extend_rows: int = 0  # rows that prefill a chunk of more than one token on the extend path (not folded)
+    chunk_rows: int = 0  # rows that prefill a chunk, folded or not
+    layered: bool = False  # a step with chunks that did not run as one call (`latency_model.plan_features`)
     # speculation: verify rows, tokens drafted and accepted, and of `forward_s` the proposer's time
     verify_rows: int = 0
     draft_tokens: int = 0

@@ -134,9 +134,10 @@ class RooflineLatencyModel:
     overhead_s: float = 0.0
 
     def predict(self, rows: int, context_tokens: int, new_tokens: int, prefill_pairs: float = 0.0,
-                extend_rows: int = 0) -> float:
-        """(`extend_rows` is not priced: the roofline is the forward pass's, and
-        a chunk's bookkeeping outside it is a measured profile's term.)"""
+                extend_rows: int = 0, chunk_rows: int = 0, layered: bool = False) -> float:
+        """(`extend_rows`, `chunk_rows` and `layered` are not priced: the
+        roofline is the forward pass's, and a chunk's bookkeeping outside it
+        is a measured profile's term.)"""
         mem = (self.weight_bytes_per_dev
                + self.kv_bytes_per_token_per_dev * (context_tokens + new_tokens)) / self.mem_bw
         fl = (self.dense_flops_per_token * new_tokens + self.lm_head_flops_per_row * rows
@@ -149,7 +150,8 @@ class RooflineLatencyModel:
         return t
 
     def predict_features(self, f) -> float:
-        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        return self.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows, f.chunk_rows,
+                            f.layered)
 
     def predict_plan(self, plan) -> float:
         from stepserve.scheduler.latency_model import plan_features

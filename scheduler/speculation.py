@@ -1770,10 +1770,11 @@ class SpecLengthPolicy:
         f = plan_features(plan)
         starts = sum(r.start for r in rows)
         predict = self.target.predict
-        t0 = predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        chunks = (f.prefill_pairs, f.extend_rows, f.chunk_rows, f.layered)  # (the drafting rows are no chunks)
+        t0 = predict(f.rows, f.context_tokens, f.new_tokens, *chunks)
         t_spec = predict(n, starts + n, n)
-        without = predict(f.rows - n, f.context_tokens - starts - n, f.new_tokens - n, f.prefill_pairs, f.extend_rows)
-        one = predict(f.rows, f.context_tokens + 1, f.new_tokens + 1, f.prefill_pairs, f.extend_rows)
+        without = predict(f.rows - n, f.context_tokens - starts - n, f.new_tokens - n, *chunks)
+        one = predict(f.rows, f.context_tokens + 1, f.new_tokens + 1, *chunks)
         return max(t0 - without, 0.0) / n, t_spec, max(one - t0, 0.0)
 
     # -- observing ---------------------------------------------------------------

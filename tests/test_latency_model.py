@@ -12,6 +12,7 @@ import pytest
 
 from stepserve.scheduler.latency_model import (
     FORMS, LinearLatencyModel, OnlineLatencyModel, ServingCosts, StepFeatures, error_summary, load_profile, plan_features,
+    shape_features,
 )
 from stepserve.scheduler.roofline import (
     DEVICES, MODELS, RooflineAssumptions, builtin_names, kv_slots, parse_name, roofline_profile,
@@ -26,12 +27,15 @@ def _feats(n=200, seed=0):
         new = rows + int(rng.integers(0, 2)) * int(rng.integers(1, 512))
         ctx = rows * int(rng.integers(1, 2000)) + new
         pairs = float(rng.integers(0, 100_000)) if new > rows else 0.0
-        ext = int(rng.integers(1, min(rows, 3) + 1)) if new > rows else 0
-        out.append(StepFeatures(rows, ctx, new, pairs, ext))
+        # a step with chunks: some on the extend path, or all folded, in one call or layer by layer
+        chunks = int(rng.integers(1, min(rows, 3) + 1)) if new > rows else 0
+        ext = int(rng.integers(0, chunks + 1))
+        out.append(StepFeatures(rows, ctx, new, pairs, ext, chunks, chunks > 0 and bool(rng.integers(0, 2))))
     return out
 
 
-SEGMENTED_TRUTH = ([2e-3, 2.5e-3, 4e-4, 3e-4, 2e-4, 2e-4, 1e-4, 3e-7, 5e-6, 1e-9, 3e-3, 2e-3], (1, 2, 4, 8, 16, 32))
+SEGMENTED_TRUTH = ([2e-3, 2.5e-3, 4e-4, 3e-4, 2e-4, 2e-4, 1e-4, 3e-7, 5e-6, 1e-9, 3e-3, 2e-3, 8e-4, 1e-3],
+                   (1, 2, 4, 8, 16, 32))
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -76,7 +80,7 @@ def test_plan_features():
     f = plan_features(plan)
     # context 10 + 10 + 3; new 1 + 6 + 3; prefill pairs: 6*4 + 21, 3*0 + 6
     assert (f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs) == (3, 23, 10, 51.0)
-    assert f.extend_rows == 2
+    assert (f.extend_rows, f.chunk_rows, f.layered) == (2, 2, True)
 
 
 def test_fold_rule_decides_which_chunks_pay_the_extend_path():
@@ -109,10 +113,18 @@ def test_fold_rule_decides_which_chunks_pay_the_extend_path():
     # nothing sampled: no fold; a chunk scoring its prompt: never, and not the whole step either
     assert FoldRule(32, 2000).decide(plan(None, (seq, 0, 6, False), big).rows) is None
     assert FoldRule(32, 2000).decide(plan(None, dec, (scoring, 0, 6, True), small).rows) == [False, True]
-    for rule, ext in ((FoldRule(), 2), (FoldRule(16, 100), 1), (FoldRule(32, 0), 0)):
+    # every chunk is a chunk row; a step is layered unless it runs as one call (all its 27 tokens within
+    # `tokens`, so every chunk folded)
+    for rule, ext, layered in ((FoldRule(), 2, True), (FoldRule(16, 100), 1, True), (FoldRule(32, 0), 0, False),
+                               (FoldRule(16, 2000), 0, True)):
         p = plan(rule, dec, small, big)
         f = plan_features(p)
         assert (f.extend_rows, f.prefill_step, f.new_tokens, f.prefill_pairs) == (ext, float(ext > 0), 27, 1031.0)
+        assert (f.chunk_rows, f.chunk_step, f.layered, f.layered_step) == (2, 1.0, layered, float(layered))
+        # the same shape without a plan, as a profile's client knows it
+        assert shape_features(1, 91, [(0, 6), (40, 20)], rule) == f
+    assert plan_features(plan(FoldRule(32, 0), dec)) == shape_features(1, 91, [], FoldRule(32, 0))
+    assert not shape_features(1, 91, []).layered and shape_features(1, 91, []).chunk_step == 0.0
     # the scheduler's plans carry its rule and freeze the decision at commit
     kv = KVManager(SlotAllocator(1000), ReqToTokenPool(8, 256), True)
     sched = Scheduler(SchedulerConfig(max_batched_tokens=64), kv)
@@ -130,6 +142,7 @@ class FakeRecord:
     def __init__(self, f: StepFeatures, t: float):
         self.rows, self.context_tokens, self.new_tokens, self.wall_s = f.rows, f.context_tokens, f.new_tokens, t
         self.prefill_pairs, self.extend_rows = f.prefill_pairs, f.extend_rows
+        self.chunk_rows, self.layered = f.chunk_rows, f.layered
 
 
 def test_online_refit_window_and_period():
@@ -483,7 +496,7 @@ def test_segmented_rows_term_is_piecewise_linear():
     the last open-ended; a dict round trip keeps the knots; bad knots and
     knots on another form are refused."""
     a, slopes = 1e-3, [3e-3, 5e-4, 4e-4, 3e-4]
-    m = LinearLatencyModel("segmented", [a, *slopes, 0.0, 0.0, 0.0, 1e-3, 2e-3], knots=(1, 2, 4, 8))
+    m = LinearLatencyModel("segmented", [a, *slopes, 0.0, 0.0, 0.0, 1e-3, 2e-3, 0.0, 0.0], knots=(1, 2, 4, 8))
     assert m.predict(1, 0, 0) == pytest.approx(a)
     assert m.predict(2, 0, 0) == pytest.approx(a + 3e-3)
     assert m.predict(3, 0, 0) == pytest.approx(a + 3e-3 + 5e-4)
@@ -498,9 +511,9 @@ def test_segmented_rows_term_is_piecewise_linear():
     assert back.knots == (1, 2, 4, 8) and back.predict(77, 5, 3, 1.0, 1) == m.predict(77, 5, 3, 1.0, 1)
     assert back.rescaled(2.0).predict(77, 0, 0) == pytest.approx(2 * m.predict(77, 0, 0))
     with pytest.raises(ValueError):
-        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0, 0], knots=(2, 4, 8, 16))  # must start at 1
+        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0, 0, 0, 0], knots=(2, 4, 8, 16))  # must start at 1
     with pytest.raises(ValueError):
-        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0], knots=(1, 2, 4, 8))  # a coefficient short
+        LinearLatencyModel("segmented", [a, *slopes, 0, 0, 0, 0, 0, 0], knots=(1, 2, 4, 8))  # a coefficient short
     with pytest.raises(ValueError):
         LinearLatencyModel("linear", [a, 1e-4, 0, 0], knots=(1, 2))
 
@@ -512,10 +525,17 @@ def test_a_segmented_profile_without_the_step_price_loads_as_written():
     terms = ["const", "rows[1,2)", "rows[2,4)", "context_tokens", "new_tokens", "prefill_pairs", "extend_rows"]
     coef = [1e-3, 2e-3, 3e-4, 1e-7, 2e-4, 1e-9, 3e-3]
     m = LinearLatencyModel.from_dict({"form": "segmented", "terms": terms, "coef": coef, "knots": [1, 2]})
-    assert m.to_dict()["terms"][-2:] == ["prefill_step", "extend_rows"] and m.coef[-2:] == [0.0, 3e-3]
+    assert m.to_dict()["terms"][-4:] == ["prefill_step", "extend_rows", "chunk_step", "layered_step"]
+    assert m.coef[-4:] == [0.0, 3e-3, 0.0, 0.0]
     for rows, ctx, new, pairs, ext in [(1, 30, 1, 0.0, 0), (5, 900, 300, 4e4, 1), (9, 2000, 1500, 3e5, 4)]:
         old = 1e-3 + 2e-3 * min(rows - 1, 1) + 3e-4 * max(rows - 2, 0) + 1e-7 * ctx + 2e-4 * new + 1e-9 * pairs + 3e-3 * ext
         assert m.predict(rows, ctx, new, pairs, ext) == pytest.approx(old, rel=1e-12)
+    # one written before the prices of prompt work that folding does not save: both 0, as fitted
+    terms = ["const", "rows[1,2)", "context_tokens", "new_tokens", "prefill_pairs", "prefill_step", "extend_rows"]
+    m = LinearLatencyModel.from_dict({"form": "segmented", "terms": terms, "coef": [1e-3, 2e-3, 1e-7, 2e-4, 1e-9,
+                                                                                     4e-3, 3e-3], "knots": [1]})
+    assert m.coef[-2:] == [0.0, 0.0]
+    assert m.predict(2, 900, 300, 4e4, 0, 1, True) == pytest.approx(1e-3 + 2e-3 + 9e-5 + 6e-2 + 4e-5, rel=1e-12)
 
 
 def test_segmented_fit_follows_a_concave_batch_curve_where_linear_cannot():
@@ -523,7 +543,7 @@ def test_segmented_fit_follows_a_concave_batch_curve_where_linear_cannot():
     2-core CPU server's shape): the segmented fit predicts every batch size
     within the noise; the linear one misses the small batches, where light
     load lives, and its slope is the average, not the local one."""
-    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 0, 0, 0, 2e-3],
+    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 0, 0, 0, 2e-3, 0, 0],
                                knots=(1, 2, 4, 8, 16, 32))
     rng = np.random.default_rng(2)
     feats, times = [], []
@@ -558,11 +578,12 @@ def test_profile_refuses_the_segmented_form_without_a_step_log(tmp_path):
 
 @pytest.mark.parametrize("form,coef,knots", [
     ("linear", [1e-3, 2e-4, 1e-7, 3e-6], ()),
-    ("segmented", [3e-3, 9e-4, 4e-4, 6e-5, 1e-7, 9e-5, 1e-9, 2e-3, 5e-4], (1, 2, 4)),
+    ("segmented", [3e-3, 9e-4, 4e-4, 6e-5, 1e-7, 9e-5, 1e-9, 2e-3, 5e-4, 7e-4, 1e-3], (1, 2, 4)),
 ])
 def test_rescaled_in_two_parts(form, coef, knots):
     """rescaled(a, b): the per-token terms (new tokens, prefill pairs) and the
-    prompt chunks' own (prefill step, extend rows) times b, everything else
+    prompt chunks' own (prefill step, extend rows, chunk step, layered step)
+    times b, everything else
     (the constant, every rows segment, context) times a."""
     m = LinearLatencyModel(form, coef, knots=knots)
     r = m.rescaled(1.5, 1.1)
@@ -573,10 +594,14 @@ def test_rescaled_in_two_parts(form, coef, knots):
     assert m.rescaled(2.0, 2.0).coef == pytest.approx(m.rescaled(2.0).coef)
     if form == "segmented":  # by hand: const + R(3) + context, then tokens, pairs, the step's chunk price, one chunk
         rest = 3e-3 + (9e-4 + 4e-4) + 700 * 1e-7
-        prompt = 600 * 9e-5 + 2.5e5 * 1e-9 + 2e-3 + 5e-4
+        # (a chunk on the extend path: a chunk step, layered)
+        prompt = 600 * 9e-5 + 2.5e5 * 1e-9 + 2e-3 + 5e-4 + 7e-4 + 1e-3
         assert m.token_part(StepFeatures(3, 700, 600, 2.5e5, 1)) == pytest.approx(prompt, rel=1e-12)
         assert r.predict_features(StepFeatures(3, 700, 600, 2.5e5, 1)) == pytest.approx(1.5 * rest + 1.1 * prompt)
         assert r.predict_features(StepFeatures(3, 700, 3)) == pytest.approx(1.5 * rest + 1.1 * 3 * 9e-5)
+        # one folded chunk, the step as one call: only the chunk step's price
+        folded = StepFeatures(3, 700, 30, 435.0, 0, 1, False)
+        assert m.token_part(folded) == pytest.approx(30 * 9e-5 + 435 * 1e-9 + 7e-4, rel=1e-12)
 
 
 def test_online_rescale_counts_the_cold_steps_extra_in():

@@ -743,7 +743,7 @@ class _HostAndDevice:
     def __init__(self, host_s, device_s):
         self.overhead_s, self.device_s = host_s, device_s
 
-    def predict(self, rows, context_tokens, new_tokens, prefill_pairs=0.0, extend_rows=0):
+    def predict(self, rows, context_tokens, new_tokens, prefill_pairs=0.0, extend_rows=0, chunk_rows=0, layered=False):
         return self.overhead_s + self.device_s
 
 
@@ -783,7 +783,7 @@ class _SlowPrefillLaunch:
     def __init__(self):
         self.overhead_s = 1e-3
 
-    def predict(self, rows, context_tokens, new_tokens, prefill_pairs=0.0, extend_rows=0):
+    def predict(self, rows, context_tokens, new_tokens, prefill_pairs=0.0, extend_rows=0, chunk_rows=0, layered=False):
         self.overhead_s = 10e-3 if extend_rows else 1e-3
         return self.overhead_s + 3e-3
 
@@ -914,12 +914,15 @@ def test_the_simulator_folds_prompt_chunks_as_the_profiled_engine_did(tmp_path):
     """A profile records which prompt chunks the engine runs as decode-shaped
     queries (`fold_tokens`, `fold_pairs`: `plan.FoldRule`); the simulated
     scheduler decides each plan's chunks by it, so a folded chunk pays none
-    of the step model's extend-path prices. A profile that records no rule
-    (an older one) prices every chunk on the extend path, as it was fitted."""
+    of the step model's extend-path prices, only the chunk step's, and the
+    layered step's unless the step runs as one call. A profile that records
+    no rule (an older one) prices every chunk on the extend path, as it was
+    fitted."""
     from stepserve.scheduler.plan import FoldRule
 
-    # 1 ms a step, and 10 ms more for a step with chunks on the extend path (+2 ms per chunk)
-    model = LinearLatencyModel("segmented", [1e-3, 0.0, 0.0, 0.0, 0.0, 1e-2, 2e-3], knots=(1,))
+    # 1 ms a step; 10 ms more for a step with chunks on the extend path (+2 ms per chunk); 0.4 ms for a step
+    # with any chunk, and 3 ms more where it runs layer by layer
+    model = LinearLatencyModel("segmented", [1e-3, 0.0, 0.0, 0.0, 0.0, 1e-2, 2e-3, 4e-4, 3e-3], knots=(1,))
     engine = {"kv_slots": 1000, "max_context": 256, "vocab_size": 100}
     specs = [_spec(0, 0.0, 10, 3), _spec(1, 0.5, 60, 3)]  # 55 and 1,830 query-key pairs
     ttft = {}
@@ -927,7 +930,8 @@ def test_the_simulator_folds_prompt_chunks_as_the_profiled_engine_did(tmp_path):
         cfg = SimConfig.from_profile({**engine, **rule.to_dict()})
         assert (cfg.fold_tokens, cfg.fold_pairs) == (rule.tokens, rule.pairs)
         ttft[rule] = [r.ttft for r in Simulator(model, cfg).run(specs).records]
-    assert ttft[FoldRule()] == pytest.approx([0.013, 0.013])  # each prompt's step: 1 + 10 + 2 ms
-    assert ttft[FoldRule(0, 100)] == pytest.approx([0.001, 0.013])  # the short prompt's chunk folds
-    assert ttft[FoldRule(64, 0)] == pytest.approx([0.001, 0.001])  # each step within 64 tokens: one call
+    assert ttft[FoldRule()] == pytest.approx([0.0164, 0.0164])  # each prompt's step: 1 + 10 + 2 + 0.4 + 3 ms
+    # the short prompt's chunk folds, in a step run layer by layer (no `tokens` limit): 1 + 0.4 + 3 ms
+    assert ttft[FoldRule(0, 100)] == pytest.approx([0.0044, 0.0164])
+    assert ttft[FoldRule(64, 0)] == pytest.approx([0.0014, 0.0014])  # each step within 64 tokens: one call
     assert SimConfig.from_profile(engine).fold_pairs == 0

@@ -30,8 +30,8 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
             if process:  # its records stay in the child
                 return None
             return await asyncio.wrap_future(eng.call(
-                lambda e: [(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs, r.extend_rows)
-                           for r in e.records]))
+                lambda e: [(r.rows, r.context_tokens, r.new_tokens, r.prefill_pairs, r.extend_rows, r.chunk_rows,
+                            r.layered) for r in e.records]))
 
     rule = []
     records = asyncio.run(go())
@@ -53,8 +53,12 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
     (fold_tokens, fold_pairs), = rule
     assert steps[0]["ext"] == sum(1 for pairs in (15, 6) if not (8 <= fold_tokens or pairs <= fold_pairs))
     assert steps[-1]["ext"] == 0
+    # both are chunk rows; the step runs as one call where all its 8 tokens fold
+    assert steps[0]["chunks"] == 2 and steps[0]["layered"] == int(8 > fold_tokens)
+    assert steps[-1]["chunks"] == steps[-1]["layered"] == 0
     if records is not None:  # the thread engine is at hand: the log is its records, step for step
-        assert [(ln["rows"], ln["ctx"], ln["new"], ln["pairs"], ln["ext"]) for ln in steps] == records
+        assert [(ln["rows"], ln["ctx"], ln["new"], ln["pairs"], ln["ext"], ln["chunks"], bool(ln["layered"]))
+                for ln in steps] == records
 
 
 def _line(t, wait=0.0, adds=0, step=None, rows=1, new=1):
@@ -516,34 +520,45 @@ def test_calibration_takes_the_attention_term_where_long_prefills_need_it():
 def test_calibration_takes_the_segmented_form_for_a_concave_batch_curve():
     """Busy steps of a server whose second decode row costs 2.5 ms and later
     ones 0.3-0.4 ms, and whose prefill chunks cost 3 ms once a step and 1 ms
-    each outside the forward pass: auto takes the segmented form (better held
-    out than the linear ones by far more than the parsimony margin), and its
-    terms are the truth's: the step's and each chunk's price, and the slope
-    of each batch range."""
+    each on the extend path, 0.8 ms once a step for any chunk (folded or
+    not) and 1.2 ms more where the step runs layer by layer: auto takes the
+    segmented form (better held out than the linear ones by far more than
+    the parsimony margin), and its terms are the truth's: the once-a-step
+    prices, each chunk's, and the slope of each batch range. A log written
+    before `chunks` and `layered` (every chunk on the extend path) fits the
+    step's three prices as one."""
     import random
 
     from stepserve.traces.calibrate import fit_steps
 
-    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 1e-5, 0.0, 3e-3, 1e-3],
-                               knots=(1, 2, 4, 8, 16, 32))
+    truth = LinearLatencyModel("segmented", [5e-3, 2.5e-3, 4e-4, 4e-4, 3e-4, 3e-4, 4e-4, 1e-7, 1e-5, 0.0, 3e-3, 1e-3,
+                                             8e-4, 1.2e-3], knots=(1, 2, 4, 8, 16, 32))
     rng = random.Random(4)
-    steps = []
+    steps, legacy = [], []
     for _ in range(3000):
         b = rng.choice([1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64])
-        ext = rng.choice([0, 0, 0, 1, 2])
-        n = b + sum(rng.choice([16, 64, 256]) for _ in range(ext))
+        chunks = rng.choice([0, 0, 0, 1, 2])
+        ext = rng.randint(0, chunks)
+        layered = ext > 0 or (chunks > 0 and rng.random() < 0.5)
+        n = b + sum(rng.choice([16, 64, 256]) for _ in range(chunks))
         ctx = b * rng.randint(16, 500) + n - b
-        t = truth.predict(b + ext, ctx, n, 0.0, ext) * rng.uniform(0.93, 1.07)
-        steps.append((0.0, {"rows": b + ext, "decode_rows": b, "ctx": ctx, "new": n, "pairs": 0.0,
-                            "step": t, "cmd": 0.0, "out": 0.0, "emit": 0.0}))
+        line = {"rows": b + chunks, "decode_rows": b, "ctx": ctx, "new": n, "pairs": 0.0, "ext": ext,
+                "chunks": chunks, "layered": int(layered), "cmd": 0.0, "out": 0.0, "emit": 0.0,
+                "step": truth.predict(b + chunks, ctx, n, 0.0, ext, chunks, layered) * rng.uniform(0.93, 1.07)}
+        steps.append((0.0, line))
+        if ext == chunks:
+            legacy.append((0.0, {k: v for k, v in line.items() if k not in ("ext", "chunks", "layered")}))
     model, fit = fit_steps(steps, "auto")
     assert fit["form"] == "segmented" and model.knots[:6] == (1, 2, 4, 8, 16, 32)
     errs = fit["forms_heldout_steps"]
     assert errs["segmented"]["time_error"] < 0.5 * errs["linear"]["time_error"]
-    # the step's price for having chunks, and each chunk's own (logs without `ext`: rows - decode)
-    assert model.coef[-2:] == pytest.approx([3e-3, 1e-3], rel=0.15)
+    # the extend path's price once a step and per chunk, any chunk's once a step, a layered step's
+    assert model.coef[-4:] == pytest.approx([3e-3, 1e-3, 8e-4, 1.2e-3], rel=0.15)
     assert [model.predict(b, 0, 0) - model.predict(b - 1, 0, 0) for b in (2, 3, 40)] == \
         pytest.approx([2.5e-3, 4e-4, 4e-4], rel=0.15)
+    old, _ = fit_steps(legacy, "segmented")
+    assert old.predict(9, 2000, 72, 0.0, 1) - old.predict(8, 2000 - 64, 8) == pytest.approx(
+        truth.predict(9, 2000, 72, 0.0, 1) - truth.predict(8, 2000 - 64, 8), rel=0.1)
 
 
 def test_calibration_pulls_segment_slopes_together_where_the_steps_cannot_tell_them_apart():
@@ -558,7 +573,7 @@ def test_calibration_pulls_segment_slopes_together_where_the_steps_cannot_tell_t
 
     from stepserve.traces.calibrate import SMOOTH_GRID, features, fit_steps
 
-    truth = LinearLatencyModel("segmented", [5e-4] + [6e-5] * 6 + [8e-7, 6e-5, 0.0, 1.6e-3, 4e-5],
+    truth = LinearLatencyModel("segmented", [5e-4] + [6e-5] * 6 + [8e-7, 6e-5, 0.0, 1.6e-3, 4e-5, 0.0, 0.0],
                                knots=(1, 2, 4, 8, 16, 32))
     free_spread, fitted_spread = [], []
     for seed in range(4):

@@ -97,10 +97,13 @@ def step_lines(lines: list[dict]) -> list[tuple[float, dict]]:
 
 def features(line: dict) -> StepFeatures:
     """A step line's features. Logs written before `ext` was logged: every
-    row that is not a decode row prefilled a chunk (they ran no speculation)."""
+    row that is not a decode row prefilled a chunk (they ran no speculation);
+    before `chunks` was: every chunk was on the extend path."""
     ext = line.get("ext")
-    return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0),
-                        line["rows"] - line["decode_rows"] if ext is None else ext)
+    if ext is None:
+        ext = line["rows"] - line["decode_rows"]
+    return StepFeatures(line["rows"], line["ctx"], line["new"], line.get("pairs", 0.0), ext,
+                        line.get("chunks", ext), bool(line.get("layered", ext > 0)))
 
 
 def cold_index(steps: list[tuple[float, dict]]) -> list[tuple[int, int]]:
@@ -525,7 +528,7 @@ def wake_steps(steps: list[tuple[float, dict]]) -> tuple[list[tuple[float, dict]
     hits = [(idle, ln) for idle, ln in steps if ln["rows"] == 1 and ln["decode_rows"] == 1]
     if sum(idle >= IDLE_S for idle, _ in hits) >= MIN_BIN:
         return hits, "hits"
-    return [(idle, ln) for idle, ln in steps if features(ln).extend_rows <= 1], "prompts"
+    return [(idle, ln) for idle, ln in steps if features(ln).chunk_rows <= 1], "prompts"
 
 
 def calibrate(lines: list[dict], probes: list[dict], t_from: float, t_to: float, form: str = "auto") -> dict:

@@ -41,6 +41,7 @@ import numpy as np
 from stepserve.scheduler.latency_model import (
     FORMS, PROFILE_KIND, LinearLatencyModel, ServingCosts, StepFeatures, plan_features, term_names,
 )
+from stepserve.scheduler.plan import FoldRule
 from stepserve.traces.options import open_fraction
 from stepserve.traces.progress import log_line, progress_bar
 from stepserve.traces.report import write_report
@@ -212,6 +213,9 @@ class Sweep:
                 context_tokens=round(med([f.context_tokens for f in fs])),
                 new_tokens=round(med([f.new_tokens for f in fs])),
                 prefill_pairs=float(med([f.prefill_pairs for f in fs])),
+                extend_rows=round(med([f.extend_rows for f in fs])),
+                chunk_rows=round(med([f.chunk_rows for f in fs])),
+                layered=med([f.layered for f in fs]) >= 0.5,
             )
             out.append({**self.keys[k], "features": feats, "time": med([t for _, t in raw]), "raw": raw})
         return out
@@ -531,7 +535,8 @@ def _run_http(args) -> int:
     plan: list[tuple] = [("decode", b, c) for b in bss for c in ctxs] + [("prefill", p) for p in plens]
     plan += [("mixed", b, c, p) for b in _ints(args.mixed_batch_sizes) for c in ctxs[:: max(1, len(ctxs) // 2)]
              for p in _ints(args.chunk_sizes) if b + p <= max_batched]
-    sweep = HTTPSweep(args.warmup, args.repeats, max_batched, args.sweep_seed, max_len=max_len)
+    sweep = HTTPSweep(args.warmup, args.repeats, max_batched, args.sweep_seed, max_len=max_len,
+                      fold=FoldRule(sizing["fold_tokens"] or 0, sizing["fold_pairs"] or 0))
     progress = SweepProgress(sweep, args.rounds, len(plan), not args.no_progress)
     t0 = time.perf_counter()
     epoch0 = time.time()

@@ -42,7 +42,8 @@ import statistics
 import time
 
 from stepserve.engine.step_log import wall_offset
-from stepserve.scheduler.latency_model import StepFeatures
+from stepserve.scheduler.latency_model import StepFeatures, shape_features
+from stepserve.scheduler.plan import NO_FOLD, FoldRule
 from stepserve.traces.metrics import RequestRecord
 from stepserve.traces.request_spec import RequestSpec, Segment
 
@@ -68,8 +69,9 @@ def window_time_per_token(events: list[tuple[float, int]], w: int, n: int) -> fl
 
 class HTTPSweep:
     def __init__(self, warmup: int, repeats: int, max_batched: int, seed: int,
-                 idle_s: tuple[float, float] = (0.002, 0.3), max_len: int | None = None):
+                 idle_s: tuple[float, float] = (0.002, 0.3), max_len: int | None = None, fold: FoldRule = NO_FOLD):
         self.idle_s = idle_s
+        self.fold = fold  # the server's (`served_sizing`): its probes' steps are priced as it runs them
         self.max_len = max_len  # the server's context: a probe's prompt and output within it
         # every TTFT probe, in wall-clock seconds, for a calibration from the server's step log
         self.probes: list[dict] = []
@@ -128,7 +130,7 @@ class HTTPSweep:
         t0 = time.perf_counter()
         await asyncio.gather(*(replayer._one(s, r, t0, p) for s, r, p in zip(specs, recs, progress)))
         mid = ctx + (w + n) / 2
-        f = StepFeatures(bs, round(bs * mid), bs, 0.0)
+        f = shape_features(bs, round(bs * mid), [])
         raw = []
         for r, events in zip(recs, progress):
             if r.error:
@@ -154,8 +156,8 @@ class HTTPSweep:
         delivery is read off them (`calibrate.probe_costs`)."""
         raw, hits = [], []
         out = max(1, min(PROBE_TOKENS, self.max_len - plen)) if self.max_len else PROBE_TOKENS
-        f = StepFeatures(1, plen, plen, plen * (plen + 1) / 2)
-        f_hit = StepFeatures(1, plen, 1)
+        f = shape_features(0, 0, [(0, plen)], self.fold)
+        f_hit = shape_features(1, plen, [])
         for rep in range(self.warmup + self.repeats):
             await self._idle()
             rec, spec = await self._probe(replayer, plen, out=out)
@@ -186,8 +188,8 @@ class HTTPSweep:
             # end can span dozens of a small model's decode steps (seen on CI's 2 busy cores); longer streams
             per_probe *= 4
         ctx_tokens = round(bs * (ctx + gen))
-        decode = StepFeatures(bs, ctx_tokens, bs, 0.0)
-        step = StepFeatures(bs + 1, ctx_tokens + plen, bs + plen, plen * (plen + 1) / 2)
+        decode = shape_features(bs, ctx_tokens, [])
+        step = shape_features(bs, ctx_tokens, [(0, plen)], self.fold)
         key = {"scenario": "mixed", "batch": bs, "context": ctx, "prompt": plen, "from_request": True, "streams": bs}
         self._add(key, [(step, t) for t in raw])
         self.terms[tuple(sorted(key.items()))] = [(0.5, decode), (1.0, step)]

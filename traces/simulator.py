@@ -279,7 +279,8 @@ class SimRunner:
         i = self._window()
         if i >= 0:
             model = self._speed_models[i]
-        dt = model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
+        dt = model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows, f.chunk_rows,
+                           f.layered)
         if self.noise or self._noise_bins:
             q = self._noise_bins[bisect_right(self._noise_edges, dt)] if self._noise_bins else self.noise
             if self.rho:

@@ -230,8 +230,8 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
     steps = [ln for _, ln in timed]
     it = np.array([iteration_time(ln) for ln in steps])
     feats = [features(ln) for ln in steps]  # any LatencyModel: `predict` is its one method
-    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows)
-                     for f in feats])
+    pred = np.array([model.predict(f.rows, f.context_tokens, f.new_tokens, f.prefill_pairs, f.extend_rows,
+                                   f.chunk_rows, f.layered) for f in feats])
     ratio = it / pred
     # A step after idling holds the wake-up, which the simulation adds on its own (`ServingCosts.wake`,
     # unscaled) on top of the scaled step: the speed is fitted to each step's time less the wake-up the

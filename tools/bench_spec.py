@@ -206,7 +206,7 @@ def acceptance_spread_of_engine(args) -> int:
 def full_batch_rate(records, b: int) -> float:
     """Output tokens per second of the decode steps with all b requests in
     the batch (before the first request finishes; no prefill chunk in them)."""
-    steps = [r for r in records if r.rows == b and r.extend_rows == 0]
+    steps = [r for r in records if r.rows == b and r.chunk_rows == 0]
     return sum(r.rows + r.accepted_tokens for r in steps) / sum(r.wall_s for r in steps)
 
 

@@ -110,10 +110,10 @@ TERMS = ("const", "rows", "context_tokens", "new_tokens", "prefill_pairs", "pref
 # products and prefill attention: compute-bound). Measured on 2 shared cores,
 # replay traffic slowed the first by up to 1.5x where it slowed the second 1.1x.
 # The prompt chunks' own terms (`prefill_step`, `extend_rows`, `chunk_step`,
-# `layered_step`) go with the
-# second: a run's speed is read off its decode steps for the first part and
-# its prompt steps for the second (`validate.run_speed`), and a decode step
-# has no chunk, so the decode steps' factor has nothing to say of them. Under
+# `layered_step`) go with the second: a run's speed is read off its decode
+# steps for the first part and its prompt steps for the second
+# (`validate.run_speed`), and a decode step has no chunk, so the decode
+# steps' factor has nothing to say of them. Under
 # the first (x1.3-1.8 on a 2-core Zen 5 EPYC's replays, where the prompt steps
 # ran at ~1.0x) the once-a-step chunk price grew, the fitted per-token factor
 # fell to 0.63-0.78 to keep the prompt steps' total, and the window-scaled

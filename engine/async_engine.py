@@ -42,7 +42,7 @@ import torch
 from stepserve.engine.engine import CacheFlush, Engine, EngineConfig, EngineStats, KVReport
 from stepserve.engine.request import RequestOutput
 from stepserve.engine.sampling_params import SamplingParams
-from stepserve.engine.step_log import StepLog
+from stepserve.engine.step_log import StepLog, wall_offset
 
 log = logging.getLogger("stepserve.async_engine")
 
@@ -202,7 +202,7 @@ class EngineLoop:
                         if out.finished:
                             started.discard(rid)
             if log is not None and (stepped or cmds):
-                line = {"t": round(t0 + log.offset, 6), "wait": round(t0 - t_wait, 6),
+                line = {"t": round(t0 + wall_offset(), 6), "wait": round(t0 - t_wait, 6),
                         "adds": sum(1 for c in cmds if type(c) is AddRequest), "cmd": round(t1 - t0, 6)}
                 if stepped:
                     r = eng.records[-1]

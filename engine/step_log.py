@@ -54,7 +54,6 @@ class StepLog:
         self.flush_every = flush_every
         self._n = 0
         self._flushed = 0
-        self.offset = wall_offset()
 
     def write(self, line: dict) -> None:
         self.f.write(json.dumps(line, separators=(",", ":")))
@@ -74,9 +73,14 @@ class StepLog:
 
 
 def wall_offset() -> float:
-    """Wall-clock (epoch) time = time.perf_counter() + this. One conversion, so
-    intervals keep perf_counter's resolution; the step log and the clients
-    whose times are set against it (replay, the profile's probes) use it."""
+    """Wall-clock (epoch) time = time.perf_counter() + this, now. Intervals keep
+    perf_counter's resolution; the step log and the clients whose times are
+    set against it (replay, the profile's probes) each read it when they
+    stamp an event, never once for a process's life: a VM's wall clock is
+    stepped (NTP, a pause or a migration), and a mapping read when a server
+    started set its steps tens of ms off a later client's (seen under CI: a
+    replay's first tokens read 40 ms after their steps, and the run's
+    window lost its first step)."""
     return time.time() - time.perf_counter()
 
 

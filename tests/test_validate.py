@@ -61,6 +61,34 @@ def test_step_log_records_every_step_and_the_loop_around_it(llama_ckpt, tmp_path
                 for ln in steps] == records
 
 
+def test_step_log_follows_a_stepped_wall_clock(llama_ckpt, tmp_path, monkeypatch):
+    """The wall clock is stepped (an hour, as NTP or a VM's resume may) after
+    the engine and its log started: the steps it logs afterwards are stamped
+    in the clock as it is when they run, as a client that starts now stamps
+    its requests, not in the mapping the log started with."""
+    import time
+
+    from stepserve.engine.step_log import SETTLE_S, wall_offset
+
+    path = tmp_path / "steps.jsonl"
+    real = time.time
+
+    async def go():
+        async with AsyncEngine(model=llama_ckpt, step_log=str(path)) as eng:
+            params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+            [o async for o in eng.generate([1, 2, 3], params)]  # the loop runs, its log open
+            await asyncio.sleep(SETTLE_S)  # and has written that request's steps
+            monkeypatch.setattr(time, "time", lambda: real() + 3600.0)
+            sent = time.perf_counter() + wall_offset()  # a client's stamp of its send, as replay makes it
+            [o async for o in eng.generate([5, 6, 7], params)]
+            return sent, time.perf_counter() + wall_offset()
+
+    sent, done = asyncio.run(go())
+    steps = [ln for ln in read_step_log(str(path)) if "rows" in ln]
+    assert len(steps) == 6 and all(ln["t"] < sent - 3000 for ln in steps[:3])
+    assert all(sent <= ln["t"] <= done for ln in steps[3:])
+
+
 def _line(t, wait=0.0, adds=0, step=None, rows=1, new=1):
     ln = {"t": t, "wait": wait, "adds": adds, "cmd": 0.0, "emit": 0.0, "outs": 0}
     if step is not None:

@@ -75,7 +75,6 @@ class HTTPSweep:
         self.max_len = max_len  # the server's context: a probe's prompt and output within it
         # every TTFT probe, in wall-clock seconds, for a calibration from the server's step log
         self.probes: list[dict] = []
-        self._epoch = wall_offset()
         self.warmup = warmup
         self.repeats = repeats
         self.max_batched = max_batched
@@ -104,10 +103,10 @@ class HTTPSweep:
         spec = RequestSpec(f"profile-{self.rng.random()}", 0.0, out, spec.segments) if hit else self._spec(plen, out)
         rec = RequestRecord(spec.request_id, 0.0, plen)
         t0 = time.perf_counter()
+        base = wall_offset() + t0
         await replayer._one(spec, rec, t0)
         if rec.error:
             raise RuntimeError(f"profile request failed: {rec.error}")
-        base = self._epoch + t0
         self.probes.append({"start": base + rec.start_s, "first": base + rec.first_token_s, "prompt": plen,
                             "hit": hit, "out": out, "itl": list(rec.itl_s)})
         return rec, spec

@@ -767,13 +767,18 @@ class ServingCosts:
                 an idle engine a request comes with its entry_s instead: the
                 blocking poll returns with it.) Step logs of a 2-core server:
                 0.09-0.16 ms per request, more for longer prompts.
-    host_request_s, host_token_s
+    host_request_s, host_token_s, host_prompt_token_s, host_batch_s
                 the host's work outside the engine per stream started (a
                 request's first token: the response, the client taking it
-                up; with the request's own HTTP handling) and per token
-                streamed: the front end's and, on a machine that runs it
-                too, the load generator's, on the one core the engine leaves
-                them. It queues, first in, first out: a step's tokens wait,
+                up; with the request's own HTTP handling), per token
+                streamed, per prompt token of a stream started (the prompt's
+                text, its tokenization) and per output batch (an engine
+                iteration's outputs, which the front end reads as one message
+                and spreads over its streams): the front end's and, on a
+                machine that runs it too, the load generator's, on the one
+                core the engine leaves them. Per batch is what a light load
+                pays per token: one token a batch. It queues, first in,
+                first out: a step's tokens wait,
                 on top of their delivery, for the work queued before the
                 step ended, and its i-th new stream for the i - 1 before it.
                 A host that keeps up adds nothing; past the knee on the
@@ -822,6 +827,8 @@ class ServingCosts:
     intake_s: float = 0.0
     host_request_s: float = 0.0
     host_token_s: float = 0.0
+    host_prompt_token_s: float = 0.0
+    host_batch_s: float = 0.0
     token_delivery_s: float = 0.0
     end_delivery_s: float = 0.0
     cold: tuple[tuple[float, float], ...] = ()
@@ -831,7 +838,7 @@ class ServingCosts:
     delivery_scatter: tuple[float, ...] = ()
 
     SCALARS = ("entry_s", "delivery_s", "stream_s", "wake_s", "loop_s", "loop_row_s", "intake_s", "host_request_s",
-               "host_token_s", "token_delivery_s", "end_delivery_s")
+               "host_token_s", "host_prompt_token_s", "host_batch_s", "token_delivery_s", "end_delivery_s")
     KEYS = SCALARS + ("wake_curve", "cold", "delivery_scatter")
 
     def __post_init__(self):

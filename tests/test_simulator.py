@@ -148,6 +148,35 @@ def test_tokens_wait_for_the_hosts_queued_work_past_what_it_keeps_up_with():
     assert sorted([a.e2e, b.e2e]) == pytest.approx([a0.e2e + 4e-3, b0.e2e + 4e-3])
 
 
+def test_the_hosts_queue_charges_each_output_batch_and_each_prompt_token():
+    """Each step that makes tokens adds host_batch_s to the host's queue (the
+    front end reads its outputs as one message), and each stream it starts
+    host_prompt_token_s per prompt token on top of host_request_s. One
+    request of 10 prompt tokens and 5 output tokens, 1 ms steps: at 1.5 ms
+    a batch the host falls 0.5 ms behind each step, so the j-th token comes
+    (j - 1) * 0.5 ms late, as with 1.5 ms per token; 0.2 ms per prompt token
+    keeps the host busy to 3 ms, which holds its second token to 3 ms, when
+    the third is made too, and a second stream of the same step by the
+    first's 2 ms."""
+    def run(spec, **host):
+        return Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, **host)).run(spec)
+
+    one = [_spec(0, 0.0, 10, 5)]
+    (p,) = run(one).records
+    per_batch, per_token = run(one, host_batch_s=1.5e-3), run(one, host_token_s=1.5e-3)
+    (q,) = per_batch.records
+    assert q.ttft == pytest.approx(p.ttft) and q.e2e == pytest.approx(p.e2e + 2e-3)
+    assert list(per_batch.itl_s) == pytest.approx([1.5e-3] * 4) and list(per_token.itl_s) == pytest.approx([1.5e-3] * 4)
+    prompt = run(one, host_prompt_token_s=0.2e-3)
+    (q,) = prompt.records
+    assert q.ttft == pytest.approx(p.ttft) and q.e2e == pytest.approx(p.e2e)  # the host caught up by the third
+    assert list(prompt.itl_s) == pytest.approx([2e-3, 0.0, 1e-3, 1e-3])
+    two = [_spec(0, 0.0, 10, 3), _spec(1, 0.0, 10, 3)]
+    a0, b0 = run(two).records
+    a, b = run(two, host_prompt_token_s=0.2e-3).records
+    assert a.ttft == pytest.approx(a0.ttft) and b.ttft == pytest.approx(b0.ttft + 2e-3)
+
+
 def test_wake_cost_only_on_the_first_step_after_idle():
     sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, wake_s=0.003))
     # a starts on an idle engine (wakes); b arrives while a decodes (no wake); c after both ended (wakes)

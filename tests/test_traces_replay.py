@@ -158,11 +158,19 @@ def test_profile_over_http_calibrates_from_the_step_log(served, llama_ckpt, tmp_
     assert cal["samples"]["token_delivery"] >= 1 and costs.token_delivery_s > 0
     assert cal["samples"]["end_delivery"] >= 1 and costs.end_delivery_s > 0
     # the host's work outside the engine, from the front end's CPU seconds on /metrics and the client's: passes
-    # of 96 requests of 1 and 33 tokens in turn; a request and a streamed token each cost the host something
+    # of 96 requests in turn: 16-token prompts, 1 or 33 tokens, 16 or 2 at a time, and 256-token prompts (half
+    # the context); a request and the tokens streamed each cost the host something
     host = prof["host_work"]
-    assert [(p["requests"], p["tokens"]) for p in host["passes"]] == [(96, 96), (96, 96 * 33)] * 2
-    assert all(p["front_end_cpu_s"] > 0 and p["client_cpu_s"] > 0 for p in host["passes"])
-    assert costs.host_request_s == host["request_s"] > 0 and costs.host_token_s == host["token_s"] > 0
+    passes = host["passes"]
+    assert [(p["requests"], p["prompt_tokens"], p["tokens"], p["at_once"]) for p in passes] == [
+        (96, 96 * 16, 96, 16), (96, 96 * 16, 96 * 33, 16), (96, 96 * 16, 96 * 33, 2), (96, 96 * 256, 96, 16)] * 2
+    assert all(p["front_end_cpu_s"] > 0 and p["client_cpu_s"] > 0 for p in passes)
+    # the step log counted the batches of outputs the front end took in each pass: 2 at a time, many more
+    assert all(p["batches"] >= p["tokens"] / p["at_once"] for p in passes)
+    assert passes[2]["batches"] > 3 * passes[1]["batches"]
+    assert costs.host_request_s == host["request_s"] > 0 and costs.host_token_s == host["token_s"]
+    assert costs.host_batch_s == host["batch_s"] and costs.host_prompt_token_s == host["prompt_token_s"]
+    assert costs.host_token_s + costs.host_batch_s > 0
     assert len(prof["noise"]["quantiles"]) == 101
     cfg = SimConfig.from_profile(prof["engine"], noise=prof["noise"])
     assert cfg.noise_quantiles and cfg.kv_slots == prof["engine"]["kv_slots"]

@@ -800,10 +800,48 @@ def test_engine_view_sets_the_runs_host_cpu_against_the_profiles():
     from stepserve.traces.validate import host_cpu
 
     real = {"host_cpu_s": {"front_end": 0.6, "client": 0.3},
-            "requests": [{"output_tokens": 10}, {"output_tokens": 20}, {"output_tokens": 5, "error": "x"}]}
+            "requests": [{"output_tokens": 10, "prompt_tokens": 100}, {"output_tokens": 20, "prompt_tokens": 50},
+                         {"output_tokens": 5, "prompt_tokens": 70, "error": "x"}]}
     costs = ServingCosts(host_request_s=1e-3, host_token_s=1e-4)
     h = host_cpu(real, costs)
     assert h["cpu_s"] == pytest.approx(0.9) and h["predicted_s"] == pytest.approx(2e-3 + 30e-4)
     assert h["factor"] == pytest.approx(0.9 / 5e-3)
+    # its prompt tokens and the batches of outputs the engine handed over (from the step log) count too
+    costs = ServingCosts(host_request_s=1e-3, host_token_s=1e-4, host_prompt_token_s=1e-5, host_batch_s=2e-4)
+    assert host_cpu(real, costs, batches=25)["predicted_s"] == pytest.approx(2e-3 + 30e-4 + 150e-5 + 25 * 2e-4)
     assert host_cpu({"host_cpu_s": {"front_end": None, "client": 0.3}, "requests": []}, costs) is None
     assert host_cpu(real, ServingCosts()) is None and host_cpu(real, None) is None
+
+
+def test_host_work_fit_recovers_each_cost_of_its_passes():
+    """`profile --url`'s host passes (`HOST_KINDS`: requests alike but for
+    the tokens streamed, the requests at once and the prompt) separate the
+    host's cost per request, per streamed token, per prompt token and per
+    output batch; passes made with those costs (and 2% of scatter) give
+    them back. Without the step log's batch counts the batch cost is 0."""
+    import random
+
+    from stepserve.traces.profile_http import HOST_KINDS, HOST_REQUESTS, count_batches, fit_host_work
+
+    truth = {"request_s": 0.9e-3, "token_s": 60e-6, "prompt_token_s": 7e-6, "batch_s": 80e-6}
+    rng = random.Random(1)
+    rows, lines, t = [], [], 1000.0
+    for k in range(2 * len(HOST_KINDS)):
+        plen, out, at_once = HOST_KINDS[k % len(HOST_KINDS)]
+        n = HOST_REQUESTS
+        batches = (n // at_once) * out  # one batch per step: every stream of a wave makes a token each step
+        row = {"requests": n, "tokens": n * out, "prompt_tokens": n * plen, "start": t, "end": t + batches * 1e-3}
+        lines += [{"t": t + (i + 0.5) * 1e-3, "outs": at_once} for i in range(batches)]
+        lines += [{"t": t + batches * 1e-3 + 0.01, "outs": 0}]  # an iteration that handed nothing over
+        t += batches * 1e-3 + 1.0
+        cpu = (n * truth["request_s"] + n * out * truth["token_s"] + n * plen * truth["prompt_token_s"]
+               + batches * truth["batch_s"]) * rng.uniform(0.98, 1.02)
+        rows.append(row | {"front_end_cpu_s": 0.6 * cpu, "client_cpu_s": 0.4 * cpu})
+    plain = fit_host_work(rows)
+    assert plain["batch_s"] == 0.0 and plain["token_s"] > truth["token_s"]  # the batches' share goes elsewhere
+    count_batches(rows, lines)
+    assert [r["batches"] for r in rows[:4]] == [6, 198, 1584, 6]
+    got = fit_host_work(rows)
+    for name, want in truth.items():
+        assert got[name] == pytest.approx(want, rel=0.15), name
+    assert got["error"] < 0.03

@@ -515,7 +515,7 @@ def served_sizing(args, max_len: int) -> dict:
 def _run_http(args) -> int:
     import asyncio
 
-    from stepserve.traces.profile_http import HTTPSweep, host_work, run_http_sweep
+    from stepserve.traces.profile_http import HTTPSweep, count_batches, fit_host_work, host_work, run_http_sweep
     from stepserve.traces.replay import ReplayConfig, Replayer, server_info
 
     if args.form not in ("auto", *POINT_FORMS) and not args.step_log:
@@ -545,7 +545,7 @@ def _run_http(args) -> int:
         replayer = Replayer(ReplayConfig(url=args.url, api_key=args.api_key, warmup=0, progress=False), info)
         got = await run_http_sweep(sweep, replayer, plan, args.rounds, progress)
         try:  # the host's work per request and per token, outside the engine (after the sweep's window)
-            host = await host_work(replayer, seed=args.sweep_seed)
+            host = await host_work(replayer, seed=args.sweep_seed, max_len=max_len)
         finally:
             await replayer.close()
         return got, host
@@ -565,6 +565,9 @@ def _run_http(args) -> int:
 
         lines = read_step_log(args.step_log, settle_s=SETTLE_S)
         calibration = calibrate(lines, sweep.probes, epoch0, sweep_end, args.form)
+        if host is not None:  # the output batches of each host pass, from the engine's own iterations
+            count_batches(host["passes"], lines)
+            host.update(fit_host_work(host["passes"]))
     return _write_profile(
         args, points, source="measured-http", target="client-observed step time",
         device={"kind": "server at " + args.url, "platform": platform.platform()},
@@ -604,8 +607,9 @@ def _write_profile(args, points: list[dict], *, source: str, target: str, device
             "client_fit": {"latency": client.model.to_dict(), "costs": client.costs.to_dict()},
         }}
     if host is not None:  # measured apart from the sweep (`profile_http.host_work`)
-        fitted = Fitted(fitted.model, dataclasses.replace(fitted.costs, host_request_s=host["request_s"],
-                                                          host_token_s=host["token_s"]))
+        fitted = Fitted(fitted.model, dataclasses.replace(
+            fitted.costs, host_request_s=host["request_s"], host_token_s=host["token_s"],
+            host_prompt_token_s=host["prompt_token_s"], host_batch_s=host["batch_s"]))
         extra["host_work"] = host
     if fitted.costs != ServingCosts():
         engine = {**engine, **fitted.costs.to_dict()}

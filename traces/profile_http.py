@@ -257,8 +257,13 @@ async def run_http_sweep(sweep: HTTPSweep, replayer, plan: list[tuple], rounds: 
 
 
 HOST_REQUESTS = 96  # requests per pass of `host_work`
-HOST_CONCURRENCY = 16
-HOST_OUTPUTS = (1, 33)  # output tokens per request of the two kinds of pass
+# (prompt tokens, output tokens, requests at once) of each kind of pass: the second differs from the first only in
+# the tokens streamed, the third from the second in the tokens per output batch (2 at a time: ~8x its batches),
+# the fourth from the first in the prompt (256 tokens, or half the server's context where that is less)
+HOST_KINDS = ((16, 1, 16), (16, 33, 16), (16, 33, 2), (256, 1, 16))
+# the host's costs `fit_host_work` solves for, each against its pass's column
+HOST_TERMS = (("request_s", "requests"), ("token_s", "tokens"), ("prompt_token_s", "prompt_tokens"),
+              ("batch_s", "batches"))
 
 
 def front_end_cpu_s(url: str) -> float | None:
@@ -277,33 +282,38 @@ def front_end_cpu_s(url: str) -> float | None:
     return None
 
 
-async def host_work(replayer, passes: int = 2, seed: int = 0) -> dict | None:
-    """The host's work per request and per streamed token, outside the engine:
-    the front end's (its /metrics CPU seconds) and this client's (its own CPU
-    time, as a load generator on the same machine spends it), each pass
-    `HOST_REQUESTS` short requests, `HOST_CONCURRENCY` at a time, of 1 or 33
-    output tokens, the passes interleaved. The two kinds of pass differ only
-    in the tokens streamed: cpu = requests * w_r + tokens * w_t, solved in
-    the mean of each kind. None where the server reports no CPU time.
-    {"request_s": w_r, "token_s": w_t, "passes": [...]}"""
+async def host_work(replayer, passes: int = 2, seed: int = 0, max_len: int | None = None) -> dict | None:
+    """The host's work outside the engine: the front end's (its /metrics CPU
+    seconds) and this client's (its own CPU time, as a load generator on the
+    same machine spends it), over passes of `HOST_REQUESTS` requests of each
+    of `HOST_KINDS` in turn, `passes` times. Each pass keeps its wall-clock
+    window, so that the server's step log can count the output batches the
+    front end took from the engine in it (`count_batches`); `fit_host_work`
+    solves the costs. `max_len`: the server's context (the long prompts
+    within half of it). None where the server reports no CPU time.
+    {"passes": [...], **fit_host_work(passes)}"""
     url = replayer.cfg.url
     if front_end_cpu_s(url) is None:
         return None
     rng = random.Random(seed)
     rows = []
-    for k in range(passes * len(HOST_OUTPUTS)):
-        out = HOST_OUTPUTS[k % len(HOST_OUTPUTS)]
-        specs = [RequestSpec(f"host-{rng.random()}", 0.0, out, (Segment(f"host:{rng.random()}", 16),))
+    for k in range(passes * len(HOST_KINDS)):
+        plen, out, at_once = HOST_KINDS[k % len(HOST_KINDS)]
+        if max_len is not None:
+            plen = min(plen, max(16, max_len // 2))
+        specs = [RequestSpec(f"host-{rng.random()}", 0.0, out, (Segment(f"host:{rng.random()}", plen),))
                  for _ in range(HOST_REQUESTS)]
-        recs = [RequestRecord(s.request_id, 0.0, 16) for s in specs]
-        limit = asyncio.Semaphore(HOST_CONCURRENCY)
+        recs = [RequestRecord(s.request_id, 0.0, plen) for s in specs]
+        limit = asyncio.Semaphore(at_once)
 
         async def one(spec, rec):
             async with limit:
                 await replayer._one(spec, rec, time.perf_counter())
 
         fe0, c0 = front_end_cpu_s(url), time.process_time()
+        start = time.perf_counter() + wall_offset()
         await asyncio.gather(*(one(s, r) for s, r in zip(specs, recs)))
+        end = time.perf_counter() + wall_offset()
         c1, fe1 = time.process_time(), front_end_cpu_s(url)
         failed = [r.error for r in recs if r.error]
         if failed:
@@ -311,11 +321,37 @@ async def host_work(replayer, passes: int = 2, seed: int = 0) -> dict | None:
         if fe0 is None or fe1 is None:
             raise RuntimeError(f"the server at {url} stopped reporting its CPU time on /metrics")
         rows.append({"requests": len(specs), "tokens": sum(r.output_tokens for r in recs),
+                     "prompt_tokens": plen * len(specs), "at_once": at_once, "start": start, "end": end,
                      "front_end_cpu_s": fe1 - fe0, "client_cpu_s": c1 - c0})
-    by = {o: [r for i, r in enumerate(rows) if HOST_OUTPUTS[i % len(HOST_OUTPUTS)] == o] for o in HOST_OUTPUTS}
-    (n1, t1, s1), (n2, t2, s2) = [
-        (sum(r["requests"] for r in g) / len(g), sum(r["tokens"] for r in g) / len(g),
-         sum(r["front_end_cpu_s"] + r["client_cpu_s"] for r in g) / len(g)) for g in by.values()]
-    w_t = max(0.0, (s2 - s1 * n2 / n1) / (t2 - t1 * n2 / n1))
-    w_r = max(0.0, (s1 - w_t * t1) / n1)
-    return {"request_s": w_r, "token_s": w_t, "passes": rows}
+    return {"passes": rows, **fit_host_work(rows)}
+
+
+def count_batches(rows: list[dict], lines: list[dict]) -> None:
+    """Sets each `host_work` pass's `batches`: the engine iterations of the
+    server's step log in its window that handed outputs to the front end
+    (`outs` > 0), each a message the front end reads and spreads over its
+    streams."""
+    for r in rows:
+        r["batches"] = sum(1 for ln in lines if ln.get("outs") and r["start"] <= ln["t"] <= r["end"])
+
+
+def fit_host_work(rows: list[dict]) -> dict:
+    """The host's CPU seconds of each pass (front end + client) as
+    requests * request_s + tokens * token_s + prompt_tokens * prompt_token_s
+    + batches * batch_s, non-negative, each pass weighted by its own CPU time
+    (every pass counts alike, a long one no more). Without the passes'
+    `batches` (no step log) batch_s is 0 and the others take its share.
+    {"request_s", "token_s", "prompt_token_s", "batch_s", "error"}: error,
+    the passes' median |fit - cpu| / cpu."""
+    import numpy as np
+
+    from stepserve.scheduler.latency_model import nnls
+
+    terms = [(name, col) for name, col in HOST_TERMS if all(col in r for r in rows)]
+    X = np.array([[float(r[col]) for _, col in terms] for r in rows])
+    y = np.array([r["front_end_cpu_s"] + r["client_cpu_s"] for r in rows])
+    w = 1.0 / np.maximum(y, 1e-9)
+    coef = nnls(X * w[:, None], y * w)
+    got = {name: 0.0 for name, _ in HOST_TERMS} | {name: float(c) for (name, _), c in zip(terms, coef)}
+    got["error"] = float(np.median(np.abs(X @ coef - y) / np.maximum(y, 1e-9)))
+    return got

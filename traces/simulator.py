@@ -78,12 +78,15 @@ class SimConfig:
     loop_s: float = 0.0
     loop_row_s: float = 0.0
     intake_s: float = 0.0
-    # the host's work outside the engine (`ServingCosts.host_request_s`, `host_token_s`): a queue, first in first
-    # out, fed host_token_s by each token a step makes and host_request_s by each stream it starts (a request's
-    # first token); a step's tokens reach their clients after the work queued before the step ended, on top of
-    # their delivery, and its i-th new stream after the i - 1 before it
+    # the host's work outside the engine (`ServingCosts.host_request_s`, ...): a queue, first in first out, fed
+    # host_token_s by each token a step makes, host_batch_s by each step that makes any (the front end takes
+    # them in one message), and host_request_s + host_prompt_token_s per prompt token by each stream it starts
+    # (a request's first token); a step's tokens reach their clients after the work queued before the step
+    # ended, on top of their delivery, and its i-th new stream after the i - 1 before it
     host_request_s: float = 0.0
     host_token_s: float = 0.0
+    host_prompt_token_s: float = 0.0
+    host_batch_s: float = 0.0
     cold: list = field(default_factory=list)  # [[a_j, b_j], ...]
     # quantiles of a first token's delivery over delivery_s + stream_s * (...) (`ServingCosts.delivery_scatter`):
     # each stream's first token is delivered after a seeded draw from them times that (empty: exactly that)
@@ -466,6 +469,7 @@ class Simulator:
         k = len(plan.samples)
         end = self.clock.t
         host_r = costs.host_request_s
+        host_p = costs.host_prompt_token_s
         scatter = costs.delivery_scatter
         # when the client holds this step's later tokens (`token_delivery_s`); a first token `first` after them
         first = costs.first_extra()
@@ -474,7 +478,7 @@ class Simulator:
         free = self._host_free  # ... after the host's work queued before the step ended (`host_request_s`)
         if free > end:
             t += free - end
-        firsts = 0  # the step's first tokens so far: each new stream holds the ones after it by host_request_s
+        held = 0.0  # the host's work on the step's new streams so far, which holds the ones after them
         seen = self._seen
         itl = self._itl
         FINISHED = SeqStatus.FINISHED
@@ -485,13 +489,13 @@ class Simulator:
             if p is None:
                 rec = s.group.rec
                 if rec.first_token_s is None:
-                    ts = t + first + firsts * host_r
+                    ts = t + first + held
                     if scatter:  # its own delivery's draw (`ServingCosts.delivery_scatter`)
                         u = self._delivery_rng.random() * (len(scatter) - 1)
                         j = int(u)
                         q = scatter[j] + (scatter[j + 1] - scatter[j]) * (u - j) if j + 1 < len(scatter) else scatter[j]
                         ts += (q - 1.0) * costs.delivery(k)
-                    firsts += 1
+                    held += host_r + host_p * rec.prompt_tokens
                     rec.first_token_s = ts
             else:
                 if ending and s.status is FINISHED and s.group.left == 1:  # the token that ends the stream
@@ -514,8 +518,8 @@ class Simulator:
                     rec.cached_tokens = live.cached
                     if freed is not None:
                         heapq.heappush(freed, ts)
-        if costs.host_token_s or host_r:
-            self._host_free = (free if free > end else end) + costs.host_token_s * k + host_r * firsts
+        if k and (costs.host_token_s or costs.host_batch_s or held):
+            self._host_free = (free if free > end else end) + costs.host_token_s * k + costs.host_batch_s + held
 
     # -- the run ----------------------------------------------------------------
     def run(self, specs: list[RequestSpec], progress=None, max_concurrency: int | None = None) -> SimResult:
@@ -534,7 +538,7 @@ class Simulator:
         clock.t = 0.0
         self.runner.reset(cfg.noise_seed, cfg.serving())
         self._seen = {}
-        self._host_free = 0.0  # when the host's queue of work outside the engine runs empty (`host_request_s`)
+        self._host_free = 0.0  # when the host's queue of work outside the engine runs empty (`host_token_s`, ...)
         self._delivery_rng = random.Random(cfg.noise_seed * 104729 + 3)  # its own stream: no other draw moves
         self.core = core = self._build_core()
         sched = core.scheduler

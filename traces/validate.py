@@ -327,7 +327,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "delivery_s": first_token_delivery(window, recs, t0, costs),
         "end_delivery_s": last_token_delivery(window, recs, t0, costs),
-        "host_cpu": host_cpu(real, costs),
+        "host_cpu": host_cpu(real, costs, sum(1 for ln in window if ln.get("outs"))),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
         "by_prompt": by_prompt,
@@ -403,16 +403,20 @@ def _delays(got: list[float], over: list[float]) -> dict:
             "over_p50": float(np.median(over)) if over else None}
 
 
-def host_cpu(real: dict, costs: ServingCosts | None) -> dict | None:
+def host_cpu(real: dict, costs: ServingCosts | None, batches: int = 0) -> dict | None:
     """The host's CPU seconds beside the engine over a real run (its report's
     `host_cpu_s`: the front end's and the client's), against what the
-    profile's `host_request_s` and `host_token_s` say for its requests and
-    tokens: {cpu_s, predicted_s, factor}. None where either is missing."""
+    profile's host costs (`host_request_s`, `host_token_s`,
+    `host_prompt_token_s`, `host_batch_s`) say for its requests, output and
+    prompt tokens, and the `batches` of outputs its step log shows the engine
+    handed over: {cpu_s, predicted_s, factor}. None where either is missing."""
     host = real.get("host_cpu_s") or {}
     if host.get("front_end") is None or costs is None or not (costs.host_request_s or costs.host_token_s):
         return None
     recs = [r for r in real.get("requests") or [] if r.get("error") is None]
-    predicted = costs.host_request_s * len(recs) + costs.host_token_s * sum(r.get("output_tokens") or 0 for r in recs)
+    predicted = (costs.host_request_s * len(recs) + costs.host_token_s * sum(r.get("output_tokens") or 0 for r in recs)
+                 + costs.host_prompt_token_s * sum(r.get("prompt_tokens") or 0 for r in recs)
+                 + costs.host_batch_s * batches)
     cpu = host["front_end"] + host["client"]
     return {"cpu_s": cpu, "predicted_s": predicted, "factor": cpu / predicted if predicted > 0 else None}
 

@@ -771,8 +771,10 @@ class ServingCosts:
                 the host's work outside the engine per stream started (a
                 request's first token: the response, the client taking it
                 up; with the request's own HTTP handling), per token
-                streamed, per prompt token of a stream started (the prompt's
-                text, its tokenization) and per output batch (an engine
+                streamed, per prompt token of a request as it arrives (the
+                prompt's text, its tokenization, before the engine sees it:
+                a request reaches the engine entry_s after the work queued
+                ahead of it) and per output batch (an engine
                 iteration's outputs, which the front end reads as one message
                 and spreads over its streams): the front end's and, on a
                 machine that runs it too, the load generator's, on the one

@@ -150,14 +150,15 @@ def test_tokens_wait_for_the_hosts_queued_work_past_what_it_keeps_up_with():
 
 def test_the_hosts_queue_charges_each_output_batch_and_each_prompt_token():
     """Each step that makes tokens adds host_batch_s to the host's queue (the
-    front end reads its outputs as one message), and each stream it starts
-    host_prompt_token_s per prompt token on top of host_request_s. One
-    request of 10 prompt tokens and 5 output tokens, 1 ms steps: at 1.5 ms
-    a batch the host falls 0.5 ms behind each step, so the j-th token comes
-    (j - 1) * 0.5 ms late, as with 1.5 ms per token; 0.2 ms per prompt token
-    keeps the host busy to 3 ms, which holds its second token to 3 ms, when
-    the third is made too, and a second stream of the same step by the
-    first's 2 ms."""
+    front end reads its outputs as one message), and each request as it
+    arrives host_prompt_token_s per prompt token (the front end takes its
+    prompt in before the engine sees it). One request of 10 prompt tokens
+    and 5 output tokens, 1 ms steps: at 1.5 ms a batch the host falls 0.5
+    ms behind each step, so the j-th token comes (j - 1) * 0.5 ms late, as
+    with 1.5 ms per token. At 0.2 ms per prompt token the host is busy with
+    the prompt until 2 ms: with no entry cost its first token, made at 1
+    ms, waits for it; with 3 ms of entry (the idle way in, of which that
+    work is part) nothing waits."""
     def run(spec, **host):
         return Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, **host)).run(spec)
 
@@ -169,12 +170,33 @@ def test_the_hosts_queue_charges_each_output_batch_and_each_prompt_token():
     assert list(per_batch.itl_s) == pytest.approx([1.5e-3] * 4) and list(per_token.itl_s) == pytest.approx([1.5e-3] * 4)
     prompt = run(one, host_prompt_token_s=0.2e-3)
     (q,) = prompt.records
-    assert q.ttft == pytest.approx(p.ttft) and q.e2e == pytest.approx(p.e2e)  # the host caught up by the third
-    assert list(prompt.itl_s) == pytest.approx([2e-3, 0.0, 1e-3, 1e-3])
-    two = [_spec(0, 0.0, 10, 3), _spec(1, 0.0, 10, 3)]
-    a0, b0 = run(two).records
-    a, b = run(two, host_prompt_token_s=0.2e-3).records
-    assert a.ttft == pytest.approx(a0.ttft) and b.ttft == pytest.approx(b0.ttft + 2e-3)
+    assert q.ttft == pytest.approx(2e-3) and q.e2e == pytest.approx(p.e2e)  # the host caught up by the third
+    assert list(prompt.itl_s) == pytest.approx([0.0, 1e-3, 1e-3, 1e-3])
+    (q,) = run(one, host_prompt_token_s=0.2e-3, entry_s=3e-3).records
+    (e,) = run(one, entry_s=3e-3).records
+    assert (q.ttft, q.e2e) == pytest.approx((e.ttft, e.e2e))
+    assert (e.ttft, e.e2e) == pytest.approx((p.ttft + 3e-3, p.e2e + 3e-3))
+
+
+def test_a_request_reaches_the_engine_after_the_hosts_queued_work():
+    """The front end takes a new request in after the work queued ahead of
+    it: a request that arrives while the host is behind on streaming
+    tokens reaches the engine that much later. A streams 20 tokens from 1
+    ms steps at 2 ms of host work each, so the host, 2e + 1 ms into its
+    work after the step ending at e, falls behind; B arrives at 2.5 ms,
+    when the work of the steps ended by then runs to 5 ms: it enters at 5,
+    its prompt runs in the step from 5 to 6, and its first token reaches
+    its client after the host's queue of that step's end (11 ms): TTFT 8.5
+    ms, not the 1.5 of a host that keeps up."""
+    def run(**host):
+        sim = Simulator(CONST_1MS, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, **host))
+        return sim.run([_spec(0, 0.0, 10, 20), _spec(1, 0.0025, 10, 2)]).records
+
+    a, b = run()
+    assert b.ttft == pytest.approx(1.5e-3)
+    a, b = run(host_token_s=2e-3)
+    assert b.ttft == pytest.approx(8.5e-3)
+    assert a.e2e == pytest.approx(43e-3)  # A's 20 tokens at the host's pace, B's 2 and its start among them
 
 
 def test_wake_cost_only_on_the_first_step_after_idle():

@@ -80,9 +80,11 @@ class SimConfig:
     intake_s: float = 0.0
     # the host's work outside the engine (`ServingCosts.host_request_s`, ...): a queue, first in first out, fed
     # host_token_s by each token a step makes, host_batch_s by each step that makes any (the front end takes
-    # them in one message), and host_request_s + host_prompt_token_s per prompt token by each stream it starts
-    # (a request's first token); a step's tokens reach their clients after the work queued before the step
-    # ended, on top of their delivery, and its i-th new stream after the i - 1 before it
+    # them in one message), host_request_s by each stream it starts (a request's first token), and
+    # host_prompt_token_s per prompt token by each request as it arrives (the front end takes its prompt in
+    # before the engine sees it); a step's tokens reach their clients after the work queued before the step
+    # ended, on top of their delivery, and its i-th new stream after the i - 1 before it; a request reaches the
+    # engine entry_s after the work queued before it arrived is done
     host_request_s: float = 0.0
     host_token_s: float = 0.0
     host_prompt_token_s: float = 0.0
@@ -424,6 +426,10 @@ class Simulator:
             raise ValueError("the overlap schedule cannot be combined with speculative decoding (as in the engine)")
         self.core: EngineCore | None = None
         self._host_free = 0.0
+        # (step end, when the host's queue ran empty after it) of recent steps, for an arrival's wait (`_intake`)
+        self._host_ends: list[float] = []
+        self._host_frees: list[float] = []
+        self._intake_free = 0.0  # when the host has taken in the last request that arrived
         self._delivery_rng = random.Random(0)
         self._itl = array("d")
         self._seen: dict[int, float] = {}  # live sequence -> when its client got its last token
@@ -469,7 +475,6 @@ class Simulator:
         k = len(plan.samples)
         end = self.clock.t
         host_r = costs.host_request_s
-        host_p = costs.host_prompt_token_s
         scatter = costs.delivery_scatter
         # when the client holds this step's later tokens (`token_delivery_s`); a first token `first` after them
         first = costs.first_extra()
@@ -495,7 +500,7 @@ class Simulator:
                         j = int(u)
                         q = scatter[j] + (scatter[j + 1] - scatter[j]) * (u - j) if j + 1 < len(scatter) else scatter[j]
                         ts += (q - 1.0) * costs.delivery(k)
-                    held += host_r + host_p * rec.prompt_tokens
+                    held += host_r
                     rec.first_token_s = ts
             else:
                 if ending and s.status is FINISHED and s.group.left == 1:  # the token that ends the stream
@@ -520,6 +525,28 @@ class Simulator:
                         heapq.heappush(freed, ts)
         if k and (costs.host_token_s or costs.host_batch_s or held):
             self._host_free = (free if free > end else end) + costs.host_token_s * k + costs.host_batch_s + held
+            self._host_ends.append(end)
+            self._host_frees.append(self._host_free)
+
+    def _prune_host(self, at: float) -> None:
+        """Forgets the steps before the last that ended by `at`, which no later
+        arrival looks up (arrivals come in order), a thousand at a time."""
+        j = bisect_right(self._host_ends, at) - 1
+        if j > 1000:
+            del self._host_ends[:j], self._host_frees[:j]
+
+    def _intake(self, at: float, prompt_tokens: int) -> tuple[float, float]:
+        """(wait, work) of a request that arrives at `at`: how long the host's
+        work queued before it (the tokens of steps that ended by then, and
+        the requests that arrived before it) holds its way into the engine,
+        and its own (`host_prompt_token_s` per prompt token). Pure: `run`
+        commits it when the request is taken in."""
+        ends = self._host_ends
+        j = bisect_right(ends, at) - 1
+        free = self._host_frees[j] if j >= 0 else 0.0
+        if self._intake_free > free:
+            free = self._intake_free
+        return (free - at if free > at else 0.0), self.runner.costs.host_prompt_token_s * prompt_tokens
 
     # -- the run ----------------------------------------------------------------
     def run(self, specs: list[RequestSpec], progress=None, max_concurrency: int | None = None) -> SimResult:
@@ -539,6 +566,7 @@ class Simulator:
         self.runner.reset(cfg.noise_seed, cfg.serving())
         self._seen = {}
         self._host_free = 0.0  # when the host's queue of work outside the engine runs empty (`host_token_s`, ...)
+        self._host_ends, self._host_frees, self._intake_free = [], [], 0.0
         self._delivery_rng = random.Random(cfg.noise_seed * 104729 + 3)  # its own stream: no other draw moves
         self.core = core = self._build_core()
         sched = core.scheduler
@@ -563,15 +591,29 @@ class Simulator:
                 return spec.arrival_s
             return max(spec.arrival_s, freed[0]) if freed else math.inf
 
+        queued = cfg.host_prompt_token_s or cfg.host_token_s or cfg.host_batch_s or cfg.host_request_s
+
+        def entry_time(spec) -> float:  # when `spec` reaches the engine: entry_s after the host's queue ahead of it
+            at = send_time(spec)
+            return at + oh + self._intake(at, spec.prompt_len)[0] if queued and at < math.inf else at + oh
+
         speculative = self.speculative
         cpu0, wall0 = time.process_time(), time.perf_counter()
         while i < n or core.has_work():
             t = clock.t
             # requests a busy loop reads off the pipe before its next step (an idle one waits for them)
             busy_loop = not self.runner.idle_s and core.has_work()
-            while i < n and send_time(specs[i]) + oh <= t:
+            while i < n and send_time(specs[i]) + oh <= t and entry_time(specs[i]) <= t:
                 spec = specs[i]
                 at = send_time(spec)
+                entered = at + oh
+                if queued:
+                    wait, work = self._intake(at, spec.prompt_len)
+                    entered += wait
+                    self._intake_free = at + wait + work
+                    if work:  # the tokens queued after it wait for it too
+                        self._host_free = (self._host_free if self._host_free > at else at) + work
+                    self._prune_host(at)
                 if freed is not None and sent >= max_concurrency:
                     heapq.heappop(freed)
                 sent += 1
@@ -595,13 +637,13 @@ class Simulator:
                 later = sum(len(st.branches) for st in stages)
                 if busy_loop:
                     self.runner.taken += 1
-                core.add_sequences(ids, max_tokens, at + oh, _Live(rec, spec.n + later, acceptance=own), seeds=[0] * spec.n,
+                core.add_sequences(ids, max_tokens, entered, _Live(rec, spec.n + later, acceptance=own), seeds=[0] * spec.n,
                                    stages=stages or None, stage_seeds=[0] * later if stages else None,
                                    ignore_eos=True, speculative=speculative)
             if not core.has_work():
                 if i == n:  # the last requests were refused: nothing is left to run
                     break
-                t_next = send_time(specs[i]) + oh
+                t_next = entry_time(specs[i])
                 self.runner.idle_s += t_next - clock.t
                 clock.t = t_next
                 continue
@@ -609,7 +651,7 @@ class Simulator:
             plan = core.step()
             if plan is None:
                 if i < n and send_time(specs[i]) < math.inf:  # nothing fits until more work arrives (be safe)
-                    clock.t = max(clock.t, send_time(specs[i]) + oh)
+                    clock.t = max(clock.t, entry_time(specs[i]))
                     continue
                 raise RuntimeError("simulator: the scheduler made no progress with work queued")
             if core.step_id == done:  # overlap schedule: a step was launched, none finished

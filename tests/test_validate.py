@@ -209,9 +209,12 @@ def test_the_speed_is_fitted_to_the_steps_less_the_wake_up_the_simulation_adds()
     # priced as the simulation prices them, every size of step at its time: decode, 50-64 and 65-227 prompt tokens
     assert [(b["prompt"], b["n"]) for b in v["by_prompt"]] == [("none", 240), ("1-64", 5), ("65-256", 55)]
     assert [b["ratio"] for b in v["by_prompt"]] == pytest.approx([1.0, 1.0, 1.0])
+    assert [(b["rows"], b["n"]) for b in v["by_rows"]] == [("1-3", 240)]  # the decode steps, by their rows
+    assert [b["ratio"] for b in v["by_rows"]] == pytest.approx([1.0])
     r = compare_rate([_report(1, 1.0, 1.0, 0.01, 0.01)], [_report(1, 1.0, 1.0, 0.01, 0.01)])
-    assert "measured/priced steps by prompt tokens: none 1.00 (240), 1-64 1.00 (5), 65-256 1.00 (55)" in format_rate(
-        r | {"engine": [v]})
+    text = format_rate(r | {"engine": [v]})
+    assert "measured/priced steps by prompt tokens: none 1.00 (240), 1-64 1.00 (5), 65-256 1.00 (55)" in text
+    assert "decode steps by rows: 1-3 1.00 (240)" in text
     # the larger prompt steps twice as slow: the per-token factor follows the many large ones, and the bins
     # show the few small ones priced at about twice their time, which the run's totals do not
     for ln in lines:
@@ -222,6 +225,36 @@ def test_the_speed_is_fitted_to_the_steps_less_the_wake_up_the_simulation_adds()
     assert skew["none"] == pytest.approx(1.0, abs=0.01)
     blind = step_log_view(lines, real, model)  # no profile costs: the wake-ups are read as slow tokens
     assert blind["speed"]["token"] > 1.2
+
+
+def test_engine_view_prices_the_decode_steps_by_their_rows():
+    """Decode steps of 40 rows that run at 0.8x the model where the many of
+    1 row run at its time: the run's factor, fitted to all decode steps
+    together, lands between the two, and the view's bins by rows show the
+    large ones priced high (the misfit a simulation of the run's bursts
+    inherits)."""
+    from stepserve.traces.calibrate import features
+
+    model = LinearLatencyModel("linear", [1e-3, 1e-4, 0.0, 2e-5])
+    lines, t = [], 100.0
+    for i in range(200):
+        rows = 40 if i % 10 == 0 else 1
+        ln = _line(t, step=0.0, rows=rows, new=rows)
+        ln["step"] = model.predict_features(features(ln)) * (0.8 if rows == 40 else 1.0)
+        lines.append(ln)
+        t += ln["step"]
+        if i % 4 == 0:  # and prompt steps at the model's time, for the per-token factor
+            ln = _line(t, step=0.0, rows=2, new=60)
+            ln["decode_rows"] = 1
+            ln["step"] = model.predict_features(features(ln))
+            lines.append(ln)
+            t += ln["step"]
+    real = {"t0_epoch": 100.0, "requests": [{"start_s": 0.0, "end_s": t - 100.0}]}
+    v = step_log_view(lines, real, model)
+    by_rows = {b["rows"]: (b["n"], b["ratio"]) for b in v["by_rows"]}
+    assert set(by_rows) == {"1-3", "33+"} and by_rows["1-3"][0] == 180 and by_rows["33+"][0] == 20
+    assert by_rows["33+"][1] < 0.92 * by_rows["1-3"][1]
+    assert v["speed"]["step"] == pytest.approx(0.88, abs=0.08)  # one factor between the two
 
 
 def _cold_log(truth, cold, rng, reps=60, scale=1.0):

@@ -295,7 +295,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
                 sp = {"step": a * x, "token": b * x}
             windows.append([w * window_s, sp["step"], sp["token"], loop, speed["cold"]])
         windows[0][0] = 0.0
-    by_prompt = scaled_by_prompt(model, steps, feats, fit_t, use, speed, windows, t0, window_s)
+    by_prompt, by_rows = scaled_by_shape(model, steps, feats, fit_t, use, speed, windows, t0, window_s)
     after_idle = np.array([idle for idle, _ in timed]) > 0.001
     # entry: a request that reached an idle engine was picked up as soon as it
     # arrived, so (pickup - client send) is its way in, with no step to wait for
@@ -331,26 +331,34 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
         "by_prompt": by_prompt,
+        "by_rows": by_rows,
     }
 
 
 PROMPT_BINS = ((0, 1, "none"), (1, 65, "1-64"), (65, 257, "65-256"), (257, None, "257+"))
+ROW_BINS = ((1, 4, "1-3"), (4, 16, "4-15"), (16, 33, "16-32"), (33, None, "33+"))  # decode steps' rows
 
 
-def scaled_by_prompt(model, steps, feats, times, use, speed, windows, t0, window_s) -> list[dict] | None:
+def scaled_by_shape(model, steps, feats, times, use, speed, windows, t0,
+                    window_s) -> tuple[list[dict] | None, list[dict] | None]:
     """The measured steps against the model the simulation prices them with
     (the profile's, rescaled by the run's speed or by each window's), by
-    the prompt tokens of the step (`PROMPT_BINS`): [{"prompt", "n",
-    "ratio"}], ratio = measured over priced time, summed, over the steps the
-    speed was fitted to (`use`, their times less the wake-up). A form whose
-    shape misprices one size of prompt step against another shows here,
-    where the two factors, fitted to all prompt steps together, cannot: over
-    30 Azure replays on the 2-core Zen 5 EPYC, 1.28-1.53 for steps of 257+
-    prompt tokens and 0.48-0.63 for 1-64 while the chunks' own prices scaled
-    with the decode steps' factor (1.10-1.23 and 0.66-0.80 since). None for
-    a model that is not rescaled."""
+    the prompt tokens of the step (`PROMPT_BINS`), and the decode steps (no
+    prompt tokens) by their rows (`ROW_BINS`): ([{"prompt", "n", "ratio"}],
+    [{"rows", "n", "ratio"}]), ratio = measured over priced time, summed,
+    over the steps the speed was fitted to (`use`, their times less the
+    wake-up). A form whose shape misprices one size of step against another
+    shows here, where the two factors, fitted to all decode steps and all
+    prompt steps together, cannot: over 30 Azure replays on the 2-core Zen 5
+    EPYC, 1.28-1.53 for steps of 257+ prompt tokens and 0.48-0.63 for 1-64
+    while the chunks' own prices scaled with the decode steps' factor
+    (1.10-1.23 and 0.66-0.80 since); at one speed for the whole run, over the
+    four Azure replays at 28-32 req/s on a 2-core Zen 3, 0.75-0.92 for
+    decode steps of 33+ rows, whose many 1-row steps set that speed (each
+    second at its own speed: 0.87-1.02). (None, None) for a model that is
+    not rescaled."""
     if not hasattr(model, "rescaled"):
-        return None
+        return None, None
     run = model.rescaled(speed["step"], speed["token"])
     by_window = {}
     priced = np.empty(len(steps))
@@ -363,12 +371,17 @@ def scaled_by_prompt(model, steps, feats, times, use, speed, windows, t0, window
                 m = by_window[w] = model.rescaled(windows[w][1], windows[w][2])
         priced[i] = m.predict_features(f)
     prompt = np.array([ln["new"] - ln["decode_rows"] for ln in steps])
-    out = []
-    for lo, hi, label in PROMPT_BINS:
-        sel = use & (prompt >= lo) & (prompt < (hi if hi is not None else np.inf))
-        if sel.any():
-            out.append({"prompt": label, "n": int(sel.sum()), "ratio": float(times[sel].sum() / priced[sel].sum())})
-    return out
+    rows = np.array([ln["rows"] for ln in steps])
+
+    def bins(key, values, edges, among):
+        out = []
+        for lo, hi, label in edges:
+            sel = among & (values >= lo) & (values < (hi if hi is not None else np.inf))
+            if sel.any():
+                out.append({key: label, "n": int(sel.sum()), "ratio": float(times[sel].sum() / priced[sel].sum())})
+        return out
+
+    return bins("prompt", prompt, PROMPT_BINS, use), bins("rows", rows, ROW_BINS, use & (prompt == 0))
 
 
 def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: ServingCosts | None) -> dict:
@@ -565,7 +578,10 @@ def format_rate(r: dict) -> str:
                      + ("" if v["speed"].get("loop") is None else f" (x{v['speed']['loop']:.2f} the profile's)")
                      + ("" if not v.get("by_prompt") else
                         "; measured/priced steps by prompt tokens: "
-                        + ", ".join(f"{b['prompt']} {b['ratio']:.2f} ({b['n']})" for b in v["by_prompt"])))
+                        + ", ".join(f"{b['prompt']} {b['ratio']:.2f} ({b['n']})" for b in v["by_prompt"]))
+                     + ("" if not v.get("by_rows") else
+                        "; decode steps by rows: "
+                        + ", ".join(f"{b['rows']} {b['ratio']:.2f} ({b['n']})" for b in v["by_rows"])))
     return "\n".join(lines)
 
 

@@ -84,6 +84,12 @@ def wall_offset() -> float:
     return time.time() - time.perf_counter()
 
 
+def output_batches(lines: list[dict]) -> int:
+    """The iterations among `lines` that handed outputs to the front end
+    (`outs` > 0): each a message it reads and spreads over its streams."""
+    return sum(1 for ln in lines if ln.get("outs"))
+
+
 def read_step_log(path: str, settle_s: float = 0.0) -> list[dict]:
     """The lines of a step log (a partial last line, from a live writer, is
     skipped), after `settle_s` seconds (`SETTLE_S`: of an engine that has just

@@ -311,9 +311,9 @@ async def host_work(replayer, passes: int = 2, seed: int = 0, max_len: int | Non
                 await replayer._one(spec, rec, time.perf_counter())
 
         fe0, c0 = front_end_cpu_s(url), time.process_time()
-        start = time.perf_counter() + wall_offset()
+        start = time.time()  # wall clock, as the step log's lines
         await asyncio.gather(*(one(s, r) for s, r in zip(specs, recs)))
-        end = time.perf_counter() + wall_offset()
+        end = time.time()
         c1, fe1 = time.process_time(), front_end_cpu_s(url)
         failed = [r.error for r in recs if r.error]
         if failed:
@@ -327,12 +327,16 @@ async def host_work(replayer, passes: int = 2, seed: int = 0, max_len: int | Non
 
 
 def count_batches(rows: list[dict], lines: list[dict]) -> None:
-    """Sets each `host_work` pass's `batches`: the engine iterations of the
-    server's step log in its window that handed outputs to the front end
-    (`outs` > 0), each a message the front end reads and spreads over its
-    streams."""
+    """Sets each `host_work` pass's `batches`: the output batches
+    (`step_log.output_batches`) of the server's step log in its window (the
+    log's lines come in time order)."""
+    from bisect import bisect_left, bisect_right
+
+    from stepserve.engine.step_log import output_batches
+
+    ts = [ln["t"] for ln in lines]
     for r in rows:
-        r["batches"] = sum(1 for ln in lines if ln.get("outs") and r["start"] <= ln["t"] <= r["end"])
+        r["batches"] = output_batches(lines[bisect_left(ts, r["start"]):bisect_right(ts, r["end"])])
 
 
 def fit_host_work(rows: list[dict]) -> dict:

@@ -593,9 +593,13 @@ class Simulator:
 
         queued = cfg.host_prompt_token_s or cfg.host_token_s or cfg.host_batch_s or cfg.host_request_s
 
-        def entry_time(spec) -> float:  # when `spec` reaches the engine: entry_s after the host's queue ahead of it
+        def entry(spec) -> tuple[float, float, float]:
+            """(send, reaching the engine: entry_s after the host's queue ahead of it, its own host work)"""
             at = send_time(spec)
-            return at + oh + self._intake(at, spec.prompt_len)[0] if queued and at < math.inf else at + oh
+            if not queued or at == math.inf:
+                return at, at + oh, 0.0
+            wait, work = self._intake(at, spec.prompt_len)
+            return at, at + oh + wait, work
 
         speculative = self.speculative
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -603,14 +607,13 @@ class Simulator:
             t = clock.t
             # requests a busy loop reads off the pipe before its next step (an idle one waits for them)
             busy_loop = not self.runner.idle_s and core.has_work()
-            while i < n and send_time(specs[i]) + oh <= t and entry_time(specs[i]) <= t:
+            while i < n and send_time(specs[i]) + oh <= t:
                 spec = specs[i]
-                at = send_time(spec)
-                entered = at + oh
+                at, entered, work = entry(spec)
+                if entered > t:
+                    break
                 if queued:
-                    wait, work = self._intake(at, spec.prompt_len)
-                    entered += wait
-                    self._intake_free = at + wait + work
+                    self._intake_free = entered - oh + work
                     if work:  # the tokens queued after it wait for it too
                         self._host_free = (self._host_free if self._host_free > at else at) + work
                     self._prune_host(at)
@@ -643,7 +646,7 @@ class Simulator:
             if not core.has_work():
                 if i == n:  # the last requests were refused: nothing is left to run
                     break
-                t_next = entry_time(specs[i])
+                t_next = entry(specs[i])[1]
                 self.runner.idle_s += t_next - clock.t
                 clock.t = t_next
                 continue
@@ -651,7 +654,7 @@ class Simulator:
             plan = core.step()
             if plan is None:
                 if i < n and send_time(specs[i]) < math.inf:  # nothing fits until more work arrives (be safe)
-                    clock.t = max(clock.t, entry_time(specs[i]))
+                    clock.t = max(clock.t, entry(specs[i])[1])
                     continue
                 raise RuntimeError("simulator: the scheduler made no progress with work queued")
             if core.step_id == done:  # overlap schedule: a step was launched, none finished

@@ -32,6 +32,7 @@ import os
 
 import numpy as np
 
+from stepserve.engine.step_log import output_batches
 from stepserve.scheduler.latency_model import ServingCosts
 from stepserve.traces.calibrate import BUSY_S, cold_index, features, iteration_time, loop_gaps, step_lines
 from stepserve.traces.options import (add_trace_args, positive_float, positive_int, rates_from_args,
@@ -327,7 +328,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "delivery_s": first_token_delivery(window, recs, t0, costs),
         "end_delivery_s": last_token_delivery(window, recs, t0, costs),
-        "host_cpu": host_cpu(real, costs, sum(1 for ln in window if ln.get("outs"))),
+        "host_cpu": host_cpu(real, costs, output_batches(window)),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
         "speed_windows": windows,
         "by_prompt": by_prompt,

@@ -454,3 +454,60 @@ def test_decode_time_per_token_holds_where_the_server_merged_events():
     # too little of the window left between events: no point
     assert window_time_per_token([(0.1, 3), (0.2, 16)], 5, 15) is None
     assert window_time_per_token([], 5, 15) is None
+
+
+def test_the_replay_client_reuses_its_connections():
+    """A stream's body ends after `data: [DONE]` with the chunked encoding's
+    last chunk. The client reads to it, so aiohttp pools the connection and
+    the next request reuses it: requests one after another go over one
+    connection. Left unread, each request closed its connection and the next
+    paid a new one (234 for 400 requests at 128 req/s), which the server's
+    and the client's CPU time both carried. The server here is a minimal
+    OpenAI-style SSE endpoint that sends the last chunk a little after
+    [DONE], as a loaded front end may, and records each request's client
+    port."""
+    import asyncio
+
+    from aiohttp import web
+
+    from stepserve.traces.replay import Replayer, ReplayConfig, ServerInfo
+    from stepserve.traces.request_spec import RequestSpec, Segment
+
+    ports: list[int] = []
+
+    async def completions(request):
+        ports.append(request.transport.get_extra_info("peername")[1])
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k in range(body["max_tokens"]):
+            chunk = {"id": "cmpl-x", "choices": [{"index": 0, "text": "a", "token_ids": [5]}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        await resp.write(f"data: {json.dumps({'id': 'cmpl-x', 'choices': [], 'usage': usage})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.02)  # the body's end comes in a later packet
+        await resp.write_eof()
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            r = Replayer(ReplayConfig(url=f"http://127.0.0.1:{port}", model="m", warmup=0, progress=False),
+                         ServerInfo("m", 64, 100))
+            # each arrives after the one before has ended
+            specs = [RequestSpec(f"r{k}", 0.15 * k, 3, (Segment(f"p{k}", 8),)) for k in range(6)]
+            return await r.run(specs)
+        finally:
+            await runner.cleanup()
+
+    records, _ = asyncio.run(main())
+    assert [r.error for r in records] == [None] * 6
+    assert [r.output_tokens for r in records] == [3] * 6
+    assert all(r.first_token_s <= r.end_s for r in records)
+    assert len(ports) == 6 and len(set(ports)) == 1, ports

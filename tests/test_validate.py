@@ -11,7 +11,8 @@ import pytest
 from stepserve import AsyncEngine, SamplingParams
 from stepserve.engine.step_log import FIELDS, read_step_log
 from stepserve.scheduler.latency_model import LinearLatencyModel, ServingCosts
-from stepserve.traces.validate import compare_rate, format_rate, format_summary, judge, knee, step_log_view
+from stepserve.traces.validate import (compare_rate, format_rate, format_summary, judge, knee, sim_ttft_parts,
+                                       step_log_view, ttft_parts)
 
 
 @pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
@@ -390,6 +391,63 @@ def test_repeats_are_medians_with_the_real_spread():
     assert c["real"] == pytest.approx(0.025) and c["error"] == pytest.approx(0.0)
     assert c["real_spread"] == pytest.approx(0.01 / 0.025)
     assert r["goodput_error"] == pytest.approx(0.0) and r["attainment_error"] == pytest.approx(0.05)
+
+
+def test_ttft_in_three_parts_from_the_step_log_and_from_the_simulator(tmp_path):
+    """A TTFT is its way in (send to the iteration that took the request in),
+    its time in the engine (to the end of the iteration that handed its first
+    token over) and its way out (to the client). The real side reads them
+    off the step log, taking the requests in the order they were sent; the
+    simulation off its records' stamps. Under a constant 1 ms step, 2 ms of
+    entry and 1 ms of delivery: a request into an idle engine at 0 is taken
+    in at 2 ms, its first step ends at 3, its client has the token at 4; one
+    sent at 2.5 ms reaches the engine at 4.5, inside the step of 4-5, so the
+    loop takes it in at 5 (way in 2.5 ms), and so on."""
+    from stepserve.traces.metrics import SLO
+    from stepserve.traces.report import build_report
+    from stepserve.traces.request_spec import RequestSpec, Segment
+    from stepserve.traces.simulator import SimConfig, Simulator
+
+    # real: r0 sent at 0, r1 at 0.0025 and r2 at 0.0026 (taken in together); ids join the first tokens
+    a = _line(100.002, wait=1.0, adds=1, step=0.001)
+    a.update(first=["s0"], outs=1)
+    b = _line(100.003, step=0.001)
+    c = _line(100.005, adds=2, step=0.001, rows=3, new=20)
+    c.update(first=["s1", "s2"], outs=3)
+    recs = [{"start_s": 0.0026, "first_token_s": 0.0075, "server_id": "s2"},  # out of order: sorted by send
+            {"start_s": 0.0, "first_token_s": 0.004, "server_id": "s0"},
+            {"start_s": 0.0025, "first_token_s": 0.007, "server_id": "s1"},
+            {"start_s": 0.0027, "first_token_s": None, "error": "HTTP 400"}]  # failed: not in the engine's count
+    p = ttft_parts([a, b, c], recs, 100.0)
+    assert p["n"] == 3
+    assert p["way_in"]["p50"] == pytest.approx(0.0024)  # 2, 2.5, 2.4 ms
+    assert p["engine"]["p50"] == pytest.approx(0.001)
+    assert p["way_out"]["p50"] == pytest.approx(0.001)  # 1, 1, 1.5 ms
+    assert p["way_out"]["p90"] == pytest.approx(0.0014)
+    assert ttft_parts([a, b, c], [], 100.0)["n"] == 0
+
+    model = LinearLatencyModel("linear", [1e-3, 0.0, 0.0, 0.0])
+    sim = Simulator(model, SimConfig(kv_slots=1000, max_context=256, vocab_size=100, entry_s=0.002, delivery_s=0.001))
+    specs = [RequestSpec("r0", 0.0, 4, (Segment("p0", 10),)), RequestSpec("r1", 0.0025, 2, (Segment("p1", 10),))]
+    res = sim.run(specs)
+    r0, r1 = res.records
+    assert (r0.engine_in_s, r0.first_out_s, r0.first_token_s) == pytest.approx((0.002, 0.003, 0.004))
+    assert (r1.engine_in_s, r1.first_out_s, r1.first_token_s) == pytest.approx((0.005, 0.006, 0.007))
+    report = build_report(mode="simulate", records=res.records, duration_s=res.duration_s, slo=SLO(), trace={},
+                          scaling={}, config={})
+    assert report["requests"][1]["engine_in_s"] == pytest.approx(0.005)
+    s = sim_ttft_parts(report)
+    assert s["n"] == 2
+    assert s["way_in"]["p90"] == pytest.approx(0.002 + 0.9 * 0.0005)
+    assert s["engine"]["p50"] == pytest.approx(0.001) and s["way_out"]["p50"] == pytest.approx(0.001)
+    # a rate's figures: each side's median over its runs, printed side by side
+    sims = [_report(2, 1.0, 1.0, 0.004, 0.001) | {"requests": report["requests"]}]
+    r = compare_rate([_report(2, 1.0, 1.0, 0.004, 0.001)], sims)
+    assert r["ttft_parts"]["sim"]["way_in"]["p50"] == pytest.approx(0.00225)
+    r["ttft_parts"]["real"] = {k: {"p50": 0.002, "p90": 0.003} for k in ("way_in", "engine", "way_out")}
+    text = format_rate(r)
+    assert "TTFT's parts, p50 / p90 ms, real against sim: way in 2.0/3.0 against 2." in text
+    assert "; engine 2.0/3.0 against 1.0/1.0; way out 2.0/3.0 against 1.0/1.0" in text
 
 
 def test_each_run_is_also_judged_against_its_own_simulations():

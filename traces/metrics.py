@@ -69,6 +69,11 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
     server_id: str | None = None  # the server's id of the request (a streamed chunk's `id`), where known
+    # (simulator) when the engine loop took the request in, and when the step that made its first token ended:
+    # with start_s and first_token_s, a TTFT's way in, its time in the engine and its way out (`validate`
+    # reads the same of a real run from the server's step log)
+    engine_in_s: float | None = None
+    first_out_s: float | None = None
 
     @property
     def branching(self) -> bool:
@@ -115,6 +120,10 @@ class RequestRecord:
         }
         if self.server_id is not None:
             d["server_id"] = self.server_id
+        if self.engine_in_s is not None:
+            d["engine_in_s"] = self.engine_in_s
+        if self.first_out_s is not None:
+            d["first_out_s"] = self.first_out_s
         if with_itl:
             d["itl_s"] = list(self.itl_s)
         return d

@@ -494,6 +494,7 @@ class Simulator:
             if p is None:
                 rec = s.group.rec
                 if rec.first_token_s is None:
+                    rec.first_out_s = end
                     ts = t + first + held
                     if scatter:  # its own delivery's draw (`ServingCosts.delivery_scatter`)
                         u = self._delivery_rng.random() * (len(scatter) - 1)
@@ -623,7 +624,7 @@ class Simulator:
                 i += 1
                 own = shifted_rates(cfg.acceptance, spread_rng.gauss(0.0, spread)) if spread > 0 else None
                 rec = RequestRecord(spec.request_id, spec.arrival_s, spec.prompt_len, n=spec.n, start_s=at,
-                                    stages=1 + len(spec.stages))
+                                    stages=1 + len(spec.stages), engine_in_s=t)
                 records.append(rec)
                 ids = builder.prompt(spec)
                 stages = [Stage([([] if seg is None else builder.segment(seg), out) for seg, out in st])

@@ -144,7 +144,16 @@ def compare_rate(reals: list[dict], sims: list[dict], runs: list[list[dict]] | N
     out["attainment_error"] = out["sim"]["slo_attainment"] - out["real"]["slo_attainment"]
     if runs is not None:
         out["paired"] = [paired_errors(r, s) for r, s in zip(reals, runs)]
+    sim_parts = [sim_ttft_parts(r) for r in sims]
+    if any(p["n"] for p in sim_parts):
+        out["ttft_parts"] = {"sim": _median_parts(sim_parts)}
     return out
+
+
+def _median_parts(parts: list[dict]) -> dict:
+    """The median over runs of each part's p50 and p90 (`ttft_parts`)."""
+    parts = [p for p in parts if p["n"]]
+    return {k: {q: _median([p[k][q] for p in parts]) for q in ("p50", "p90")} for k in TTFT_PARTS}
 
 
 def knee(rates: list[float], attainment: list[float], level: float = GOALS["knee_level"]) -> int | None:
@@ -327,6 +336,7 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
         "busy_step_ratio_p50": q(ratio[~after_idle], 50),
         "entry_s": {"n": len(entry), "p50": q(np.array(entry), 50), "p90": q(np.array(entry), 90)},
         "delivery_s": first_token_delivery(window, recs, t0, costs),
+        "ttft_parts": ttft_parts(window, recs, t0),
         "end_delivery_s": last_token_delivery(window, recs, t0, costs),
         "host_cpu": host_cpu(real, costs, output_batches(window)),
         "loop_s": float(gaps.mean()) if len(gaps) else None,
@@ -406,6 +416,55 @@ def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs:
         if costs is not None:
             over.append(d - costs.delivery(hit[1]))
     return _delays(got, over)
+
+
+TTFT_PARTS = ("way_in", "engine", "way_out")  # send -> taken in by the engine loop -> its first token's step ends -> client
+
+
+def _parts(rows: list[tuple[float, float, float]]) -> dict:
+    """{n, and per part of `TTFT_PARTS` {p50, p90}} of (way in, in the engine, way out) per request."""
+    a = np.array(rows, dtype=float).reshape(-1, 3)
+    out = {"n": len(a)}
+    for j, k in enumerate(TTFT_PARTS):
+        out[k] = {"p50": float(np.percentile(a[:, j], 50)), "p90": float(np.percentile(a[:, j], 90))} if len(a) \
+            else {"p50": None, "p90": None}
+    return out
+
+
+def ttft_parts(window: list[dict], recs: list[dict], t0: float) -> dict:
+    """A real run's TTFTs in three parts, from the server's step log: the way
+    in (from the client's send to the iteration that took the request in:
+    the front end, the pipe, and the step the engine was running), the time
+    in the engine (to the end of the iteration that handed its first token
+    over, the step log's `first` ids) and the way out (to the client holding
+    it). The step log counts the requests each iteration took in (`adds`),
+    not which: they are taken to come in the order they were sent, which a
+    front end keeps but for requests sent within its handling of one.
+    Requests the log does not name are left out."""
+    order = sorted((r for r in recs if r.get("start_s") is not None and r.get("error") is None),
+                   key=lambda r: r["start_s"])
+    taken, first, k = {}, {}, 0
+    for ln in window:
+        for _ in range(ln["adds"]):
+            if k < len(order):
+                taken[k] = ln["t"] - t0
+                k += 1
+        for rid in ln.get("first", ()):
+            first[rid] = ln["t"] - t0 + iteration_time(ln)
+    rows = []
+    for j, r in enumerate(order):
+        out = first.get(r.get("server_id"))
+        if j in taken and out is not None and r.get("first_token_s") is not None:
+            rows.append((taken[j] - r["start_s"], out - taken[j], r["first_token_s"] - out))
+    return _parts(rows)
+
+
+def sim_ttft_parts(report: dict) -> dict:
+    """`ttft_parts` of a simulation, from its records' own stamps
+    (`RequestRecord.engine_in_s`, `first_out_s`)."""
+    return _parts([(r["engine_in_s"] - r["start_s"], r["first_out_s"] - r["engine_in_s"],
+                    r["first_token_s"] - r["first_out_s"]) for r in report.get("requests") or ()
+                   if r.get("first_out_s") is not None and r.get("first_token_s") is not None])
 
 
 def _delays(got: list[float], over: list[float]) -> dict:
@@ -550,6 +609,11 @@ def format_rate(r: dict) -> str:
         lines.append("  each run against its own simulations: "
                      + "; ".join(f"{k.replace('_', ' ')} " + "/".join(_err(k, p[k]) for p in r["paired"])
                                  for k in ("attainment",) + PAIRED))
+    parts = r.get("ttft_parts") or {}
+    if parts.get("real") and parts.get("sim"):
+        lines.append("  TTFT's parts, p50 / p90 ms, real against sim: " + "; ".join(
+            f"{k.replace('_', ' ')} {_ms(parts['real'][k]['p50'])}/{_ms(parts['real'][k]['p90'])} against "
+            f"{_ms(parts['sim'][k]['p50'])}/{_ms(parts['sim'][k]['p90'])}" for k in TTFT_PARTS))
     sim = r["sim"]
     if sim.get("steps") is not None:
         lines.append(f"  simulator: {sim['steps']:.0f} steps, busy {sim['busy_s']:.2f} s, "
@@ -814,6 +878,9 @@ def run_validate(args) -> int:
         r = compare_rate(reals[i], sims[i], per_run[i])
         if views[i]:
             r["engine"] = views[i]
+            real_parts = [v["ttft_parts"] for v in views[i]]
+            if r.get("ttft_parts") and any(p["n"] for p in real_parts):
+                r["ttft_parts"]["real"] = _median_parts(real_parts)
         per_rate.append(r)
     summary = judge(per_rate)
     result = {

@@ -904,6 +904,35 @@ def test_engine_view_sets_the_runs_host_cpu_against_the_profiles():
     assert host_cpu(real, ServingCosts()) is None and host_cpu(real, None) is None
 
 
+def test_a_run_is_simulated_at_its_own_speed_its_hosts_too():
+    """`--speed-from-step-log`: a run's simulation takes the step model's
+    factors of its step log (window by window, or the run's), and the host's
+    costs scaled by the run's host CPU over what they predict for it; a run
+    with no host figure keeps the profile's."""
+    from stepserve.scheduler.latency_model import Profile
+    from stepserve.traces.simulator import SimConfig
+    from stepserve.traces.validate import at_run_speed
+
+    model = LinearLatencyModel("linear", [1e-3, 1e-4, 0.0, 2e-5])
+    prof = Profile(name="p", source="measured", model=model, data={})
+    cfg = SimConfig(kv_slots=100, loop_s=1e-4, intake_s=2e-5, host_request_s=1e-3, host_token_s=1e-4,
+                    host_prompt_token_s=1e-6, host_batch_s=2e-4, cold=[[1e-5, 0.0]])
+    windows = [[0.0, 1.2, 0.9, 1.1, None], [1.0, 1.3, 1.0, 1.0, None]]
+    view = {"speed": {"step": 1.25, "token": 0.8, "loop": 2.0, "cold": 3.0}, "speed_windows": windows,
+            "host_cpu": {"cpu_s": 3.0, "predicted_s": 2.0, "factor": 1.5}}
+    p, c = at_run_speed(prof, cfg, view, windows=True, within={"noise_quantiles": [0.9, 1.1]})
+    assert p is prof and c.speed_schedule == windows and c.noise_quantiles == [0.9, 1.1]
+    assert (c.host_request_s, c.host_token_s, c.host_prompt_token_s, c.host_batch_s) == pytest.approx(
+        (1.5e-3, 1.5e-4, 1.5e-6, 3e-4))
+    assert c.loop_s == cfg.loop_s and c.entry_s == cfg.entry_s  # the windows carry the loop's factor
+    p, c = at_run_speed(prof, cfg, view, windows=False)
+    assert p.model.coef == pytest.approx([1.25e-3, 1.25e-4, 0.0, 1.6e-5])
+    assert (c.loop_s, c.intake_s, c.cold) == (pytest.approx(2e-4), pytest.approx(4e-5), [[pytest.approx(3e-5), 0.0]])
+    assert c.host_batch_s == pytest.approx(3e-4)
+    _, c = at_run_speed(prof, cfg, {**view, "host_cpu": None}, windows=True)
+    assert c.host_request_s == cfg.host_request_s and c.host_batch_s == cfg.host_batch_s
+
+
 def test_host_work_fit_recovers_each_cost_of_its_passes():
     """`profile --url`'s host passes (`HOST_KINDS`: requests alike but for
     the tokens streamed, the requests at once and the prompt) separate the

@@ -68,7 +68,8 @@ def add_validate_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speed-from-step-log", action="store_true",
                    help="simulate each run with the profile's step model scaled to that run's steps in the step "
                         "log (one factor for the per-step, per-row and per-context-token part, one for the per-token "
-                        "part), and the busy loop's time between steps scaled to the run's gaps between them: "
+                        "part), the busy loop's time between steps scaled to the run's gaps between them, and "
+                        "the host's costs (front end and client) to the run's host CPU: "
                         "the machine's speed at the time of the run, not of the profile. "
                         "What is left is the simulator's own error (a diagnostic: on a shared machine the speed "
                         "drifted by up to 1.6x between the profile and a replay)")
@@ -525,6 +526,7 @@ def last_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: 
     return _delays(got, over)
 
 
+HOST_COSTS = ("host_request_s", "host_token_s", "host_prompt_token_s", "host_batch_s")  # `host_cpu` scales them
 MIN_CLASS_STEPS = 5  # steps of each class (decode, prompt) that `run_speed` needs to split the factors
 
 
@@ -766,6 +768,33 @@ class ReplayStore:
         return None
 
 
+def at_run_speed(prof, cfg, view: dict, windows: bool, within: dict | None = None):
+    """(profile, SimConfig) to simulate a real run at its own speed
+    (`--speed-from-step-log`), from its step log's `view`: the step model
+    rescaled window by window (`windows`: `speed_windows`, with the scatter
+    within them, `within`) or for the whole run (its step and token
+    factors, and the loop's and the cold steps' factors), and the host's
+    costs scaled by the run's host CPU over what they predict for it
+    (`host_cpu`: the host's speed moves as the engine's does; two profiles
+    of a 2-core EPYC 15 minutes apart read the same passes 25-40% apart)."""
+    p, c = prof, cfg
+    if windows:  # the profile's model, rescaled window by window as the run went
+        c = dataclasses.replace(cfg, speed_schedule=view["speed_windows"], **(within or {}))
+    else:
+        speed = view["speed"]
+        p = dataclasses.replace(prof, model=prof.model.rescaled(speed["step"], speed["token"]))
+        if speed.get("loop") is not None:
+            x = speed["loop"]
+            c = dataclasses.replace(cfg, loop_s=cfg.loop_s * x, loop_row_s=cfg.loop_row_s * x, intake_s=cfg.intake_s * x)
+        if speed.get("cold") is not None:
+            x = speed["cold"]
+            c = dataclasses.replace(c, cold=[[a * x, b * x] for a, b in cfg.cold])
+    x = (view.get("host_cpu") or {}).get("factor")
+    if x:
+        c = dataclasses.replace(c, **{k: getattr(c, k) * x for k in HOST_COSTS})
+    return p, c
+
+
 def run_validate(args) -> int:
     from stepserve.engine.step_log import SETTLE_S, read_step_log
     from stepserve.scheduler.latency_model import load_profile
@@ -855,17 +884,7 @@ def run_validate(args) -> int:
             v = view_of.get((rep, i))
             if v is None:
                 raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
-            if args.speed_window:  # the profile's model, rescaled window by window as the run went
-                c = dataclasses.replace(cfg, speed_schedule=v["speed_windows"], **within)
-            else:
-                p = dataclasses.replace(prof, model=prof.model.rescaled(v["speed"]["step"], v["speed"]["token"]))
-                if v["speed"].get("loop") is not None:
-                    x = v["speed"]["loop"]
-                    c = dataclasses.replace(cfg, loop_s=cfg.loop_s * x, loop_row_s=cfg.loop_row_s * x,
-                                            intake_s=cfg.intake_s * x)
-                if v["speed"].get("cold") is not None:
-                    x = v["speed"]["cold"]
-                    c = dataclasses.replace(c, cold=[[a * x, b * x] for a, b in cfg.cold])
+            p, c = at_run_speed(prof, cfg, v, args.speed_window, within)
         own = [simulate_one(args, p, dataclasses.replace(c, noise_seed=args.seed + rep * args.sim_seeds + j),
                             trace, slo, specs, sinfo) for j in range(args.sim_seeds)]
         sims[i] += own

@@ -119,11 +119,14 @@ def paired_errors(real: dict, sims: list[dict]) -> dict:
     return out
 
 
-def compare_rate(reals: list[dict], sims: list[dict], runs: list[list[dict]] | None = None) -> dict:
+def compare_rate(reals: list[dict], sims: list[dict], runs: list[list[dict]] | None = None,
+                 views: list[dict] | None = None) -> dict:
     """Real and simulated figures of one rate (medians over the repeats of
     each), with the errors the goals judge, and the real runs' own spread.
     `runs`: the simulations of each real run (aligned with `reals`), for the
-    errors of each run against its own (`paired_errors`)."""
+    errors of each run against its own (`paired_errors`). `views`: the real
+    runs' step-log views (`step_log_view`), kept as `engine`, whose TTFT
+    parts join the simulations' in `ttft_parts`."""
     out = {"rate": reals[0]["scaling"].get("rate_rps"), "repeats": len(reals), "simulations": len(sims), "latency": {},
            "real": {}, "sim": {}}
     for m in LATENCIES:
@@ -148,6 +151,11 @@ def compare_rate(reals: list[dict], sims: list[dict], runs: list[list[dict]] | N
     sim_parts = [sim_ttft_parts(r) for r in sims]
     if any(p["n"] for p in sim_parts):
         out["ttft_parts"] = {"sim": _median_parts(sim_parts)}
+    if views:
+        out["engine"] = views
+        real_parts = [v["ttft_parts"] for v in views]
+        if "ttft_parts" in out and any(p["n"] for p in real_parts):
+            out["ttft_parts"]["real"] = _median_parts(real_parts)
     return out
 
 
@@ -311,14 +319,11 @@ def step_log_view(lines: list[dict], real: dict, model, window_s: float | None =
     # entry: a request that reached an idle engine was picked up as soon as it
     # arrived, so (pickup - client send) is its way in, with no step to wait for
     starts = sorted(t0 + r["start_s"] for r in recs if r.get("start_s") is not None)
-    entry, k, busy_until = [], 0, None
-    for ln in window:
-        for _ in range(ln["adds"]):
-            if k < len(starts):
-                if busy_until is None or busy_until < starts[k]:
-                    entry.append(ln["t"] - starts[k])
-                k += 1
-        busy_until = ln["t"] + iteration_time(ln)
+    entry = []
+    for start, i in zip(starts, intakes(window, len(starts))):
+        before = window[i - 1] if i else None  # busy until the iteration before ended
+        if before is None or before["t"] + iteration_time(before) < start:
+            entry.append(window[i]["t"] - start)
 
     def q(a, p):
         return float(np.percentile(a, p)) if len(a) else None
@@ -396,6 +401,24 @@ def scaled_by_shape(model, steps, feats, times, use, speed, windows, t0,
     return bins("prompt", prompt, PROMPT_BINS, use), bins("rows", rows, ROW_BINS, use & (prompt == 0))
 
 
+def intakes(window: list[dict], n: int) -> list[int]:
+    """For the first `n` requests of a run in the order they were sent, the
+    index in `window` of the iteration that took each in. The step log counts
+    the requests an iteration took in (`adds`), not which: they are taken to
+    come in the order they were sent, which a front end keeps but for
+    requests sent within its handling of one."""
+    out = []
+    for i, ln in enumerate(window):
+        out += [i] * min(ln["adds"], n - len(out))
+    return out
+
+
+def handed_over(window: list[dict]) -> dict[str, dict]:
+    """The step log's `first` ids: request id -> the iteration that handed
+    its first output over."""
+    return {rid: ln for ln in window for rid in ln.get("first", ())}
+
+
 def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs: ServingCosts | None) -> dict:
     """How long each request's first token took from the end of the iteration
     that handed it over (the step log's `first` ids) to the client (its
@@ -403,19 +426,16 @@ def first_token_delivery(window: list[dict], recs: list[dict], t0: float, costs:
     (`server_id`): {n, p50, p90}, and `over_p50`, the median of each over
     what the profile's `delivery_s` + `stream_s` per output of that
     iteration predicts. n 0 where the log or the records carry no ids."""
-    ends = {}
-    for ln in window:
-        for rid in ln.get("first", ()):
-            ends[rid] = (ln["t"] + iteration_time(ln), ln.get("outs", 1))
+    first = handed_over(window)
     got, over = [], []
     for r in recs:
-        hit = ends.get(r.get("server_id"))
-        if hit is None or r.get("first_token_s") is None:
+        ln = first.get(r.get("server_id"))
+        if ln is None or r.get("first_token_s") is None:
             continue
-        d = t0 + r["first_token_s"] - hit[0]
+        d = t0 + r["first_token_s"] - (ln["t"] + iteration_time(ln))
         got.append(d)
         if costs is not None:
-            over.append(d - costs.delivery(hit[1]))
+            over.append(d - costs.delivery(ln.get("outs", 1)))
     return _delays(got, over)
 
 
@@ -438,25 +458,19 @@ def ttft_parts(window: list[dict], recs: list[dict], t0: float) -> dict:
     the front end, the pipe, and the step the engine was running), the time
     in the engine (to the end of the iteration that handed its first token
     over, the step log's `first` ids) and the way out (to the client holding
-    it). The step log counts the requests each iteration took in (`adds`),
-    not which: they are taken to come in the order they were sent, which a
-    front end keeps but for requests sent within its handling of one.
-    Requests the log does not name are left out."""
+    it). The requests are joined to the iterations that took them in as
+    `intakes` says, and to their first tokens by the server's id; those the
+    log does not name are left out, and so are failed ones, which a front
+    end may refuse before the engine sees them."""
     order = sorted((r for r in recs if r.get("start_s") is not None and r.get("error") is None),
                    key=lambda r: r["start_s"])
-    taken, first, k = {}, {}, 0
-    for ln in window:
-        for _ in range(ln["adds"]):
-            if k < len(order):
-                taken[k] = ln["t"] - t0
-                k += 1
-        for rid in ln.get("first", ()):
-            first[rid] = ln["t"] - t0 + iteration_time(ln)
+    first = handed_over(window)
     rows = []
-    for j, r in enumerate(order):
-        out = first.get(r.get("server_id"))
-        if j in taken and out is not None and r.get("first_token_s") is not None:
-            rows.append((taken[j] - r["start_s"], out - taken[j], r["first_token_s"] - out))
+    for r, i in zip(order, intakes(window, len(order))):
+        ln = first.get(r.get("server_id"))
+        if ln is not None and r.get("first_token_s") is not None:
+            taken, out = window[i]["t"] - t0, ln["t"] - t0 + iteration_time(ln)
+            rows.append((taken - r["start_s"], out - taken, r["first_token_s"] - out))
     return _parts(rows)
 
 
@@ -884,7 +898,7 @@ def run_validate(args) -> int:
             v = view_of.get((rep, i))
             if v is None:
                 raise SystemExit(f"stepserve validate: the step log holds no steps of run {rep} at rate {rates[i]:g}")
-            p, c = at_run_speed(prof, cfg, v, args.speed_window, within)
+            p, c = at_run_speed(prof, cfg, v, args.speed_window is not None, within)
         own = [simulate_one(args, p, dataclasses.replace(c, noise_seed=args.seed + rep * args.sim_seeds + j),
                             trace, slo, specs, sinfo) for j in range(args.sim_seeds)]
         sims[i] += own
@@ -894,13 +908,7 @@ def run_validate(args) -> int:
             views[i].append(view_of[rep, i])
     per_rate = []
     for i in range(len(rates)):
-        r = compare_rate(reals[i], sims[i], per_run[i])
-        if views[i]:
-            r["engine"] = views[i]
-            real_parts = [v["ttft_parts"] for v in views[i]]
-            if r.get("ttft_parts") and any(p["n"] for p in real_parts):
-                r["ttft_parts"]["real"] = _median_parts(real_parts)
-        per_rate.append(r)
+        per_rate.append(compare_rate(reals[i], sims[i], per_run[i], views[i]))
     summary = judge(per_rate)
     result = {
         "kind": VALIDATION_KIND, "command": command_line(), "versions": versions(), "trace": trace.info(),
